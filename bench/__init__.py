@@ -1,0 +1,1 @@
+"""infer-bench: llama-bench's benchmark for every engine."""

@@ -1,0 +1,1 @@
+"""The conformance suite: checks with stable IDs, golden reference data, report bundle."""

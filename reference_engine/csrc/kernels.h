@@ -1,0 +1,87 @@
+/* The contract between the forward passes and the quantized kernels.
+ *
+ * Every tensor type is one row of the type-trait table (kernels.c). A matmul quantizes the
+ * activations once into the weight type's `act_type` (Q8_0, Q8_1, Q8_K or F32), then takes
+ * dot products row by row; the SIMD variant of each dot is chosen once at start-up from the
+ * CPU's flags (cpu.c), so the forward passes never see an ISA.
+ */
+#ifndef SE_KERNELS_H
+#define SE_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ggml's type ids, so GGUF tensor types map one to one. */
+enum se_type {
+    SE_F32 = 0, SE_F16 = 1, SE_Q4_0 = 2, SE_Q4_1 = 3, SE_Q5_0 = 6, SE_Q5_1 = 7,
+    SE_Q8_0 = 8, SE_Q8_1 = 9, SE_Q4_K = 12, SE_Q5_K = 13, SE_Q6_K = 14, SE_Q8_K = 15,
+    SE_BF16 = 30, SE_TYPE_COUNT = 31
+};
+
+typedef void (*se_to_float_fn)(const void *src, float *dst, int64_t n);
+typedef void (*se_from_float_fn)(const float *src, void *dst, int64_t n);
+/* dot of one weight row (n elements, type T) with one activation row (n elements, T's act_type) */
+typedef float (*se_dot_fn)(int64_t n, const void *w, const void *a);
+
+typedef struct {
+    const char *name;          /* ggml name: "q4_1" */
+    int blck;                  /* elements per block */
+    int size;                  /* bytes per block */
+    int act_type;              /* what activations become before the dot */
+    se_to_float_fn to_float;   /* dequantize a row */
+    se_from_float_fn from_float; /* quantize a row (activation types, and float types) */
+    se_dot_fn dot;             /* filled by se_kernels_init with the best variant here */
+} se_type_traits;
+
+/* Picks SIMD variants. Honours INFER_REF_ISA=scalar|avx2|avx512 (forces a lower path). */
+void se_kernels_init(void);
+const char *se_isa_name(void);                 /* the path in use: "scalar", "avx2", "avx512" */
+const se_type_traits *se_traits(int type);     /* NULL for a type the engine does not know */
+size_t se_row_size(int type, int64_t n);       /* bytes of a row of n elements */
+
+/* Quantize n_tok rows of k floats (row stride k) into act (row stride se_row_size(act_type, k)). */
+void se_quantize_rows(int act_type, const float *x, int64_t k, int n_tok, void *act);
+
+/* y[t*ldy + r] = dot(W row r, activation row t) for r in [r0, r1), t in [0, n_tok).
+ * W has rows of k elements of wtype; act was made by se_quantize_rows(traits(wtype)->act_type). */
+void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
+               float *y, int64_t ldy, int64_t r0, int64_t r1);
+
+/* Test hook: use the named path ("scalar", "avx2", "avx512"; NULL or "" = the best one here).
+ * Returns 0, or -1 (path unchanged) when this CPU cannot run it. Not thread-safe: call it
+ * between matmuls, never while a pool is running. Tests use it to check every path in one
+ * process; INFER_REF_ISA does the same at start-up. */
+int se_set_isa(const char *isa);
+
+#ifdef SE_KERNELS_INTERNAL
+/* Shared by kernels*.c only: ggml's block layouts (little-endian, fp16 stored as raw bits). */
+#define SE_QK 32    /* elements per block of the legacy types */
+#define SE_QK_K 256 /* elements per super-block of the K-quants */
+
+typedef struct { uint16_t d; uint8_t qs[16]; } se_blk_q4_0;              /* 18 B */
+typedef struct { uint16_t d, m; uint8_t qs[16]; } se_blk_q4_1;           /* 20 B */
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } se_blk_q5_0; /* 22 B */
+typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; } se_blk_q5_1; /* 24 B */
+typedef struct { uint16_t d; int8_t qs[32]; } se_blk_q8_0;               /* 34 B */
+typedef struct { uint16_t d, s; int8_t qs[32]; } se_blk_q8_1;            /* 36 B, s = d*sum(qs) */
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } se_blk_q4_K; /* 144 B */
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } se_blk_q5_K;
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } se_blk_q6_K; /* 210 B */
+typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } se_blk_q8_K; /* 292 B */
+
+/* One weight row against nc (1..4) activation rows a, a + a_stride, ...: out[t] for t < nc.
+ * Reading each weight block once for several tokens is what makes batches fast. */
+typedef void (*se_dotx_fn)(int64_t n, const void *w, const void *a, size_t a_stride, int nc,
+                           float *out);
+typedef struct { se_dot_fn dot; se_dotx_fn dotx; } se_isa_kernels;
+
+/* Indexed by weight type; NULL entries fall back to the scalar code. */
+extern const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT];
+extern const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT];
+
+float se_fp16_to_fp32(uint16_t h);
+uint16_t se_fp32_to_fp16(float f);
+void se_get_scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *m);
+#endif
+
+#endif

@@ -1,0 +1,196 @@
+"""The adapter interface: what an engine implements to get the CLI, server, benchmarker and
+conformance suite for free.
+
+An engine is a subclass of `Engine` registered under the entry-point group `stdengine.engines`.
+It declares what it can do (`capabilities`) and which canonical options it honours
+(`honoured_options`, with `option_map` saying what each becomes in the engine); the core refuses
+an option the engine does not honour before the engine sees it. spec/adapter.md is the prose.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from stdengine.events import Emitter
+    from stdengine.options import Options
+
+# What an engine can declare. A check or feature that needs a capability the engine does not
+# declare is reported as not supported, never as a failure.
+CAPABILITIES: dict[str, str] = {
+    "stream": "generate() yields tokens as they are produced",
+    "logits": "decode(tokens) returns next-token logits",
+    "tokenize": "tokenize() and detokenize() with the model's own vocabulary",
+    "chat_template": "renders the model's chat template for a list of messages",
+    "seed": "a seed makes sampling reproducible",
+    "embeddings": "returns embeddings for a text",
+    "batch": "evaluates a prompt in batches of batch_size / ubatch_size tokens",
+    "gpu": "can offload layers to a GPU (n_gpu_layers)",
+}
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class SamplingParams:
+    """Sampling semantics are specified once (spec/adapter.md) and shared by every engine."""
+
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1  # -1: a random seed
+    n_predict: int = -1  # -1: until an end-of-generation token or the context is full
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GenerateRequest:
+    """Exactly one of `prompt` (raw completion) or `messages` (chat, rendered by the template)."""
+
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Timings:
+    """llama.cpp's timing vocabulary (llama-server's `timings` object)."""
+
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        def per(n: int, ms: float) -> tuple[float, float]:
+            return (ms / n if n else 0.0, 1e3 * n / ms if ms > 0 else 0.0)
+
+        p_tok, p_sec = per(self.prompt_n, self.prompt_ms)
+        g_tok, g_sec = per(self.predicted_n, self.predicted_ms)
+        return {
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": p_tok,
+            "prompt_per_second": p_sec,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": g_tok,
+            "predicted_per_second": g_sec,
+        }
+
+
+@dataclass
+class TokenEvent:
+    """One generated token and the text it completes (may be empty while UTF-8 or a possible
+    stop string is held back)."""
+
+    id: int
+    text: str
+
+
+@dataclass
+class DoneEvent:
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    stop: str | None = None  # the stop string that matched, if any
+
+
+GenerationEvent = TokenEvent | DoneEvent
+
+
+@dataclass
+class EngineInfo:
+    name: str
+    version: str
+    build: str = ""
+    backend: str = "CPU"
+    model: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Engine(ABC):
+    """Base class of every engine adapter. Subclasses set the class attributes and implement the
+    abstract methods; everything else has a default that may be overridden."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    # canonical option name -> what it becomes in this engine (written into spec/options.md)
+    option_map: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def version(cls) -> str:
+        return "0"
+
+    @classmethod
+    def honoured_options(cls) -> frozenset[str]:
+        return frozenset(cls.option_map)
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str | None]:
+        """Whether the engine can load here, and why not (e.g. an extra that is not installed)."""
+        return True, None
+
+    @classmethod
+    @abstractmethod
+    def load(cls, options: Options, events: Emitter) -> Engine:
+        """Load the model named by options.model (already resolved to a local path for file engines)."""
+
+    @abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abstractmethod
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
+
+    @abstractmethod
+    def detokenize(self, tokens: Sequence[int]) -> str: ...
+
+    @abstractmethod
+    def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Append tokens to the context (llama_decode's role) and return the logits of the last
+        token, shape (n_vocab,), or of every token, shape (len(tokens), n_vocab)."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Clear the context (KV cache)."""
+
+    @abstractmethod
+    def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+        """Yield TokenEvents, then exactly one DoneEvent."""
+
+    def n_ctx(self) -> int:
+        raise NotImplementedError
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        raise NotImplementedError
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the model; the default does nothing."""
+
+
+def now_ms() -> float:
+    return time.perf_counter() * 1e3

@@ -1,0 +1,140 @@
+"""What every verb shares: canonical option flags, resolving them, the emitter, loading an
+engine, and turning errors into one clear line and a documented exit status."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, get_args, get_origin
+
+import click
+
+from stdengine.errors import InferError, Interrupted
+from stdengine.options import OPTION_NAMES, Options, env_var, flags
+
+F = Callable[..., Any]
+
+
+def _click_option(name: str) -> Callable[[F], F]:
+    info = Options.model_fields[name]
+    names = flags(name)
+    ann = info.annotation
+    args = [a for a in get_args(ann) if a is not type(None)]
+    base = args[0] if get_origin(ann) is not None and args else ann
+    help_text = f"{info.description} [env: {env_var(name)}]"
+    if name == "engine_args":
+        return click.option("-E", "engine_args", multiple=True, metavar="KEY=VALUE", help=info.description)
+    if base is bool:
+        shorts = [f for f in names if not f.startswith("--")]
+        long = next(f for f in names if f.startswith("--"))
+        return click.option(*shorts, f"{long}/--no-{long[2:]}", name, default=None, help=help_text)
+    if get_origin(ann) is list:
+        return click.option(*names, name, multiple=True, help=help_text)
+    if get_origin(base) is not None and get_args(base) and all(isinstance(a, str) for a in get_args(base)):
+        return click.option(*names, name, type=click.Choice(get_args(base)), default=None, help=help_text)
+    click_type: Any = {int: int, float: float, str: str}.get(base, str)  # type: ignore[call-overload]
+    return click.option(*names, name, type=click_type, default=None, help=help_text)
+
+
+def canonical_options(*names: str) -> Callable[[F], F]:
+    """Add the flags of these canonical options (all of them when none are named), plus --config
+    and -v, to a click command."""
+
+    chosen = names or OPTION_NAMES
+
+    def decorate(f: F) -> F:
+        for name in reversed([n for n in OPTION_NAMES if n in chosen]):
+            f = _click_option(name)(f)
+        f = click.option("--config", "config_path", metavar="PATH",
+                         help="config file (TOML or JSON); default ./infer.toml, then the user config dir")(f)
+        f = click.option("-v", "--verbose", is_flag=True, default=False,
+                         help="debug logging, and tracebacks on errors")(f)
+        return f
+
+    return decorate
+
+
+def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Separate canonical option values from a verb's own arguments."""
+    canon = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTION_NAMES}
+    return canon, kwargs
+
+
+def resolve_cli(kwargs: dict[str, Any], engine_defaults: dict[str, Any] | None = None) -> Any:
+    """Flags (as click parsed them) -> Resolved options. Consumes the canonical keys of kwargs."""
+    from stdengine.config import parse_engine_args, resolve
+
+    canon, rest = split_kwargs(kwargs)
+    if canon.get("engine_args"):
+        canon["engine_args"] = parse_engine_args(canon["engine_args"])
+    if rest.get("verbose"):
+        canon["verbosity"] = max(1, canon.get("verbosity") or 0)
+    return resolve(canon, config=rest.get("config_path"), engine_defaults=engine_defaults)
+
+
+def make_emitter(options: Options, engine: str | None = None, model: str | None = None) -> Any:
+    from stdengine.events import Emitter
+
+    return Emitter(log_format=options.log_format, verbosity=options.verbosity, log_file=options.log_file,
+                   engine=engine, model=model)
+
+
+def load_engine(resolved: Any, events: Any) -> Any:
+    """Find the engine, refuse options it cannot honour, resolve the model reference, load."""
+    from stdengine import DEFAULT_MODEL, registry
+
+    options: Options = resolved.options
+    cls = registry.engine_class(options.engine)
+    registry.check_options(cls, resolved.explicitly_set())
+    ok, reason = cls.availability()
+    if not ok:
+        from stdengine.errors import EngineUnavailable
+
+        raise EngineUnavailable(f"engine '{cls.name}' cannot load here: {reason}")
+    if getattr(cls, "needs_model_file", True):
+        from stdengine.store import resolve_model
+
+        path = resolve_model(options.model or DEFAULT_MODEL, events=events)
+        options = options.model_copy(update={"model": str(path)})
+    events.engine = cls.name
+    events.model = options.model
+    return cls.load(options, events)
+
+
+def _verbose(argv: list[str]) -> bool:
+    return any(a in ("-v", "--verbose") for a in argv) or os.environ.get("INFER_VERBOSITY", "0") not in ("", "0")
+
+
+def run_cli(cmd: click.Command, argv: list[str], prog_name: str) -> None:
+    """Run a click command; an InferError becomes one line (and a hint) and its exit status."""
+    try:
+        cmd.main(args=argv, prog_name=prog_name, standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("interrupted", err=True)
+        sys.exit(Interrupted.exit_status)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        sys.exit(Interrupted.exit_status)
+    except InferError as e:
+        if _verbose(argv):
+            traceback.print_exc()
+        click.echo(f"error: {e.message}", err=True)
+        if e.hint:
+            click.echo(f"hint: {e.hint}", err=True)
+        sys.exit(e.exit_status)
+    except BrokenPipeError:
+        sys.exit(0)
+    except Exception as e:  # a bug: one line unless -v
+        if _verbose(argv):
+            traceback.print_exc()
+        click.echo(f"error: internal error: {type(e).__name__}: {e}", err=True)
+        click.echo("hint: rerun with -v for a traceback, and report it", err=True)
+        sys.exit(1)
+    sys.exit(0)

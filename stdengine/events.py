@@ -1,0 +1,124 @@
+"""One emitter for every part: JSON Lines or a readable console view of the same events.
+
+Events go to stderr (results go to stdout, so `infer ... | jq` works) and, with --log-file, to a
+file as JSON Lines at every level. Each line is {ts, level, event, run_id, engine, model, ...fields};
+spec/events.md lists the events and spec/schema/event.schema.json validates a line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from datetime import datetime, timezone
+from typing import IO, Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+Level = Literal["debug", "info", "warn", "error"]
+LEVELS: dict[str, int] = {"debug": 10, "info": 20, "warn": 30, "error": 40}
+
+# The events every engine run may emit, with what they mean (spec/events.md is made from this).
+KNOWN_EVENTS: dict[str, str] = {
+    "run.start": "a command started (command, argv)",
+    "config.resolved": "the effective options and where each came from",
+    "model.pull": "a catalogue model is being fetched (name, package, bytes)",
+    "model.loaded": "a model is loaded (path, architecture, n_params, load_ms)",
+    "prompt.evaluated": "a prompt was processed (prompt_n, prompt_ms, prompt_per_second)",
+    "generation.done": "a generation ended (finish_reason, timings)",
+    "request.start": "the server accepted a request (method, route)",
+    "request.done": "the server answered a request (status, tokens, ttft_ms, duration_ms)",
+    "bench.result": "one benchmark test finished (a benchmark record)",
+    "conformance.check": "one conformance check finished (id, level, status)",
+    "error": "an error ended the command (code, message, hint)",
+}
+
+
+class LogEvent(BaseModel):
+    """The shape of one JSON log line; event-specific fields follow the fixed ones."""
+
+    model_config = ConfigDict(extra="allow")
+
+    ts: str
+    level: Level
+    event: str
+    run_id: str
+    engine: str | None = None
+    model: str | None = None
+
+
+class Emitter:
+    def __init__(
+        self,
+        *,
+        log_format: Literal["text", "json"] = "text",
+        verbosity: int = 0,
+        log_file: str | None = None,
+        stream: IO[str] | None = None,
+        engine: str | None = None,
+        model: str | None = None,
+    ) -> None:
+        self.log_format = log_format
+        self.threshold = LEVELS["debug"] if verbosity > 0 else LEVELS["info"]
+        self.stream = stream if stream is not None else sys.stderr
+        self.file: IO[str] | None = open(log_file, "a", encoding="utf-8") if log_file else None  # noqa: SIM115
+        self.run_id = uuid.uuid4().hex[:12]
+        self.engine = engine
+        self.model = model
+
+    def emit(self, event: str, level: Level = "info", **fields: Any) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": level,
+            "event": event,
+            "run_id": self.run_id,
+            "engine": self.engine,
+            "model": self.model,
+            **fields,
+        }
+        line = json.dumps(record, default=str, ensure_ascii=False)
+        if self.file is not None:
+            self.file.write(line + "\n")
+            self.file.flush()
+        if LEVELS[level] >= self.threshold:
+            self.stream.write((line if self.log_format == "json" else _text(record)) + "\n")
+            self.stream.flush()
+        return record
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self.emit(event, "debug", **fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.emit(event, "info", **fields)
+
+    def warn(self, event: str, **fields: Any) -> None:
+        self.emit(event, "warn", **fields)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def _text(record: dict[str, Any]) -> str:
+    """The console view: `HH:MM:SS level event key=value ...`."""
+    skip = {"ts", "level", "event", "run_id", "engine", "model"}
+    parts = [f"{k}={_short(v)}" for k, v in record.items() if k not in skip and v is not None]
+    mark = {"debug": "D", "info": "I", "warn": "W", "error": "E"}[record["level"]]
+    return f"{record['ts'][11:19]} {mark} {record['event']:<18} " + " ".join(parts)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, (dict, list)):
+        text = json.dumps(value, default=str, ensure_ascii=False)
+        return text if len(text) <= 200 else text[:197] + "..."
+    return str(value)
+
+
+# A quiet emitter for library use where no CLI set one up.
+def null_emitter() -> Emitter:
+    import io
+
+    return Emitter(stream=io.StringIO())

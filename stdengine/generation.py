@@ -1,0 +1,121 @@
+"""Generation semantics specified once for every engine: stop strings and chat templates.
+
+An engine that does not do these natively uses these helpers, so `stop` behaves the same
+everywhere: generation ends at the first occurrence of any stop string, the stop string is not
+part of the text, and the finish reason is "stop".
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from stdengine.errors import InvalidRequest
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back text that may still become one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Add text; return (text safe to emit, the stop string matched or None)."""
+        self.pending += text
+        hit = self._first_hit()
+        if hit is not None:
+            pos, stop = hit
+            out, self.pending = self.pending[:pos], ""
+            return out, stop
+        keep = self._held_suffix()
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return out, None
+
+    def flush(self) -> str:
+        """At the end of generation: the held-back text is final."""
+        out, self.pending = self.pending, ""
+        return out
+
+    def _first_hit(self) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def _held_suffix(self) -> int:
+        """Length of the longest suffix of pending that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), longest, -1):
+                if self.pending.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+
+class Utf8Stream:
+    """Turns token byte pieces into text, emitting only complete UTF-8 sequences."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def feed(self, piece: bytes) -> str:
+        self.buf += piece
+        # A UTF-8 sequence is at most 4 bytes: find the longest decodable prefix.
+        for cut in range(len(self.buf), max(len(self.buf) - 4, -1), -1):
+            try:
+                text = self.buf[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            self.buf = self.buf[cut:]
+            return text
+        # Not valid UTF-8 even allowing for an incomplete tail: replace, as llama.cpp's detokenizer would.
+        text, self.buf = self.buf.decode("utf-8", errors="replace"), b""
+        return text
+
+    def flush(self) -> str:
+        text, self.buf = self.buf.decode("utf-8", errors="replace"), b""
+        return text
+
+
+def render_chat_template(
+    template: str,
+    messages: list[dict[str, str]],
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render a model's Jinja chat template (as HF transformers and llama.cpp --jinja do)."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise InvalidRequest(f"the chat template refused the conversation: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise InvalidRequest("each chat message needs a 'role' and a 'content'")
+    try:
+        return env.from_string(template).render(
+            messages=messages,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except TemplateError as e:
+        raise InvalidRequest(f"the model's chat template failed to render: {e}") from e
+
+
+def jsonable(value: Any) -> Any:
+    """Best-effort conversion of dataclass-ish values for event fields."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    return value

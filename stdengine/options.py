@@ -1,0 +1,142 @@
+"""The canonical options: one table that the CLI flags, INFER_* variables, config files, the JSON
+Schema and spec/options.md are all made from.
+
+Each field's `json_schema_extra` carries its flags and group; the environment variable is
+INFER_<NAME>. A default of None means "the engine decides" (e.g. threads = physical cores).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
+
+GROUPS = {
+    "load": "Model and load",
+    "sampling": "Sampling",
+    "prompt": "Prompt",
+    "server": "Server and remote engines",
+    "log": "Logging",
+}
+
+
+def opt(default: Any, *flags: str, group: str, help: str, **kw: Any) -> Any:
+    return Field(default, description=help, json_schema_extra={"flags": list(flags), "group": group}, **kw)
+
+
+class Options(BaseModel):
+    """Every canonical option. Unknown keys are errors (extra="forbid")."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- model and load -------------------------------------------------------------------
+    model: str | None = opt(None, "-m", "--model", group="load",
+                            help="model: a .gguf path, a catalogue alias, or hf://owner/repo/file")
+    engine: str = opt("reference", "-e", "--engine", group="load", help="engine to run the model with")
+    ctx_size: int = opt(4096, "-c", "--ctx-size", group="load", ge=0,
+                        help="context size in tokens (0 = the model's training context)")
+    threads: int | None = opt(None, "-t", "--threads", group="load", ge=1,
+                              help="threads for generation (default: physical cores)")
+    threads_batch: int | None = opt(None, "-tb", "--threads-batch", group="load", ge=1,
+                                    help="threads for prompt processing (default: same as threads)")
+    batch_size: int = opt(2048, "-b", "--batch-size", group="load", ge=1,
+                          help="logical batch: most prompt tokens submitted per decode call")
+    ubatch_size: int = opt(512, "-ub", "--ubatch-size", group="load", ge=1,
+                           help="physical batch: most tokens evaluated in one forward pass")
+    n_gpu_layers: int = opt(0, "-ngl", "--n-gpu-layers", group="load", ge=-1,
+                            help="layers to offload to a GPU (-1 = all)")
+    cache_type_k: CacheType = opt("f16", "-ctk", "--cache-type-k", group="load", help="KV cache type for K")
+    cache_type_v: CacheType = opt("f16", "-ctv", "--cache-type-v", group="load", help="KV cache type for V")
+    flash_attn: bool = opt(False, "-fa", "--flash-attn", group="load", help="use flash attention")
+    mmap: bool = opt(True, "--mmap", group="load", help="memory-map the model file (--no-mmap to read it)")
+    mlock: bool = opt(False, "--mlock", group="load", help="lock the model in RAM")
+    seed: int = opt(-1, "-s", "--seed", group="load", help="random seed (-1 = random)")
+
+    # --- sampling --------------------------------------------------------------------------
+    temp: float = opt(0.8, "--temp", group="sampling", ge=0.0, help="temperature (0 = greedy)")
+    top_k: int = opt(40, "--top-k", group="sampling", ge=0, help="top-k sampling (0 = off)")
+    top_p: float = opt(0.95, "--top-p", group="sampling", ge=0.0, le=1.0, help="top-p sampling (1.0 = off)")
+    min_p: float = opt(0.05, "--min-p", group="sampling", ge=0.0, le=1.0, help="min-p sampling (0.0 = off)")
+    repeat_penalty: float = opt(1.0, "--repeat-penalty", group="sampling", ge=0.0,
+                                help="penalty for repeated tokens (1.0 = off)")
+    repeat_last_n: int = opt(64, "--repeat-last-n", group="sampling", ge=-1,
+                             help="tokens considered by the penalties (0 = off, -1 = context)")
+    presence_penalty: float = opt(0.0, "--presence-penalty", group="sampling", help="presence penalty (0 = off)")
+    frequency_penalty: float = opt(0.0, "--frequency-penalty", group="sampling",
+                                   help="frequency penalty (0 = off)")
+    n_predict: int = opt(-1, "-n", "--n-predict", group="sampling", ge=-1,
+                         help="tokens to generate (-1 = until end of generation or a full context)")
+    stop: list[str] = opt([], "--stop", group="sampling",
+                          help="stop string (repeatable); generation ends before it")
+
+    # --- prompt ----------------------------------------------------------------------------
+    prompt: str | None = opt(None, "-p", "--prompt", group="prompt", help="prompt text")
+    file: str | None = opt(None, "-f", "--file", group="prompt", help="read the prompt from a file")
+    system: str | None = opt(None, "-sys", "--system", group="prompt", help="system prompt for chat models")
+    chat_template: str | None = opt(None, "--chat-template", group="prompt",
+                                    help="Jinja chat template to use instead of the model's")
+
+    # --- server and remote engines ---------------------------------------------------------
+    host: str = opt("127.0.0.1", "--host", group="server", help="address to listen on")
+    port: int = opt(8080, "--port", group="server", ge=0, le=65535, help="port to listen on")
+    api_key: str | None = opt(None, "--api-key", group="server",
+                              help="API key the server requires, or sends to a remote engine")
+    parallel: int = opt(1, "-np", "--parallel", group="server", ge=1, help="requests served at once")
+    url: str | None = opt(None, "--url", group="server", help="base URL of an OpenAI-compatible engine")
+
+    # --- logging ---------------------------------------------------------------------------
+    log_format: Literal["text", "json"] = opt("text", "--log-format", group="log",
+                                             help="stderr log format: text or json (JSON Lines)")
+    log_file: str | None = opt(None, "--log-file", group="log", help="also write every event as JSON Lines here")
+    verbosity: int = opt(0, "-lv", "--verbosity", group="log", ge=0,
+                         help="log verbosity (0 = info, 1+ = debug); -v sets 1")
+
+    # --- engine-specific passthrough -------------------------------------------------------
+    engine_args: dict[str, str] = Field(
+        default_factory=dict,
+        description="engine-specific settings, -E key=value (repeatable); the engine validates them",
+        json_schema_extra={"flags": ["-E"], "group": "load"},
+    )
+
+
+class RecipeMatch(BaseModel):
+    """Reserved for recipes (planned): which model and machine a config file is meant for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_sha256: str | None = None
+    architecture: str | None = None
+    file_type: str | None = None
+    cpu_flags: list[str] = []
+    gpu: str | None = None
+
+
+class ConfigFile(Options):
+    """A config file: any canonical option at the top level, engine_args as a table, and an
+    optional [match] section that will make the file a recipe."""
+
+    match: RecipeMatch | None = None
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(Options.model_fields)
+
+
+def env_var(name: str) -> str:
+    return "INFER_" + name.upper()
+
+
+def flags(name: str) -> list[str]:
+    extra = Options.model_fields[name].json_schema_extra
+    assert isinstance(extra, dict)
+    return list(extra["flags"])  # type: ignore[arg-type]
+
+
+def group(name: str) -> str:
+    extra = Options.model_fields[name].json_schema_extra
+    assert isinstance(extra, dict)
+    return str(extra["group"])
+
+
+DEFAULTS: dict[str, Any] = Options().model_dump()

@@ -1,0 +1,114 @@
+"""Finding engines: the entry-point group `stdengine.engines`, loaded lazily.
+
+Built-in engines are registered the same way as third-party ones (in pyproject.toml), so
+`infer engines` lists them all alike. An engine that fails to import is reported, never fatal.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from stdengine.adapter import Engine
+from stdengine.errors import EngineUnavailable, UnsupportedOption, UsageError
+
+GROUP = "stdengine.engines"
+
+# In-process registrations (tests, embedding applications): name -> "module:Class" or a class.
+_extra: dict[str, str | type[Engine]] = {}
+
+
+def register(name: str, target: str | type[Engine]) -> None:
+    _extra[name] = target
+
+
+def unregister(name: str) -> None:
+    _extra.pop(name, None)
+
+
+@dataclass
+class EngineEntry:
+    name: str
+    target: str | type[Engine]
+    distribution: str | None = None
+
+
+def entries() -> dict[str, EngineEntry]:
+    found: dict[str, EngineEntry] = {}
+    for ep in entry_points(group=GROUP):
+        dist = ep.dist.name if ep.dist is not None else None
+        found.setdefault(ep.name, EngineEntry(ep.name, ep.value, dist))
+    for name, target in _extra.items():
+        found[name] = EngineEntry(name, target, None)
+    return dict(sorted(found.items()))
+
+
+def _import(target: str | type[Engine]) -> type[Engine]:
+    if not isinstance(target, str):
+        return target
+    module_name, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Engine)):
+        raise TypeError(f"{target} is not a subclass of stdengine.adapter.Engine")
+    return obj
+
+
+def engine_class(name: str) -> type[Engine]:
+    known = entries()
+    if name not in known:
+        close = difflib.get_close_matches(name, list(known), n=1)
+        raise UsageError(
+            f"unknown engine '{name}'",
+            hint=(f"did you mean '{close[0]}'? " if close else "") + f"installed engines: {', '.join(known)}"
+            + " (see `infer engines`)",
+        )
+    try:
+        return _import(known[name].target)
+    except Exception as e:  # an engine's import failure is reported, not a crash
+        raise EngineUnavailable(f"engine '{name}' failed to import: {type(e).__name__}: {e}",
+                                hint="reinstall the package that provides it; `infer engines` shows its state") from e
+
+
+def describe() -> list[dict[str, Any]]:
+    """Every engine with its version, capabilities, honoured options and whether it can load here."""
+    out = []
+    for entry in entries().values():
+        row: dict[str, Any] = {"name": entry.name, "distribution": entry.distribution}
+        try:
+            cls = _import(entry.target)
+            available, reason = cls.availability()
+            row.update(
+                version=cls.version(),
+                description=cls.description,
+                capabilities=sorted(cls.capabilities),
+                honoured_options=sorted(cls.honoured_options()),
+                available=available,
+                reason=reason,
+            )
+        except Exception as e:
+            row.update(version=None, description="", capabilities=[], honoured_options=[], available=False,
+                       reason=f"failed to import: {type(e).__name__}: {e}")
+        out.append(row)
+    return out
+
+
+# Options that are about the command itself, not the engine, and so never refused.
+UNIVERSAL = frozenset({"engine", "model", "prompt", "file", "system", "chat_template", "log_format",
+                       "log_file", "verbosity", "host", "port", "parallel"})
+
+
+def check_options(cls: type[Engine], explicitly_set: set[str]) -> None:
+    """An option the user set that the engine cannot honour is an error, never silently dropped."""
+    refused = sorted(explicitly_set - UNIVERSAL - cls.honoured_options() - {"engine_args"})
+    if refused:
+        raise UnsupportedOption(
+            f"engine '{cls.name}' cannot honour {', '.join(refused)}",
+            hint=f"remove {'it' if len(refused) == 1 else 'them'}, or choose another engine; "
+            f"'{cls.name}' honours: {', '.join(sorted(cls.honoured_options()))}",
+            options=refused,
+        )
