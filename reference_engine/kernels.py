@@ -1,0 +1,127 @@
+"""ctypes bindings of the C core's quantized kernels (csrc/kernels.h), for tests and debugging.
+
+Not on the hot path: the forward pass calls the kernels from C. Types are ggml type ids, names
+("q4_1") or gguf.GGMLQuantizationType members. Raw data is a numpy uint8 array (or bytes) laid
+out exactly as in a GGUF file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import numpy as np
+
+from ._lib import lib
+
+TYPES = {
+    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q8_1": 9,
+    "q4_k": 12, "q5_k": 13, "q6_k": 14, "q8_k": 15, "bf16": 30,
+}
+ISAS = ("scalar", "avx2", "avx512")
+
+
+class _Traits(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p), ("blck", ctypes.c_int), ("size", ctypes.c_int),
+        ("act_type", ctypes.c_int), ("to_float", ctypes.c_void_p), ("from_float", ctypes.c_void_p),
+        ("dot", ctypes.c_void_p),
+    ]
+
+
+_vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@cache
+def _core() -> ctypes.CDLL:
+    c = lib()
+    c.se_traits.argtypes, c.se_traits.restype = [_int], ctypes.POINTER(_Traits)
+    c.se_row_size.argtypes, c.se_row_size.restype = [_int, _i64], ctypes.c_size_t
+    c.se_isa_name.argtypes, c.se_isa_name.restype = [], ctypes.c_char_p
+    c.se_set_isa.argtypes, c.se_set_isa.restype = [ctypes.c_char_p], _int
+    c.se_kernels_init.argtypes, c.se_kernels_init.restype = [], None
+    c.se_quantize_rows.argtypes, c.se_quantize_rows.restype = [_int, _vp, _i64, _int, _vp], None
+    c.se_matmul.argtypes = [_int, _vp, _i64, _vp, _int, _vp, _i64, _i64, _i64]
+    c.se_matmul.restype = None
+    return c
+
+
+def type_id(t: int | str) -> int:
+    if isinstance(t, str):
+        return TYPES[t.lower()]
+    return int(t)  # an int or an IntEnum such as gguf.GGMLQuantizationType
+
+
+def traits(t: int | str) -> _Traits:
+    p = _core().se_traits(type_id(t))
+    if not p:
+        raise ValueError(f"unknown tensor type {t!r}")
+    return p.contents
+
+
+def row_size(t: int | str, n: int) -> int:
+    tr = traits(t)
+    if n % tr.blck:
+        raise ValueError(f"{tr.name.decode()} rows need a multiple of {tr.blck} elements, not {n}")
+    return int(_core().se_row_size(type_id(t), n))
+
+
+def isa() -> str:
+    return _core().se_isa_name().decode()
+
+
+def set_isa(name: str | None) -> bool:
+    """Use the named SIMD path (None: the best here); False when this CPU cannot run it."""
+    return _core().se_set_isa(name.encode() if name else None) == 0
+
+
+def _raw(data) -> np.ndarray:
+    return np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes | bytearray)
+                                else np.asarray(data).view(np.uint8).reshape(-1))
+
+
+def dequantize(t: int | str, raw, n: int) -> np.ndarray:
+    """The first n elements of raw as float32, through the type's C to_float."""
+    tr, src = traits(t), _raw(raw)
+    if src.size < row_size(t, n):
+        raise ValueError("raw data is shorter than n elements")
+    out = np.empty(n, dtype=np.float32)
+    ctypes.CFUNCTYPE(None, _vp, _vp, _i64)(tr.to_float)(src.ctypes.data, out.ctypes.data, n)
+    return out
+
+
+def quantize(t: int | str, x: np.ndarray) -> np.ndarray:
+    """Rows of float32 (shape (k,) or (n_tok, k)) -> uint8 (n_tok, row_size), through se_quantize_rows."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    x2 = x.reshape(1, -1) if x.ndim == 1 else x
+    n_tok, k = x2.shape
+    if not traits(t).from_float:
+        raise ValueError(f"{traits(t).name.decode()} has no from_float")
+    out = np.empty((n_tok, row_size(t, k)), dtype=np.uint8)
+    _core().se_quantize_rows(type_id(t), x2.ctypes.data, k, n_tok, out.ctypes.data)
+    return out
+
+
+def dot(t: int | str, w, act, n: int) -> float:
+    """One weight row (type t) with one activation row already in t's act_type."""
+    tr, w, act = traits(t), _raw(w), _raw(act)
+    if not tr.dot:
+        raise ValueError(f"{tr.name.decode()} is not a weight type")
+    fn = ctypes.CFUNCTYPE(ctypes.c_float, _i64, _vp, _vp)(tr.dot)
+    return float(fn(n, w.ctypes.data, act.ctypes.data))
+
+
+def matmul(t: int | str, w, k: int, x: np.ndarray, r0: int = 0, r1: int | None = None) -> np.ndarray:
+    """y (n_tok, rows) = x (n_tok, k) @ W.T, W given raw as rows of k elements of type t.
+
+    Activations are quantized to t's act_type first, as the forward pass does. Only rows
+    [r0, r1) are computed (the others stay NaN), to test the thread pool's row splits.
+    """
+    w = _raw(w)
+    rows = w.size // row_size(t, k)
+    r1 = rows if r1 is None else r1
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
+    act = quantize(traits(t).act_type, x)
+    y = np.full((x.shape[0], rows), np.nan, dtype=np.float32)
+    _core().se_matmul(type_id(t), w.ctypes.data, k, act.ctypes.data, x.shape[0], y.ctypes.data, rows, r0, r1)
+    return y

@@ -1,0 +1,311 @@
+"""The C core's quantized kernels against gguf.quants and numpy, on every SIMD path this CPU has.
+
+Expected values never come from the code under test: weights are dequantized by
+gguf.quants.dequantize, activations by numpy from their raw bytes, and products are taken in
+float64 by numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize as gg_dequantize  # noqa: E402
+from gguf.quants import quantize as gg_quantize  # noqa: E402
+
+try:
+    from stdengine.reference import kernels as K
+except Exception as e:  # the C core is not built, or the package is not installed
+    pytest.skip(f"reference engine C core unavailable: {e}", allow_module_level=True)
+
+T = gguf.GGMLQuantizationType
+WEIGHT_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANT_TYPES = [t for t in WEIGHT_TYPES if t not in (T.F32, T.F16, T.BF16)]
+GG_CAN_QUANTIZE = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}
+# Byte offsets of each block's fp16 fields (d, and m/dmin), per ggml's layouts.
+F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
+              T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+ACT = {T.F32: T.F32, T.F16: T.F32, T.BF16: T.F32, T.Q4_0: T.Q8_0, T.Q4_1: T.Q8_1, T.Q5_0: T.Q8_0,
+       T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0, T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K}
+
+
+def _available_isas() -> list[str]:
+    ok = [name for name in K.ISAS if K.set_isa(name)]
+    K.set_isa(None)
+    return ok
+
+
+ISAS = _available_isas()
+
+
+@pytest.fixture(params=K.ISAS)
+def isa(request):
+    if request.param not in ISAS:
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    assert K.set_isa(request.param) and K.isa() == request.param
+    yield request.param
+    K.set_isa(None)
+
+
+def block(t) -> int:
+    return gguf.GGML_QUANT_SIZES[t][0]
+
+
+def rng_for(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def random_raw(t, rows: int, k: int, rng) -> np.ndarray:
+    """Random blocks (every bit pattern of the quants) with valid, modest fp16 scales."""
+    bs, ts = gguf.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, size=(rows, k // bs, ts), dtype=np.uint8)
+    for off in F16_FIELDS[t]:
+        vals = (rng.uniform(0.5, 2.0, size=raw.shape[:2]) * rng.choice([-1, 1], size=raw.shape[:2])
+                * (1 / 64 if t in (T.Q4_K, T.Q5_K, T.Q6_K) else 1 / 16))
+        raw[:, :, off:off + 2] = vals.astype(np.float16).view(np.uint8).reshape(rows, k // bs, 2)
+    return raw.reshape(rows, -1)
+
+
+def weights(t, rows: int, k: int, rng, source: str) -> np.ndarray:
+    """Raw weight rows of type t: quantized by gguf from random floats, or random raw blocks."""
+    if source == "quantized":
+        x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 3, size=(rows, 1))
+        x[:, :block(t)] *= 0  # an all-zero block (d = 0) in every row
+        raw = gg_quantize(x.astype(np.float32), t)
+        return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
+    return random_raw(t, rows, k, rng)
+
+
+def sources(t) -> list[str]:
+    return ["quantized", "random"] if t in GG_CAN_QUANTIZE and t not in (T.F32, T.F16, T.BF16) else (
+        ["quantized"] if t in (T.F32, T.F16, T.BF16) else ["random"])
+
+
+def deq_act(t, raw: np.ndarray, k: int) -> np.ndarray:
+    """Dequantize activation rows in numpy (gguf has no Q8_1 / Q8_K), straight from ggml's layouts."""
+    raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
+    n = raw.shape[0]
+    if t == T.F32:
+        return raw.view(np.float32).astype(np.float64)
+    if t == T.Q8_0:
+        return gg_dequantize(raw, T.Q8_0).astype(np.float64).reshape(n, k)
+    if t == T.Q8_1:
+        b = raw.reshape(n, k // 32, 36)
+        d = b[:, :, 0:2].copy().view(np.float16).astype(np.float64)
+        return (d * b[:, :, 4:].view(np.int8)).reshape(n, k)
+    if t == T.Q8_K:
+        b = raw.reshape(n, k // 256, 292)
+        d = b[:, :, 0:4].copy().view(np.float32).astype(np.float64)
+        return (d * b[:, :, 4:260].view(np.int8)).reshape(n, k)
+    raise ValueError(t)
+
+
+# ------------------------------------------------------------------ to_float
+
+
+@pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_to_float_matches_gguf(t):
+    rng = rng_for("deq", t)
+    k = block(t) * 7 if block(t) > 1 else 37
+    for source in sources(t):
+        raw = weights(t, 5, k, rng, source)
+        want = gg_dequantize(raw, t).astype(np.float32).reshape(5, k)
+        got = np.stack([K.dequantize(t, r, k) for r in raw])
+        np.testing.assert_array_equal(got, want, err_msg=f"{t.name} from {source} blocks")
+
+
+def test_f16_every_value():
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    got = K.dequantize(T.F16, h.view(np.uint8), 65536)
+    want = h.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+    assert np.isnan(got[np.isnan(want)]).all()
+
+
+# ------------------------------------------------------------------ from_float (activations)
+
+
+def test_f16_bf16_from_float_round_like_numpy():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([
+        rng.standard_normal(4096) * 10.0 ** rng.integers(-9, 6, 4096),   # normals, subnormals, overflow
+        np.array([65504, 65519.99, 65520, 1e6, -1e6, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 0.0, -0.0]),
+    ]).astype(np.float32)
+    x = x[: len(x) // 2 * 2]
+    with np.errstate(over="ignore"):
+        f16 = x.astype(np.float16)
+    np.testing.assert_array_equal(K.quantize(T.F16, x).view(np.uint16)[0], f16.view(np.uint16))
+    np.testing.assert_array_equal(K.quantize(T.BF16, x)[0], gg_quantize(x, T.BF16).view(np.uint8))
+
+
+def test_q8_0_from_float_matches_gguf():
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((3, 32 * 9)) * rng.uniform(0.01, 100, (3, 1))).astype(np.float32)
+    x[1, 32:64] = 0
+    np.testing.assert_array_equal(K.quantize(T.Q8_0, x), gg_quantize(x, T.Q8_0).view(np.uint8))
+
+
+def test_q8_1_from_float():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((2, 32 * 5)) * 3).astype(np.float32)
+    got = K.quantize(T.Q8_1, x).reshape(2, 5, 36)
+    q8_0 = gg_quantize(x, T.Q8_0).view(np.uint8).reshape(2, 5, 34)
+    np.testing.assert_array_equal(got[:, :, 0:2], q8_0[:, :, 0:2])  # same d and quants as Q8_0
+    np.testing.assert_array_equal(got[:, :, 4:], q8_0[:, :, 2:])
+    # s = d * sum(q) in fp16, with d = amax/127 before its fp16 rounding
+    d = np.abs(x.reshape(2, 5, 32)).max(axis=2) / np.float32(127)
+    s = (d * q8_0[:, :, 2:].view(np.int8).astype(np.int32).sum(axis=2).astype(np.float32)).astype(np.float16)
+    np.testing.assert_array_equal(got[:, :, 2:4].copy().view(np.float16)[..., 0], s)
+
+
+def test_q8_K_from_float():
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((3, 256 * 3)) * 2).astype(np.float32)
+    x[2, 256:512] = 0
+    got = K.quantize(T.Q8_K, x).reshape(3, 3, 292)
+    blocks = x.reshape(3, 3, 256)
+    for i in range(3):
+        for b in range(3):
+            v, g = blocks[i, b], got[i, b]
+            if not np.abs(v).max():
+                assert not g.any()
+                continue
+            mx = v[np.argmax(np.abs(v))]  # the first element of largest |x|, sign kept
+            iscale = np.float32(-127) / mx
+            q = np.minimum(127, np.rint(iscale * v)).astype(np.int8)
+            np.testing.assert_array_equal(g[4:260].view(np.int8), q)
+            np.testing.assert_array_equal(g[260:].view(np.int16), q.reshape(16, 16).astype(np.int16).sum(axis=1))
+            assert g[0:4].view(np.float32)[0] == np.float32(1) / iscale
+
+
+# ------------------------------------------------------------------ dot and matmul
+
+
+def act_error_bound(t_act, x: np.ndarray, w_deq: np.ndarray) -> np.ndarray:
+    """Worst-case |dot(w, x) - dot(w, deq(quant(x)))| for each (token, row).
+
+    Quantizing x to 8 bits moves each element by at most d/2 (d = amax/127 of its block), and
+    storing d in fp16 moves it by at most 127*|d|*2^-11 more: 0.6*d covers both.
+    Float activations are not quantized (bound 0).
+    """
+    if t_act == T.F32:
+        return np.zeros((x.shape[0], w_deq.shape[0]))
+    qb = 256 if t_act == T.Q8_K else 32
+    amax = np.abs(x.reshape(x.shape[0], -1, qb)).max(axis=2).astype(np.float64)  # (tok, blocks)
+    wabs = np.abs(w_deq.reshape(w_deq.shape[0], -1, qb)).sum(axis=2)              # (rows, blocks)
+    return 0.6 / 127 * amax @ wabs.T
+
+
+def float_error_bound(t_act, x, w_deq) -> np.ndarray:
+    """Float32 accumulation and the fp16 scales products: a small multiple of eps * sum|w*a|."""
+    mag = np.abs(x).astype(np.float64) @ np.abs(w_deq).T
+    return 1e-5 * mag + 1e-30
+
+
+@pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_dot_matches_numpy(t, isa):
+    """dot(W row, act row) against float64 numpy on the dequantized operands."""
+    rng = rng_for("dot", t)
+    k = block(t) * 9 if block(t) > 1 else 300
+    for source in sources(t):
+        w = weights(t, 6, k, rng, source)
+        wd = gg_dequantize(w, t).astype(np.float64).reshape(6, k)
+        x = rng.standard_normal((2, k)).astype(np.float32)
+        act = K.quantize(ACT[t], x)
+        ad = deq_act(ACT[t], act, k)
+        want = ad @ wd.T
+        got = np.array([[K.dot(t, w[r], act[i], k) for r in range(6)] for i in range(2)])
+        tol = 1e-5 * (np.abs(ad) @ np.abs(wd).T) + 1e-30
+        if t in (T.Q4_1, T.Q5_1):
+            # ggml's _1 dot takes sum(a) from Q8_1's s = d*sum(q), stored in fp16 (2^-11 relative).
+            m = w.reshape(6, k // 32, 20 if t == T.Q4_1 else 24)[:, :, 2:4].copy().view(np.float16)[..., 0]
+            s = np.abs(ad.reshape(2, k // 32, 32).sum(axis=2))
+            tol += 2.0**-10 * (s @ np.abs(m.astype(np.float64)).T)
+        assert (np.abs(got - want) <= tol).all(), f"{t.name} {source} {isa}: {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("n_tok", [1, 3, 7, 64])
+@pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_matmul_matches_numpy(t, n_tok, isa):
+    """matmul(W, x) against float64 numpy on dequantized W and the original float x."""
+    rng = rng_for("mm", t, n_tok)
+    rows = 37
+    k = block(t) * 5 if block(t) > 1 else 160
+    for source in sources(t):
+        w = weights(t, rows, k, rng, source)
+        wd = gg_dequantize(w, t).astype(np.float64).reshape(rows, k)
+        x = rng.standard_normal((n_tok, k)).astype(np.float32)
+        x[0, :32] *= 100  # one block with a much larger range
+        got = K.matmul(t, w, k, x)
+        want = x.astype(np.float64) @ wd.T
+        tol = act_error_bound(ACT[t], x, wd) + float_error_bound(ACT[t], x, wd)
+        assert (np.abs(got - want) <= tol).all(), f"{t.name} {source} {isa}"
+
+
+@pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_matmul_row_ranges(t, isa):
+    """Threads each take a row range [r0, r1): the pieces are the whole, and nothing else is written."""
+    rng = rng_for("ranges", t)
+    rows, k, n_tok = 45, (block(t) * 3 if block(t) > 1 else 96), 5
+    w = weights(t, rows, k, rng, sources(t)[0])
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    full = K.matmul(t, w, k, x)
+    assert not np.isnan(full).any()
+    for r0, r1 in [(0, 1), (0, 17), (17, 45), (3, 4), (40, 45), (20, 20)]:
+        part = K.matmul(t, w, k, x, r0, r1)
+        np.testing.assert_array_equal(part[:, r0:r1], full[:, r0:r1])
+        assert np.isnan(part[:, :r0]).all() and np.isnan(part[:, r1:]).all()
+
+
+@pytest.mark.parametrize("t", QUANT_TYPES + [T.F16, T.F32], ids=lambda t: t.name)
+def test_isas_agree(t):
+    """Every path gives the scalar path's dot up to float rounding (integer sums are exact)."""
+    if len(ISAS) < 2:
+        pytest.skip("only the scalar path runs here")
+    rng = rng_for("agree", t)
+    k = block(t) * 12 if block(t) > 1 else 1000
+    w = weights(t, 8, k, rng, sources(t)[-1])
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    res = {}
+    try:
+        for name in ISAS:
+            K.set_isa(name)
+            res[name] = K.matmul(t, w, k, x)
+    finally:
+        K.set_isa(None)
+    wd = gg_dequantize(w, t).astype(np.float64).reshape(8, k)
+    ad = deq_act(ACT[t], K.quantize(ACT[t], x), k)
+    tol = 1e-5 * (np.abs(ad) @ np.abs(wd).T) + 1e-30
+    for name in ISAS[1:]:
+        assert (np.abs(res[name] - res["scalar"]) <= tol).all(), name
+
+
+def test_traits_table():
+    for t in WEIGHT_TYPES + [T.Q8_1, T.Q8_K]:
+        tr = K.traits(t)
+        # gguf's table still gives Q8_1 its old 40-byte layout (f32 d, s); ggml's block_q8_1 is
+        # 36 bytes (fp16 d, s), and Q8_1 never appears in files.
+        assert (tr.blck, tr.size) == ((32, 36) if t == T.Q8_1 else gguf.GGML_QUANT_SIZES[t])
+        assert tr.name.decode().lower() == t.name.lower()
+        assert tr.to_float
+    for t in WEIGHT_TYPES:
+        assert K.traits(t).dot and K.traits(t).act_type == ACT[t]
+        assert K.traits(ACT[t]).from_float
+    with pytest.raises(ValueError):
+        K.traits(4)  # a removed ggml id
+    assert K.row_size(T.Q4_1, 576) == 18 * 20
+
+
+@pytest.mark.parametrize("name", K.ISAS)
+def test_env_forces_isa(name):
+    """INFER_REF_ISA picks the path at start-up; an unsupported one falls back to the best here."""
+    env = dict(os.environ, INFER_REF_ISA=name)
+    out = subprocess.run([sys.executable, "-c", "from stdengine.reference import kernels as K; print(K.isa())"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == (name if name in ISAS else ISAS[-1])
