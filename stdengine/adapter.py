@@ -141,6 +141,10 @@ class Engine(ABC):
     capabilities: ClassVar[frozenset[str]] = frozenset()
     # canonical option name -> what it becomes in this engine (written into spec/options.md)
     option_map: ClassVar[dict[str, str]] = {}
+    # options honoured only at these values (e.g. {"n_gpu_layers": (0,)} for a CPU-only engine)
+    accepted_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    # False for engines that take no model file (e.g. a remote server named by --url)
+    needs_model_file: ClassVar[bool] = True
 
     @classmethod
     def version(cls) -> str:
@@ -184,6 +188,9 @@ class Engine(ABC):
 
     def n_ctx(self) -> int:
         raise NotImplementedError
+
+    def has_chat_template(self) -> bool:
+        return False
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         raise NotImplementedError

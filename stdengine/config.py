@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from stdengine.errors import ConfigError
-from stdengine.options import DEFAULTS, OPTION_NAMES, ConfigFile, Options, env_var
+from stdengine.options import ALIASES, DEFAULTS, OPTION_NAMES, ConfigFile, Options, env_var
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -72,24 +72,29 @@ def load_config_file(path: Path) -> dict[str, Any]:
     for key in data:
         if key not in FILE_KEYS:
             raise unknown_key_error(key, FILE_KEYS, where=f"{path}{_line_of(text, key)}")
-    _validate({k: v for k, v in data.items()}, where=str(path), model=ConfigFile)
+    for key, value in data.items():
+        _validate({key: value}, where=f"{path}{_line_of(text, key)}", model=ConfigFile)
     return data
 
 
 def _line_of(text: str, key: str) -> str:
-    pattern = re.compile(rf'^\s*"?{re.escape(key)}"?\s*[=:]', re.M)
+    pattern = re.compile(rf'^[ \t]*"?{re.escape(key)}"?[ \t]*[=:]', re.M)
     m = pattern.search(text)
     return f":{text.count(chr(10), 0, m.start()) + 1}" if m else ""
 
 
 def unknown_key_error(key: str, valid: tuple[str, ...], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    suggestion = f"did you mean '{close[0]}'? " if close else ""
+    # Other tools' names for our options (temperature, n_ctx, max_tokens...) count as near misses.
+    candidates = {name: name for name in valid}
+    candidates.update({alias: name for alias, name in ALIASES.items() if name in valid})
+    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+    best = candidates[close[0]] if close else None
+    suggestion = f"did you mean '{best}'? " if best else ""
     return ConfigError(
         f"{where}: unknown option '{key}'",
         hint=f"{suggestion}valid options: {', '.join(valid)}",
         key=key,
-        suggestion=close[0] if close else None,
+        suggestion=best,
     )
 
 

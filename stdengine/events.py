@@ -102,10 +102,13 @@ class Emitter:
 
 def _text(record: dict[str, Any]) -> str:
     """The console view: `HH:MM:SS level event key=value ...`."""
+    mark = {"debug": "D", "info": "I", "warn": "W", "error": "E"}[record["level"]]
+    head = f"{record['ts'][11:19]} {mark} {record['event']:<18} "
+    if "summary" in record:  # an event that carries its own one-line reading
+        return head + str(record["summary"])
     skip = {"ts", "level", "event", "run_id", "engine", "model"}
     parts = [f"{k}={_short(v)}" for k, v in record.items() if k not in skip and v is not None]
-    mark = {"debug": "D", "info": "I", "warn": "W", "error": "E"}[record["level"]]
-    return f"{record['ts'][11:19]} {mark} {record['event']:<18} " + " ".join(parts)
+    return head + " ".join(parts)
 
 
 def _short(value: Any) -> str:

@@ -122,6 +122,26 @@ class ConfigFile(Options):
 
 OPTION_NAMES: tuple[str, ...] = tuple(Options.model_fields)
 
+# Names other tools use for canonical options; only used to suggest the right name in errors.
+ALIASES: dict[str, str] = {
+    "temperature": "temp",
+    "n_ctx": "ctx_size",
+    "context_size": "ctx_size",
+    "context_length": "ctx_size",
+    "max_tokens": "n_predict",
+    "n_threads": "threads",
+    "n_threads_batch": "threads_batch",
+    "n_batch": "batch_size",
+    "n_ubatch": "ubatch_size",
+    "gpu_layers": "n_gpu_layers",
+    "ngl": "n_gpu_layers",
+    "repetition_penalty": "repeat_penalty",
+    "system_prompt": "system",
+    "stop_strings": "stop",
+    "use_mmap": "mmap",
+    "use_mlock": "mlock",
+}
+
 
 def env_var(name: str) -> str:
     return "INFER_" + name.upper()

@@ -102,9 +102,12 @@ UNIVERSAL = frozenset({"engine", "model", "prompt", "file", "system", "chat_temp
                        "log_file", "verbosity", "host", "port", "parallel"})
 
 
-def check_options(cls: type[Engine], explicitly_set: set[str]) -> None:
-    """An option the user set that the engine cannot honour is an error, never silently dropped."""
-    refused = sorted(explicitly_set - UNIVERSAL - cls.honoured_options() - {"engine_args"})
+def check_options(cls: type[Engine], explicitly_set: set[str], values: dict[str, Any] | None = None) -> None:
+    """An option the user set that the engine cannot honour is an error, never silently dropped.
+    Options the engine honours only at some values (accepted_values) are refused at others."""
+    values = values or {}
+    refused = sorted(explicitly_set - UNIVERSAL - cls.honoured_options() - {"engine_args"}
+                     - {k for k in cls.accepted_values if values.get(k) in cls.accepted_values[k]})
     if refused:
         raise UnsupportedOption(
             f"engine '{cls.name}' cannot honour {', '.join(refused)}",

@@ -87,7 +87,7 @@ def load_engine(resolved: Any, events: Any) -> Any:
 
     options: Options = resolved.options
     cls = registry.engine_class(options.engine)
-    registry.check_options(cls, resolved.explicitly_set())
+    registry.check_options(cls, resolved.explicitly_set(), options.model_dump())
     ok, reason = cls.availability()
     if not ok:
         from stdengine.errors import EngineUnavailable

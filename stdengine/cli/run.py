@@ -1,0 +1,115 @@
+"""`infer run`: one completion, streamed to stdout; timings to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
+from stdengine.cli.common import canonical_options, load_engine, make_emitter, resolve_cli
+from stdengine.errors import InvalidRequest, UsageError
+from stdengine.options import Options
+
+
+def sampling_from(options: Options) -> SamplingParams:
+    return SamplingParams(
+        temp=options.temp, top_k=options.top_k, top_p=options.top_p, min_p=options.min_p,
+        repeat_penalty=options.repeat_penalty, repeat_last_n=options.repeat_last_n,
+        presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+        seed=options.seed, n_predict=options.n_predict, stop=list(options.stop),
+    )
+
+
+def read_prompt(options: Options) -> str:
+    if options.prompt is not None and options.file is not None:
+        raise UsageError("give the prompt with -p or with -f, not both")
+    if options.file is not None:
+        path = Path(options.file)
+        if not path.is_file():
+            raise UsageError(f"prompt file not found: {options.file}", hint="check the path given to -f")
+        text = path.read_text(encoding="utf-8")
+        return text[:-1] if text.endswith("\n") else text  # as llama.cpp's -f does
+    if options.prompt is not None:
+        return options.prompt
+    if not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise UsageError("no prompt given", hint='pass one with -p "..." or -f FILE, or pipe it on stdin')
+
+
+def summary_line(done: DoneEvent) -> str:
+    t = done.timings.to_dict()
+    return (f"prompt: {t['prompt_n']} tokens, {t['prompt_per_second']:.1f} t/s | "
+            f"generation: {t['predicted_n']} tokens, {t['predicted_per_second']:.1f} t/s | "
+            f"finish: {done.finish_reason}")
+
+
+@click.command()
+@canonical_options()
+@click.option("--raw", is_flag=True, help="complete the prompt exactly as given, without the chat template")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON result object instead of streaming text")
+def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
+    """Generate a completion for a prompt with any engine (default: the reference engine and the
+    smollm2-135m-instruct model, pulled on first use).
+
+    \b
+    The prompt is a user message under the model's chat template when the model has one;
+    --raw completes the text exactly as given (llama.cpp's -no-cnv). The completion streams to
+    stdout; timings go to stderr (prompt and generation tokens per second).
+
+    \b
+    Examples:
+      infer run -p "Write a haiku about the sea"
+      infer run -m gemma-3-270m -n 64 --temp 0 -p "Name three rivers"
+      echo "Once upon a time" | infer run --raw -n 32
+    """
+    resolved = resolve_cli(kwargs)
+    options: Options = resolved.options
+    events = make_emitter(options)
+    events.debug("run.start", command="run", argv=sys.argv[1:])
+    events.debug("config.resolved", options=options.model_dump(), sources=resolved.sources)
+    prompt = read_prompt(options)
+    if prompt == "":
+        raise InvalidRequest("the prompt is empty", hint="give some text with -p, -f or stdin")
+    engine = load_engine(resolved, events)
+    try:
+        if not raw and engine.has_chat_template():
+            messages = ([{"role": "system", "content": options.system}] if options.system else [])
+            messages.append({"role": "user", "content": prompt})
+            request = GenerateRequest(messages=messages, sampling=sampling_from(options))
+        else:
+            if options.system:
+                raise UsageError("--system needs a chat template, and this run has none",
+                                 hint="drop --raw, or put the system text into the prompt")
+            request = GenerateRequest(prompt=prompt, sampling=sampling_from(options))
+        pieces: list[str] = []
+        done: DoneEvent | None = None
+        for ev in engine.generate(request):
+            if isinstance(ev, TokenEvent):
+                pieces.append(ev.text)
+                if not as_json and ev.text:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+            else:
+                done = ev
+        assert done is not None, "an engine must end generate() with a DoneEvent"
+        if not as_json:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        events.info("generation.done", finish_reason=done.finish_reason, summary=summary_line(done),
+                    timings=done.timings.to_dict())
+        if as_json:
+            click.echo(json.dumps({
+                "engine": engine.info().name, "model": options.model, "text": "".join(pieces),
+                "finish_reason": done.finish_reason, "stop": done.stop,
+                "usage": {"prompt_tokens": done.usage.prompt_tokens,
+                          "completion_tokens": done.usage.completion_tokens,
+                          "total_tokens": done.usage.total_tokens},
+                "timings": done.timings.to_dict(),
+            }, ensure_ascii=False))
+    finally:
+        engine.close()
+        events.close()

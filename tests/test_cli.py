@@ -1,0 +1,77 @@
+"""The `infer` command line: help, config show, errors as one line with a documented exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def infer(*args: str, env: dict[str, str] | None = None, cwd: str | None = None, stdin: str | None = None):
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "stdengine.cli.main", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, input=stdin, timeout=300)
+
+
+def test_help_lists_every_verb_and_imports_nothing_heavy():
+    code = ("import sys\nfrom stdengine.cli.main import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('numpy', 'gguf', 'jinja2', 'rich', 'stdengine.reference') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    for verb in ("run", "chat", "serve", "models", "engines", "config", "conformance"):
+        assert f"  {verb} " in out
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("verb", ["run", "chat", "serve", "engines", "config", "conformance"])
+def test_every_verb_has_help(verb):
+    r = infer(verb, "--help")
+    assert r.returncode == 0 and "Usage:" in r.stdout
+
+
+def test_config_show_flag_beats_environment(tmp_path):
+    r = infer("config", "show", "--json", "-t", "5", env={"INFER_THREADS": "3"}, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    threads = json.loads(r.stdout)["options"]["threads"]
+    assert threads == {"value": 5, "source": "flag"}
+
+
+def test_misspelt_config_key_is_one_clear_line(tmp_path):
+    (tmp_path / "infer.toml").write_text("temprature = 0.2\n")
+    r = infer("config", "show", cwd=str(tmp_path), env={"XDG_CONFIG_HOME": str(tmp_path)})
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: infer.toml:1: unknown option 'temprature'")
+    assert "did you mean 'temp'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unsupported_verbs_exit_9(tmp_path):
+    for verb in ("serve", "conformance"):
+        r = infer(verb, cwd=str(tmp_path))
+        assert r.returncode == 9 and "not built yet" in r.stderr
+    r = subprocess.run([sys.executable, "-c", "from stdengine.bench.cli import main; main(['-m', 'x'])"],
+                       capture_output=True, text=True)
+    assert r.returncode == 9
+
+
+def test_option_the_engine_cannot_honour_is_refused(tmp_path):
+    r = infer("run", "-ngl", "10", "-p", "hi", cwd=str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert "cannot honour n_gpu_layers" in r.stderr
+
+
+def test_unknown_engine_and_missing_prompt(tmp_path):
+    r = infer("run", "-e", "refrence", "-p", "hi", cwd=str(tmp_path))
+    assert r.returncode == 2 and "did you mean 'reference'" in r.stderr
+    r = infer("run", "-m", str(tmp_path / "missing.gguf"), "-p", "", cwd=str(tmp_path))
+    assert r.returncode == 2 and "empty" in r.stderr
+
+
+def test_engines_json_lists_reference():
+    r = infer("engines", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {e["name"]: e for e in json.loads(r.stdout)}
+    ref = rows["reference"]
+    assert "logits" in ref["capabilities"] and "ctx_size" in ref["honoured_options"]
