@@ -1,5 +1,272 @@
-/* avx2 dot products (filled in below). */
+/* AVX2 (+FMA, F16C) dot products, for x86 CPUs without AVX-512. Only this file is compiled for
+ * these ISAs (by the pragma below); kernels.c chooses it at run time.
+ *
+ * Integer products use vpmaddubsw (u8 x s8 -> pairs summed to s16) then vpmaddwd to s32. Every
+ * pair sum here stays below 2*128*127 = 32512, so the s16 saturation never triggers. Signed
+ * weights (q4_0, q5_0, q8_0) go in as |w| with w's sign moved onto the activation. One weight
+ * block per step; each kernel takes one weight row and 1..4 activation rows.
+ */
 #define SE_KERNELS_INTERNAL
 #include "kernels.h"
 
-const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {0};
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+INLINE uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+INLINE float hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* sum of u8 x s8 products over 32 bytes, as 8 s32 lanes (lane k covers bytes 4k..4k+3) */
+INLINE __m256i dot_us8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* 16 packed bytes -> 32 nibbles in element order (low nibbles first) */
+INLINE __m256i nibbles(const uint8_t *p) {
+    __m128i x = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(x), _mm_srli_epi16(x, 4), 1),
+                            _mm256_set1_epi8(15));
+}
+
+/* 32 bits -> 32 bytes, 0x10 where the bit is set (q5's fifth bit) */
+INLINE __m256i fifth_bits(uint32_t h) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread);
+    x = _mm256_cmpeq_epi8(_mm256_and_si256(x, bit), bit);
+    return _mm256_and_si256(x, _mm256_set1_epi8(16));
+}
+
+/* ---------------------------------------------------------------- legacy 32-blocks */
+
+INLINE __m256i unpack1(int type, const uint8_t *b) {
+    switch (type) {
+    case SE_Q4_0: return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+    case SE_Q4_1: return nibbles(b + 4);
+    case SE_Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), fifth_bits(ld32(b + 2))), _mm256_set1_epi8(16));
+    case SE_Q5_1: return _mm256_or_si256(nibbles(b + 8), fifth_bits(ld32(b + 4)));
+    default: return _mm256_loadu_si256((const __m256i *)(b + 2)); /* SE_Q8_0 */
+    }
+}
+
+static int legacy_size(int type) {
+    switch (type) {
+    case SE_Q4_0: return 18;
+    case SE_Q4_1: return 20;
+    case SE_Q5_0: return 22;
+    case SE_Q5_1: return 24;
+    default: return 34;
+    }
+}
+
+INLINE void legacy_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
+                        float *out) {
+    const int is1 = type == SE_Q4_1 || type == SE_Q5_1; /* has a min; activations are Q8_1 */
+    const int ws = legacy_size(type), asz = is1 ? 36 : 34, aq = is1 ? 4 : 2;
+    __m256 acc[4];
+    float accm[4] = {0};
+    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+
+    for (int64_t i = 0; i < n / 32; i++) {
+        const uint8_t *x = w + i * ws;
+        const __m256i q = unpack1(type, x), qabs = _mm256_sign_epi8(q, q);
+        const float d = h2f(x), m = is1 ? h2f(x + 2) : 0;
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *y = a + c * as + i * asz;
+            __m256i av = _mm256_loadu_si256((const __m256i *)(y + aq));
+            __m256i dp = is1 ? dot_us8(q, av) : dot_us8(qabs, _mm256_sign_epi8(av, q));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_set1_ps(d * h2f(y)), acc[c]);
+            if (is1) accm[c] += m * h2f(y + 2);
+        }
+    }
+    for (int c = 0; c < nc; c++) out[c] = hsum8(acc[c]) + accm[c];
+}
+
+/* ---------------------------------------------------------------- K-quants */
+
+/* ggml's get_scale_min_k4 four at a time on 32-bit words: 8 scales and 8 mins as bytes. */
+INLINE void scales_mins_k4(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a = ld32(s), b = ld32(s + 4), c = ld32(s + 8);
+    uint32_t sc_lo = a & 0x3f3f3f3f, mn_lo = b & 0x3f3f3f3f;
+    uint32_t sc_hi = (c & 0x0f0f0f0f) | ((a >> 6) & 0x03030303) << 4;
+    uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0f) | ((b >> 6) & 0x03030303) << 4;
+    *sc = sc_lo | (uint64_t)sc_hi << 32;
+    *mn = mn_lo | (uint64_t)mn_hi << 32;
+}
+
+/* Q4_K (q5 = 0) and Q5_K: 8 sub-blocks of 32 quants, each one ymm; the scale multiplies the
+ * s16 pair sums in vpmaddwd. Mins come from the activations' bsums. */
+INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
+                       float *out) {
+    const int ws = q5 ? 176 : 144, qs_off = q5 ? 48 : 16;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc[4], accm[4];
+    for (int c = 0; c < nc; c++) { acc[c] = _mm256_setzero_ps(); accm[c] = _mm256_setzero_ps(); }
+
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *x = w + i * ws;
+        uint64_t sc8, mn8;
+        scales_mins_k4(x + 4, &sc8, &mn8);
+        const __m256i mn = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
+        const float d = h2f(x), dmin = h2f(x + 2);
+        __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(x + 16)) : _mm256_setzero_si256();
+        __m256i q[8], sv[8];
+        for (int j = 0; j < 4; j++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(x + qs_off + 32 * j));
+            q[2 * j] = _mm256_and_si256(raw, m4);
+            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (q5) { /* bit 2j of qh[l] is the fifth bit of quant 64j+l; bit 2j+1 of 64j+32+l */
+                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * j))), b1 = _mm256_set1_epi8((char)(2 << (2 * j)));
+                q[2 * j] = _mm256_or_si256(q[2 * j], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0),
+                                                                      _mm256_set1_epi8(16)));
+                q[2 * j + 1] = _mm256_or_si256(q[2 * j + 1], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1),
+                                                                              _mm256_set1_epi8(16)));
+            }
+        }
+        for (int j = 0; j < 8; j++) sv[j] = _mm256_set1_epi16((short)((sc8 >> (8 * j)) & 0xff));
+        for (int c = 0; c < nc; c++) {
+            const se_blk_q8_K *y = (const se_blk_q8_K *)(a + c * as) + i;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(y->qs + 32 * j)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sv[j]));
+            }
+            __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), _mm256_set1_epi16(1));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * y->d), acc[c]);
+            accm[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(bs, mn)), _mm256_set1_ps(dmin * y->d),
+                                      accm[c]);
+        }
+    }
+    for (int c = 0; c < nc; c++) out[c] = hsum8(acc[c]) - hsum8(accm[c]);
+}
+
+/* Q6_K: quants taken unsigned (0..63), the -32 applied through the bsums. A ymm of 32 quants
+ * covers two scales: s16 lanes 0-7 take the first, 8-15 the second. */
+INLINE void q6_K_dotx(int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    __m256 acc[4], acco[4];
+    for (int c = 0; c < nc; c++) { acc[c] = _mm256_setzero_ps(); acco[c] = _mm256_setzero_ps(); }
+
+    for (int64_t i = 0; i < n / 256; i++) {
+        const se_blk_q6_K *x = (const se_blk_q6_K *)w + i;
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+        const float d = h2f((const uint8_t *)&x->d);
+        __m256i q[8], sv[8];
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
+            q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+            q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+            q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+            q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+        }
+        for (int j = 0; j < 8; j++)
+            sv[j] = _mm256_set_m128i(_mm_set1_epi16(x->scales[2 * j + 1]), _mm_set1_epi16(x->scales[2 * j]));
+        for (int c = 0; c < nc; c++) {
+            const se_blk_q8_K *y = (const se_blk_q8_K *)(a + c * as) + i;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(y->qs + 32 * j)));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sv[j]));
+            }
+            __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), sc16);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * y->d), acc[c]);
+            acco[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32 * d * y->d), acco[c]);
+        }
+    }
+    for (int c = 0; c < nc; c++) out[c] = hsum8(acc[c]) - hsum8(acco[c]);
+}
+
+/* ---------------------------------------------------------------- float weights x f32 */
+
+INLINE __m256 load_w8(int type, const uint8_t *p) {
+    switch (type) {
+    case SE_F32: return _mm256_loadu_ps((const float *)p);
+    case SE_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    default: /* SE_BF16: the upper half of an f32 */
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    }
+}
+INLINE float load_w1(int type, const uint8_t *p) {
+    float f;
+    uint32_t u;
+    switch (type) {
+    case SE_F32: memcpy(&f, p, 4); return f;
+    case SE_F16: return h2f(p);
+    default: u = (uint32_t)p[0] << 16 | (uint32_t)p[1] << 24; memcpy(&f, &u, 4); return f;
+    }
+}
+
+INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    const int es = type == SE_F32 ? 4 : 2;
+    __m256 acc[4];
+    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = load_w8(type, w + i * es);
+        for (int c = 0; c < nc; c++)
+            acc[c] = _mm256_fmadd_ps(x, _mm256_loadu_ps((const float *)(a + c * as) + i), acc[c]);
+    }
+    for (int c = 0; c < nc; c++) {
+        out[c] = hsum8(acc[c]);
+        for (int64_t j = i; j < n; j++) out[c] += load_w1(type, w + j * es) * ((const float *)(a + c * as))[j];
+    }
+}
+
+/* ---------------------------------------------------------------- instances
+ * Each kernel is inlined with a constant type and token count, so the loops over tokens unroll
+ * and the accumulators stay in registers. */
+
+#define INSTANCE(name, call)                                                                       \
+    static float dot_##name(int64_t n, const void *w, const void *a) {                             \
+        float o;                                                                                   \
+        const int nc = 1; const size_t as = 0; float *out = &o;                                    \
+        call;                                                                                      \
+        return o;                                                                                  \
+    }                                                                                              \
+    static void dotx_##name(int64_t n, const void *w, const void *a, size_t as, int nc_, float *out) { \
+        switch (nc_) {                                                                             \
+        case 1: { const int nc = 1; call; break; }                                                 \
+        case 2: { const int nc = 2; call; break; }                                                 \
+        case 3: { const int nc = 3; call; break; }                                                 \
+        default: { const int nc = 4; call; break; }                                                \
+        }                                                                                          \
+    }
+
+INSTANCE(q4_0, legacy_dotx(SE_Q4_0, n, w, a, as, nc, out))
+INSTANCE(q4_1, legacy_dotx(SE_Q4_1, n, w, a, as, nc, out))
+INSTANCE(q5_0, legacy_dotx(SE_Q5_0, n, w, a, as, nc, out))
+INSTANCE(q5_1, legacy_dotx(SE_Q5_1, n, w, a, as, nc, out))
+INSTANCE(q8_0, legacy_dotx(SE_Q8_0, n, w, a, as, nc, out))
+INSTANCE(q4_K, q45_K_dotx(0, n, w, a, as, nc, out))
+INSTANCE(q5_K, q45_K_dotx(1, n, w, a, as, nc, out))
+INSTANCE(q6_K, q6_K_dotx(n, w, a, as, nc, out))
+INSTANCE(f32, float_dotx(SE_F32, n, w, a, as, nc, out))
+INSTANCE(f16, float_dotx(SE_F16, n, w, a, as, nc, out))
+INSTANCE(bf16, float_dotx(SE_BF16, n, w, a, as, nc, out))
+
+#define K(T, name) [T] = { dot_##name, dotx_##name }
+const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
+    K(SE_Q4_0, q4_0), K(SE_Q4_1, q4_1), K(SE_Q5_0, q5_0), K(SE_Q5_1, q5_1), K(SE_Q8_0, q8_0),
+    K(SE_Q4_K, q4_K), K(SE_Q5_K, q5_K), K(SE_Q6_K, q6_K),
+    K(SE_F32, f32), K(SE_F16, f16), K(SE_BF16, bf16),
+};
+
+#else
+const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {{0}};
+#endif

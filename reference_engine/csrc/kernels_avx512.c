@@ -1,5 +1,298 @@
-/* avx512 dot products (filled in below). */
+/* AVX-512 (F/BW/VL/DQ + VNNI) dot products. Only this file is compiled for these ISAs (by the
+ * pragma below), so the library still builds with portable flags; kernels.c chooses it at run time.
+ *
+ * Integer products use vpdpbusd (u8 x s8 -> s32, no saturation). Weights that are unsigned
+ * (q4_1, q5_1, the K-quants' q) go in the u8 operand directly; signed ones (q4_0, q5_0, q8_0) use
+ * |w| and move w's sign onto the activation. Each kernel takes one weight row and 1..4 activation
+ * rows, so a batch unpacks every weight block once per 4 tokens.
+ */
 #define SE_KERNELS_INTERNAL
 #include "kernels.h"
 
-const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {0};
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#include <immintrin.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+INLINE uint16_t ld16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
+INLINE uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+INLINE __m512i load2x32(const uint8_t *p0, const uint8_t *p1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p0)),
+                              _mm256_loadu_si256((const __m256i *)p1), 1);
+}
+
+/* 16 packed bytes of each of two blocks -> 64 nibbles in element order: block 0's low nibbles,
+ * its high nibbles, then block 1's. */
+INLINE __m512i nibbles2(const uint8_t *p0, const uint8_t *p1) {
+    __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
+                                        _mm_loadu_si128((const __m128i *)p1), 1);
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(x), _mm256_srli_epi16(x, 4), 1);
+    z = _mm512_shuffle_i64x2(z, z, 0xD8); /* 128-bit lanes 0,2,1,3 */
+    return _mm512_and_si512(z, _mm512_set1_epi8(15));
+}
+
+/* ---------------------------------------------------------------- legacy 32-blocks */
+
+/* 64 quants of two blocks: 0..15 / 0..31 for the _1 types, signed for the others. */
+INLINE __m512i unpack2(int type, const uint8_t *b0, const uint8_t *b1) {
+    switch (type) {
+    case SE_Q4_0:
+        return _mm512_sub_epi8(nibbles2(b0 + 2, b1 + 2), _mm512_set1_epi8(8));
+    case SE_Q4_1:
+        return nibbles2(b0 + 4, b1 + 4);
+    case SE_Q5_0: { /* q - 16: subtract 16 where the fifth bit is clear */
+        __mmask64 hi = (__mmask64)ld32(b0 + 2) | (__mmask64)ld32(b1 + 2) << 32;
+        __m512i q = nibbles2(b0 + 6, b1 + 6);
+        return _mm512_mask_sub_epi8(q, ~hi, q, _mm512_set1_epi8(16));
+    }
+    case SE_Q5_1: {
+        __mmask64 hi = (__mmask64)ld32(b0 + 4) | (__mmask64)ld32(b1 + 4) << 32;
+        __m512i q = nibbles2(b0 + 8, b1 + 8);
+        return _mm512_mask_add_epi8(q, hi, q, _mm512_set1_epi8(16));
+    }
+    default: /* SE_Q8_0 */
+        return load2x32(b0 + 2, b1 + 2);
+    }
+}
+
+static int legacy_size(int type) {
+    switch (type) {
+    case SE_Q4_0: return 18;
+    case SE_Q4_1: return 20;
+    case SE_Q5_0: return 22;
+    case SE_Q5_1: return 24;
+    default: return 34;
+    }
+}
+
+/* Two blocks per step. An odd last block is paired with itself and given a zero scale. */
+INLINE void legacy_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
+                        float *out) {
+    const int is1 = type == SE_Q4_1 || type == SE_Q5_1; /* has a min; activations are Q8_1 */
+    const int ws = legacy_size(type), asz = is1 ? 36 : 34, aq = is1 ? 4 : 2;
+    const int64_t nb = n / 32;
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[4];
+    __m128 accm[4];
+    for (int c = 0; c < nc; c++) { acc[c] = _mm512_setzero_ps(); accm[c] = _mm_setzero_ps(); }
+
+    for (int64_t i = 0; i < nb; i += 2) {
+        const int two = i + 1 < nb;
+        const uint8_t *w0 = w + i * ws, *w1 = two ? w0 + ws : w0;
+        const __m512i q = unpack2(type, w0, w1);
+        const __m512i qabs = _mm512_abs_epi8(q);
+        const __mmask64 neg = _mm512_movepi8_mask(q);
+        /* [d0, d1, m0, m1] of the weights; times [d0, d1, s0, s1] of the activations */
+        const __m128 wd = _mm_cvtph_ps(_mm_setr_epi16((short)ld16(w0), two ? (short)ld16(w1) : 0,
+                                                      is1 ? (short)ld16(w0 + 2) : 0,
+                                                      is1 && two ? (short)ld16(w1 + 2) : 0, 0, 0, 0, 0));
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *a0 = a + c * as + i * asz, *a1 = two ? a0 + asz : a0;
+            __m512i av = load2x32(a0 + aq, a1 + aq);
+            __m512i dp = is1 ? _mm512_dpbusd_epi32(zero, q, av)
+                             : _mm512_dpbusd_epi32(zero, qabs, _mm512_mask_sub_epi8(av, neg, zero, av));
+            __m128 s = _mm_mul_ps(wd, _mm_cvtph_ps(_mm_setr_epi16((short)ld16(a0), (short)ld16(a1),
+                                                                  is1 ? (short)ld16(a0 + 2) : 0,
+                                                                  is1 ? (short)ld16(a1 + 2) : 0, 0, 0, 0, 0)));
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp),
+                                     _mm512_permutexvar_ps(half, _mm512_castps128_ps512(s)), acc[c]);
+            if (is1) accm[c] = _mm_add_ps(accm[c], s);
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        out[c] = _mm512_reduce_add_ps(acc[c]);
+        if (is1) {
+            float m[4];
+            _mm_storeu_ps(m, accm[c]);
+            out[c] += m[2] + m[3];
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- K-quants */
+
+/* The 8 six-bit scales and mins of a Q4_K/Q5_K super-block, as bytes (ggml's get_scale_min_k4
+ * done four at a time on 32-bit words). */
+INLINE void scales_mins_k4(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a = ld32(s), b = ld32(s + 4), c = ld32(s + 8);
+    uint32_t sc_lo = a & 0x3f3f3f3f, mn_lo = b & 0x3f3f3f3f;
+    uint32_t sc_hi = (c & 0x0f0f0f0f) | ((a >> 6) & 0x03030303) << 4;
+    uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0f) | ((b >> 6) & 0x03030303) << 4;
+    *sc = sc_lo | (uint64_t)sc_hi << 32;
+    *mn = mn_lo | (uint64_t)mn_hi << 32;
+}
+
+/* Q4_K (qh == 0) and Q5_K: per super-block, 4 chunks of 64 quants; each chunk is two
+ * sub-blocks of 32, so a vpdpbusd's lanes 0-7 take one scale and lanes 8-15 the next. */
+INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
+                       float *out) {
+    const int ws = q5 ? 176 : 144, qs_off = q5 ? 48 : 16;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[4];
+    __m256 accm[4];
+    for (int c = 0; c < nc; c++) { acc[c] = _mm512_setzero_ps(); accm[c] = _mm256_setzero_ps(); }
+
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *x = w + i * ws;
+        uint64_t sc8, mn8;
+        scales_mins_k4(x + 4, &sc8, &mn8);
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8));
+        const __m256i mn = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
+        const float d = h2f(x), dmin = h2f(x + 2);
+        __m512i q[4], sv[4];
+        for (int j = 0; j < 4; j++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(x + qs_off + 32 * j));
+            q[j] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
+                                    _mm512_set1_epi8(15));
+            if (q5) { /* element 64j+l takes bit 2j of qh[l]; element 64j+32+l takes bit 2j+1 */
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 16));
+                __mmask64 hi = (__mmask64)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * j)))) |
+                               (__mmask64)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * j)))) << 32;
+                q[j] = _mm512_mask_add_epi8(q[j], hi, q[j], _mm512_set1_epi8(16));
+            }
+            sv[j] = _mm512_permutexvar_epi32(_mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
+                                                               2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                                               2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1), sc);
+        }
+        for (int c = 0; c < nc; c++) {
+            const se_blk_q8_K *y = (const se_blk_q8_K *)(a + c * as) + i;
+            __m512i sumi = zero;
+            for (int j = 0; j < 4; j++) {
+                __m512i dp = _mm512_dpbusd_epi32(zero, q[j], _mm512_loadu_si512(y->qs + 64 * j));
+                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(dp, sv[j]));
+            }
+            /* mins: m_j * (sum of the 32 activations of sub-block j), from the bsums */
+            __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), _mm256_set1_epi16(1));
+            __m256i mins = _mm256_mullo_epi32(bs, mn);
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * y->d), acc[c]);
+            accm[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dmin * y->d), accm[c]);
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm[c]), _mm256_extractf128_ps(accm[c], 1));
+        m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        out[c] = _mm512_reduce_add_ps(acc[c]) - _mm_cvtss_f32(m);
+    }
+}
+
+/* Q6_K: quants taken unsigned (0..63), the -32 applied through the bsums. A vpdpbusd over 64
+ * quants covers 4 scales (16 quants each), so its lanes take scales 4 at a time. */
+INLINE void q6_K_dotx(int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    const __m512i zero = _mm512_setzero_si512(), m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[4];
+    __m256 acco[4];
+    for (int c = 0; c < nc; c++) { acc[c] = _mm512_setzero_ps(); acco[c] = _mm256_setzero_ps(); }
+
+    for (int64_t i = 0; i < n / 256; i++) {
+        const se_blk_q6_K *x = (const se_blk_q6_K *)w + i;
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x->scales);
+        const __m512i sc = _mm512_cvtepi8_epi32(sc8);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const float d = h2f((const uint8_t *)&x->d);
+        __m512i q[4], sv[4];
+        for (int h = 0; h < 2; h++) {
+            __m512i ql = _mm512_loadu_si512(x->ql + 64 * h);
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
+            /* [qh, qh >> 2]: bits 4-5 of each byte then feed quants 64..127 of this half, and
+             * the same bits shifted left by 4 feed quants 0..63 */
+            __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+            q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_slli_epi16(qh2, 4), m30));
+            q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(qh2, m30));
+        }
+        for (int j = 0; j < 4; j++) {
+            const int b = 4 * j;
+            sv[j] = _mm512_permutexvar_epi32(_mm512_setr_epi32(b, b, b, b, b + 1, b + 1, b + 1, b + 1, b + 2, b + 2,
+                                                               b + 2, b + 2, b + 3, b + 3, b + 3, b + 3), sc);
+        }
+        for (int c = 0; c < nc; c++) {
+            const se_blk_q8_K *y = (const se_blk_q8_K *)(a + c * as) + i;
+            __m512i sumi = zero;
+            for (int j = 0; j < 4; j++) {
+                __m512i dp = _mm512_dpbusd_epi32(zero, q[j], _mm512_loadu_si512(y->qs + 64 * j));
+                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(dp, sv[j]));
+            }
+            __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), sc16);
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * y->d), acc[c]);
+            acco[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32 * d * y->d), acco[c]);
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        __m128 m = _mm_add_ps(_mm256_castps256_ps128(acco[c]), _mm256_extractf128_ps(acco[c], 1));
+        m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        out[c] = _mm512_reduce_add_ps(acc[c]) - _mm_cvtss_f32(m);
+    }
+}
+
+/* ---------------------------------------------------------------- float weights x f32 */
+
+INLINE __m512 load_w16(int type, const uint8_t *p, __mmask16 m) {
+    switch (type) {
+    case SE_F32: return _mm512_maskz_loadu_ps(m, p);
+    case SE_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    default: /* SE_BF16: the upper half of an f32 */
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    }
+}
+
+INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    const int es = type == SE_F32 ? 4 : 2;
+    __m512 acc[4];
+    for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512 x = load_w16(type, w + i * es, m);
+        for (int c = 0; c < nc; c++)
+            acc[c] = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, (const float *)(a + c * as) + i), acc[c]);
+    }
+    for (int c = 0; c < nc; c++) out[c] = _mm512_reduce_add_ps(acc[c]);
+}
+
+/* ---------------------------------------------------------------- instances
+ * Each kernel is inlined with a constant type and token count, so the loops over tokens unroll
+ * and the accumulators stay in registers. */
+
+#define INSTANCE(name, call)                                                                       \
+    static float dot_##name(int64_t n, const void *w, const void *a) {                             \
+        float o;                                                                                   \
+        const int nc = 1; const size_t as = 0; float *out = &o;                                    \
+        call;                                                                                      \
+        return o;                                                                                  \
+    }                                                                                              \
+    static void dotx_##name(int64_t n, const void *w, const void *a, size_t as, int nc_, float *out) { \
+        switch (nc_) {                                                                             \
+        case 1: { const int nc = 1; call; break; }                                                 \
+        case 2: { const int nc = 2; call; break; }                                                 \
+        case 3: { const int nc = 3; call; break; }                                                 \
+        default: { const int nc = 4; call; break; }                                                \
+        }                                                                                          \
+    }
+
+INSTANCE(q4_0, legacy_dotx(SE_Q4_0, n, w, a, as, nc, out))
+INSTANCE(q4_1, legacy_dotx(SE_Q4_1, n, w, a, as, nc, out))
+INSTANCE(q5_0, legacy_dotx(SE_Q5_0, n, w, a, as, nc, out))
+INSTANCE(q5_1, legacy_dotx(SE_Q5_1, n, w, a, as, nc, out))
+INSTANCE(q8_0, legacy_dotx(SE_Q8_0, n, w, a, as, nc, out))
+INSTANCE(q4_K, q45_K_dotx(0, n, w, a, as, nc, out))
+INSTANCE(q5_K, q45_K_dotx(1, n, w, a, as, nc, out))
+INSTANCE(q6_K, q6_K_dotx(n, w, a, as, nc, out))
+INSTANCE(f32, float_dotx(SE_F32, n, w, a, as, nc, out))
+INSTANCE(f16, float_dotx(SE_F16, n, w, a, as, nc, out))
+INSTANCE(bf16, float_dotx(SE_BF16, n, w, a, as, nc, out))
+
+#define K(T, name) [T] = { dot_##name, dotx_##name }
+const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {
+    K(SE_Q4_0, q4_0), K(SE_Q4_1, q4_1), K(SE_Q5_0, q5_0), K(SE_Q5_1, q5_1), K(SE_Q8_0, q8_0),
+    K(SE_Q4_K, q4_K), K(SE_Q5_K, q5_K), K(SE_Q6_K, q6_K),
+    K(SE_F32, f32), K(SE_F16, f16), K(SE_BF16, bf16),
+};
+
+#else
+const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {{0}};
+#endif
