@@ -17,7 +17,6 @@
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE float h2f(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
-INLINE uint16_t ld16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
 INLINE uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
 INLINE __m512i load2x32(const uint8_t *p0, const uint8_t *p1) {
@@ -69,47 +68,68 @@ static int legacy_size(int type) {
     }
 }
 
-/* Two blocks per step. An odd last block is paired with itself and given a zero scale. */
+/* [d, m] of 4 blocks as fp16 pairs -> 8 floats. Reading 4 bytes from a block's start gives d and
+ * the next field: m (or s) for the _1 types, the first quants otherwise (junk, never used). */
+INLINE __m256 scales4(const uint8_t *b, int size, int cnt) {
+    const uint8_t *last = b + (cnt - 1) * size; /* blocks past the row's end re-read its last block */
+    return _mm256_cvtph_ps(_mm_setr_epi32((int)ld32(b), (int)ld32(cnt > 1 ? b + size : last),
+                                          (int)ld32(cnt > 2 ? b + 2 * size : last),
+                                          (int)ld32(cnt > 3 ? b + 3 * size : last)));
+}
+
+/* Four blocks per step (two vpdpbusd of two blocks each), so that the fp16 scales of both
+ * operands convert in one instruction each. A short last step re-reads the row's last block
+ * and gives the extra copies a zero scale. */
 INLINE void legacy_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
                         float *out) {
     const int is1 = type == SE_Q4_1 || type == SE_Q5_1; /* has a min; activations are Q8_1 */
     const int ws = legacy_size(type), asz = is1 ? 36 : 34, aq = is1 ? 4 : 2;
     const int64_t nb = n / 32;
-    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i hi = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
     const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[4];
-    __m128 accm[4];
-    for (int c = 0; c < nc; c++) { acc[c] = _mm512_setzero_ps(); accm[c] = _mm_setzero_ps(); }
+    __m512 acc[4], acc2[4]; /* two chains, so the fmadd latency is not the limit */
+    __m256 accm[4];
+    for (int c = 0; c < nc; c++) {
+        acc[c] = acc2[c] = _mm512_setzero_ps();
+        accm[c] = _mm256_setzero_ps();
+    }
 
-    for (int64_t i = 0; i < nb; i += 2) {
-        const int two = i + 1 < nb;
-        const uint8_t *w0 = w + i * ws, *w1 = two ? w0 + ws : w0;
-        const __m512i q = unpack2(type, w0, w1);
-        const __m512i qabs = _mm512_abs_epi8(q);
-        const __mmask64 neg = _mm512_movepi8_mask(q);
-        /* [d0, d1, m0, m1] of the weights; times [d0, d1, s0, s1] of the activations */
-        const __m128 wd = _mm_cvtph_ps(_mm_setr_epi16((short)ld16(w0), two ? (short)ld16(w1) : 0,
-                                                      is1 ? (short)ld16(w0 + 2) : 0,
-                                                      is1 && two ? (short)ld16(w1 + 2) : 0, 0, 0, 0, 0));
+    for (int64_t i = 0; i < nb; i += 4) {
+        const int cnt = nb - i < 4 ? (int)(nb - i) : 4;
+        const __mmask8 valid = (__mmask8)((1u << (2 * cnt)) - 1);
+        const uint8_t *x = w + i * ws, *xl = x + (cnt - 1) * ws;
+        const __m512i q0 = unpack2(type, x, cnt > 1 ? x + ws : xl);
+        const __m512i q1 = unpack2(type, cnt > 2 ? x + 2 * ws : xl, cnt > 3 ? x + 3 * ws : xl);
+        const __m512i qa0 = _mm512_abs_epi8(q0), qa1 = _mm512_abs_epi8(q1);
+        const __mmask64 neg0 = _mm512_movepi8_mask(q0), neg1 = _mm512_movepi8_mask(q1);
+        const __m256 wd = scales4(x, ws, cnt); /* [d0, m0, d1, m1, ...] */
         for (int c = 0; c < nc; c++) {
-            const uint8_t *a0 = a + c * as + i * asz, *a1 = two ? a0 + asz : a0;
-            __m512i av = load2x32(a0 + aq, a1 + aq);
-            __m512i dp = is1 ? _mm512_dpbusd_epi32(zero, q, av)
-                             : _mm512_dpbusd_epi32(zero, qabs, _mm512_mask_sub_epi8(av, neg, zero, av));
-            __m128 s = _mm_mul_ps(wd, _mm_cvtph_ps(_mm_setr_epi16((short)ld16(a0), (short)ld16(a1),
-                                                                  is1 ? (short)ld16(a0 + 2) : 0,
-                                                                  is1 ? (short)ld16(a1 + 2) : 0, 0, 0, 0, 0)));
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp),
-                                     _mm512_permutexvar_ps(half, _mm512_castps128_ps512(s)), acc[c]);
-            if (is1) accm[c] = _mm_add_ps(accm[c], s);
+            const uint8_t *y = a + c * as + i * asz, *yl = y + (cnt - 1) * asz;
+            __m512i a0 = load2x32(y + aq, (cnt > 1 ? y + asz : yl) + aq);
+            __m512i a1 = load2x32((cnt > 2 ? y + 2 * asz : yl) + aq, (cnt > 3 ? y + 3 * asz : yl) + aq);
+            __m512i p0, p1;
+            if (is1) {
+                p0 = _mm512_dpbusd_epi32(zero, q0, a0);
+                p1 = _mm512_dpbusd_epi32(zero, q1, a1);
+            } else {
+                p0 = _mm512_dpbusd_epi32(zero, qa0, _mm512_mask_sub_epi8(a0, neg0, zero, a0));
+                p1 = _mm512_dpbusd_epi32(zero, qa1, _mm512_mask_sub_epi8(a1, neg1, zero, a1));
+            }
+            /* [d0*da0, m0*s0, d1*da1, m1*s1, ...], zero for the padding blocks */
+            __m256 s = _mm256_maskz_mul_ps(valid, wd, scales4(y, asz, cnt));
+            __m512 s512 = _mm512_castps256_ps512(s);
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(lo, s512), acc[c]);
+            acc2[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(hi, s512), acc2[c]);
+            if (is1) accm[c] = _mm256_add_ps(accm[c], s);
         }
     }
     for (int c = 0; c < nc; c++) {
-        out[c] = _mm512_reduce_add_ps(acc[c]);
+        out[c] = _mm512_reduce_add_ps(_mm512_add_ps(acc[c], acc2[c]));
         if (is1) {
-            float m[4];
-            _mm_storeu_ps(m, accm[c]);
-            out[c] += m[2] + m[3];
+            float m[8];
+            _mm256_storeu_ps(m, accm[c]);
+            out[c] += (m[1] + m[3]) + (m[5] + m[7]);
         }
     }
 }
