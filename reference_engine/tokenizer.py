@@ -56,6 +56,12 @@ _SPECIAL_ATTRS = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
               "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
 _EOG_TEXTS = _EOT_TEXTS + ("<|eom_id|>", "<|return|>", "<|call|>", "</s>")
+# fill-in-the-middle pad / repository / file separator tokens also end generation in llama.cpp
+_FIM_TEXTS = {
+    "fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep_token_id": ("<|file_sep|>",),
+}
 
 _SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
@@ -375,6 +381,12 @@ class Tokenizer:
             if i is not None and self.eot_id is None:
                 self.eot_id = i
         eog = {self._token_to_id[t] for t in _EOG_TEXTS if t in self._token_to_id}
+        for key, texts in _FIM_TEXTS.items():
+            i = special_id(key, None)
+            if i is None:
+                i = next((self._token_to_id[t] for t in texts if t in self._token_to_id), None)
+            if i is not None:
+                eog.add(i)
         for i in eog | {x for x in (self.eot_id, self.eom_id) if x is not None}:
             self.attrs[i] |= ATTR_CONTROL
         eog |= {x for x in (self.eos_id, self.eot_id, self.eom_id) if x is not None}
@@ -384,7 +396,9 @@ class Tokenizer:
         special = [i for i, a in enumerate(self.attrs) if a & _SPECIAL_ATTRS]
         special.sort(key=lambda i: -len(self.tokens[i]))
         self._special_all = [(self.tokens[i], i) for i in special]
-        self._special_user = [(t, i) for t, i in self._special_all if self.attrs[i] & ATTR_USER_DEFINED]
+        # without parse_special, control and unknown tokens stay text (even when also user-defined)
+        self._special_user = [(t, i) for t, i in self._special_all
+                              if not self.attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)]
         # tokens after which SPM encoding adds a space prefix (see decode)
         self._fragment_breaks = frozenset(
             i for i in special
