@@ -243,6 +243,7 @@ def read_gguf_metadata(path: str | PathLike[str], prefixes: tuple[str, ...] = ("
                 vtype = int.from_bytes(buf[pos:pos + 4], "little")
                 pos += 4
                 keep = key.startswith(prefixes)
+                value: Any
                 if vtype == _GGUF_STRING:
                     value, pos = string(pos)
                 elif vtype == _GGUF_ARRAY:
@@ -250,7 +251,7 @@ def read_gguf_metadata(path: str | PathLike[str], prefixes: tuple[str, ...] = ("
                     count = u64(pos + 4)
                     pos += 12
                     if itype == _GGUF_STRING:
-                        items = []
+                        items: list[str] = []
                         for _ in range(count):
                             n = u64(pos)
                             if keep:
@@ -340,11 +341,11 @@ class Tokenizer:
             self._ranks: dict[str, int] = {}
             for i, m in enumerate(merges):
                 self._ranks.setdefault(m, i)
-            bos, eos, unk = 11, 11, None
+            bos, eos, unk = 11, 11, None  # llama.cpp's defaults (overridden by the file's ids)
             add_bos, add_eos, add_space_prefix = pre.add_bos, False, False
         elif model == "llama":
             self.kind = "spm"
-            self._pre = None
+            self._pre = _P_DEFAULT  # unused: SPM has no pre-tokenizer
             self._ranks = {}
             bos, eos, unk = 1, 2, 0
             add_bos, add_eos, add_space_prefix = True, False, True
@@ -376,17 +377,15 @@ class Tokenizer:
             raise BadModelFile("tokenizer.ggml.add_eos_token is true, but there is no eos_token_id")
 
         # end of turn / generation: llama.cpp recognises these by text and makes them control tokens
-        for text in _EOT_TEXTS:
-            i = self._token_to_id.get(text)
-            if i is not None and self.eot_id is None:
-                self.eot_id = i
+        if self.eot_id is None:
+            self.eot_id = next((self._token_to_id[t] for t in _EOT_TEXTS if t in self._token_to_id), None)
         eog = {self._token_to_id[t] for t in _EOG_TEXTS if t in self._token_to_id}
         for key, texts in _FIM_TEXTS.items():
-            i = special_id(key, None)
-            if i is None:
-                i = next((self._token_to_id[t] for t in texts if t in self._token_to_id), None)
-            if i is not None:
-                eog.add(i)
+            found = special_id(key, None)
+            if found is None:
+                found = next((self._token_to_id[t] for t in texts if t in self._token_to_id), None)
+            if found is not None:
+                eog.add(found)
         for i in eog | {x for x in (self.eot_id, self.eom_id) if x is not None}:
             self.attrs[i] |= ATTR_CONTROL
         eog |= {x for x in (self.eos_id, self.eot_id, self.eom_id) if x is not None}
@@ -490,7 +489,7 @@ class Tokenizer:
 
     def _encode_bpe(self, text: str, out: list[int]) -> None:
         cache = self._bpe_cache
-        for word in pre_split(text, self._pre.regexes):  # type: ignore[union-attr]
+        for word in pre_split(text, self._pre.regexes):
             word = word.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_ALPHABET)
             ids = cache.get(word)
             if ids is None:
@@ -502,7 +501,7 @@ class Tokenizer:
 
     def _bpe_word(self, word: str) -> tuple[int, ...]:
         vocab = self._token_to_id
-        if self._pre.ignore_merges and word in vocab:  # type: ignore[union-attr]
+        if self._pre.ignore_merges and word in vocab:
             return (vocab[word],)
         ranks = self._ranks
         syms = list(word)  # one symbol per character of the byte alphabet; "" once merged away

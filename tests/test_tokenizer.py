@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from stdengine.errors import UnsupportedArchitecture
 from stdengine.reference.tokenizer import (
     _BYTE_TO_CHAR,
     PRE_TOKENIZERS,
@@ -28,6 +26,8 @@ from stdengine.reference.tokenizer import (
     pre_split,
     read_gguf_metadata,
 )
+
+from stdengine.errors import UnsupportedArchitecture
 
 CORPUS: list[dict[str, str]] = json.loads(
     (Path(__file__).parent / "data" / "tokenizer_corpus.json").read_text(encoding="utf-8"))
@@ -127,11 +127,7 @@ def smollm2(request: pytest.FixtureRequest) -> Path:
 
 
 def _first_difference(tok: Tokenizer, mine: list[int], ref: list[int]) -> str:
-    for i, (a, b) in enumerate(zip(mine, ref, strict=False)):
-        if a != b:
-            break
-    else:
-        i = min(len(mine), len(ref))
+    i = next((k for k, (a, b) in enumerate(zip(mine, ref, strict=False)) if a != b), min(len(mine), len(ref)))
     window = slice(max(0, i - 3), i + 4)
     return (f"first difference at {i}: mine {mine[window]} {[tok.tokens[t] for t in mine[window]]}, "
             f"llama.cpp {ref[window]} {[tok.tokens[t] for t in ref[window]]}")
@@ -268,7 +264,6 @@ def test_header_reader_reads_what_gguf_reader_reads(smollm2: Path, tmp_path: Pat
     """read_gguf_metadata (the fast path of from_gguf) against gguf.GGUFReader, on SmolLM2 and on
     synthetic files (Gemma's 262k vocabulary takes GGUFReader seconds, hence not Gemma)."""
     from gguf import GGUFReader
-
     from stdengine.reference.tokenizer import _reader_metadata
 
     for path in (smollm2, _write_gguf(tmp_path / "bpe.gguf", _bpe_meta("gpt-2")),
