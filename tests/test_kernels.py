@@ -249,10 +249,11 @@ def test_matmul_matches_numpy(t, n_tok, isa):
 
 
 @pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
-def test_matmul_row_ranges(t, isa):
+@pytest.mark.parametrize("n_tok", [1, 5])
+def test_matmul_row_ranges(t, n_tok, isa):
     """Threads each take a row range [r0, r1): the pieces are the whole, and nothing else is written."""
     rng = rng_for("ranges", t)
-    rows, k, n_tok = 45, (block(t) * 3 if block(t) > 1 else 96), 5
+    rows, k = 45, (block(t) * 3 if block(t) > 1 else 96)
     w = weights(t, rows, k, rng, sources(t)[0])
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
     full = K.matmul(t, w, k, x)

@@ -457,6 +457,7 @@ static const se_type_traits scalar_traits[SE_TYPE_COUNT] = {
  * multi-token kernels. Works before se_kernels_init (scalar). */
 static se_type_traits traits[SE_TYPE_COUNT];
 static se_dotx_fn dotx[SE_TYPE_COUNT];
+static se_rows4_fn rows4[SE_TYPE_COUNT];
 static const char *isa_name = "scalar";
 static int initialised;
 
@@ -482,12 +483,14 @@ static void install(int isa) {
     static const char *names[] = {"scalar", "avx2", "avx512"};
     memcpy(traits, scalar_traits, sizeof traits);
     memset(dotx, 0, sizeof dotx);
+    memset(rows4, 0, sizeof rows4);
     /* Layer the paths: AVX-512 falls back to AVX2 for a type it does not cover, then scalar. */
     for (int level = ISA_AVX2; level <= isa; level++) {
         const se_isa_kernels *k = level == ISA_AVX2 ? se_kernels_avx2 : se_kernels_avx512;
         for (int t = 0; t < SE_TYPE_COUNT; t++) {
             if (k[t].dot) traits[t].dot = k[t].dot;
             if (k[t].dotx) dotx[t] = k[t].dotx;
+            if (k[t].rows4) rows4[t] = k[t].rows4;
         }
     }
     isa_name = names[isa];
@@ -548,7 +551,14 @@ void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
     const size_t wrow = se_row_size(wtype, k), arow = se_row_size(t->act_type, k);
     const char *w = W, *a = act;
     se_dotx_fn dx = dotx[wtype];
+    se_rows4_fn r4 = rows4[wtype];
 
+    if (n_tok == 1 && r4) {
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) r4(k, w + wrow * (size_t)r, wrow, a, y + r);
+        for (; r < r1; r++) y[r] = t->dot(k, w + wrow * (size_t)r, a);
+        return;
+    }
     if (n_tok == 1 || !dx) {
         for (int64_t r = r0; r < r1; r++)
             for (int i = 0; i < n_tok; i++)

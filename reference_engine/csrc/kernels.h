@@ -73,7 +73,10 @@ typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } se_blk_q8_K; /* 2
  * Reading each weight block once for several tokens is what makes batches fast. */
 typedef void (*se_dotx_fn)(int64_t n, const void *w, const void *a, size_t a_stride, int nc,
                            float *out);
-typedef struct { se_dot_fn dot; se_dotx_fn dotx; } se_isa_kernels;
+/* Four weight rows (w, w + w_stride, ...) against one activation row: out[r]. Token generation
+ * (one token) shares the activation loads and the final reductions between rows this way. */
+typedef void (*se_rows4_fn)(int64_t n, const void *w, size_t w_stride, const void *a, float *out);
+typedef struct { se_dot_fn dot; se_dotx_fn dotx; se_rows4_fn rows4; } se_isa_kernels;
 
 /* Indexed by weight type; NULL entries fall back to the scalar code. */
 extern const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT];

@@ -260,7 +260,7 @@ INSTANCE(f32, float_dotx(SE_F32, n, w, a, as, nc, out))
 INSTANCE(f16, float_dotx(SE_F16, n, w, a, as, nc, out))
 INSTANCE(bf16, float_dotx(SE_BF16, n, w, a, as, nc, out))
 
-#define K(T, name) [T] = { dot_##name, dotx_##name }
+#define K(T, name) [T] = { dot_##name, dotx_##name, NULL }
 const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
     K(SE_Q4_0, q4_0), K(SE_Q4_1, q4_1), K(SE_Q5_0, q5_0), K(SE_Q5_1, q5_1), K(SE_Q8_0, q8_0),
     K(SE_Q4_K, q4_K), K(SE_Q5_K, q5_K), K(SE_Q6_K, q6_K),

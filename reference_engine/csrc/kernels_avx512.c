@@ -77,11 +77,13 @@ INLINE __m256 scales4(const uint8_t *b, int size, int cnt) {
                                           (int)ld32(cnt > 3 ? b + 3 * size : last)));
 }
 
-/* Four blocks per step (two vpdpbusd of two blocks each), so that the fp16 scales of both
+/* nr weight rows (stride wr) x nc activation rows (stride as) -> out[r * nc + c]; nr * nc <= 4.
+ * Four blocks per step (two vpdpbusd of two blocks each), so that the fp16 scales of both
  * operands convert in one instruction each. A short last step re-reads the row's last block
- * and gives the extra copies a zero scale. */
-INLINE void legacy_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
-                        float *out) {
+ * and gives the extra copies a zero scale. Several rows per call (token generation) share the
+ * activation loads and spread the final reductions; several tokens (prompts) share the unpacking. */
+INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
+                        int nc, float *out) {
     const int is1 = type == SE_Q4_1 || type == SE_Q5_1; /* has a min; activations are Q8_1 */
     const int ws = legacy_size(type), asz = is1 ? 36 : 34, aq = is1 ? 4 : 2;
     const int64_t nb = n / 32;
@@ -90,46 +92,53 @@ INLINE void legacy_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a,
     const __m512i zero = _mm512_setzero_si512();
     __m512 acc[4], acc2[4]; /* two chains, so the fmadd latency is not the limit */
     __m256 accm[4];
-    for (int c = 0; c < nc; c++) {
-        acc[c] = acc2[c] = _mm512_setzero_ps();
-        accm[c] = _mm256_setzero_ps();
+    for (int k = 0; k < nr * nc; k++) {
+        acc[k] = acc2[k] = _mm512_setzero_ps();
+        accm[k] = _mm256_setzero_ps();
     }
 
     for (int64_t i = 0; i < nb; i += 4) {
         const int cnt = nb - i < 4 ? (int)(nb - i) : 4;
         const __mmask8 valid = (__mmask8)((1u << (2 * cnt)) - 1);
-        const uint8_t *x = w + i * ws, *xl = x + (cnt - 1) * ws;
-        const __m512i q0 = unpack2(type, x, cnt > 1 ? x + ws : xl);
-        const __m512i q1 = unpack2(type, cnt > 2 ? x + 2 * ws : xl, cnt > 3 ? x + 3 * ws : xl);
-        const __m512i qa0 = _mm512_abs_epi8(q0), qa1 = _mm512_abs_epi8(q1);
-        const __mmask64 neg0 = _mm512_movepi8_mask(q0), neg1 = _mm512_movepi8_mask(q1);
-        const __m256 wd = scales4(x, ws, cnt); /* [d0, m0, d1, m1, ...] */
+        __m512i q0[4], q1[4];
+        __mmask64 neg0[4], neg1[4];
+        __m256 wd[4];
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *x = w + r * wr + i * ws, *xl = x + (cnt - 1) * ws;
+            q0[r] = unpack2(type, x, cnt > 1 ? x + ws : xl);
+            q1[r] = unpack2(type, cnt > 2 ? x + 2 * ws : xl, cnt > 3 ? x + 3 * ws : xl);
+            if (!is1) { /* |w| goes in the u8 operand; w's sign moves to the activations */
+                neg0[r] = _mm512_movepi8_mask(q0[r]);
+                neg1[r] = _mm512_movepi8_mask(q1[r]);
+                q0[r] = _mm512_abs_epi8(q0[r]);
+                q1[r] = _mm512_abs_epi8(q1[r]);
+            }
+            wd[r] = scales4(x, ws, cnt); /* [d0, m0, d1, m1, ...] */
+        }
         for (int c = 0; c < nc; c++) {
             const uint8_t *y = a + c * as + i * asz, *yl = y + (cnt - 1) * asz;
-            __m512i a0 = load2x32(y + aq, (cnt > 1 ? y + asz : yl) + aq);
-            __m512i a1 = load2x32((cnt > 2 ? y + 2 * asz : yl) + aq, (cnt > 3 ? y + 3 * asz : yl) + aq);
-            __m512i p0, p1;
-            if (is1) {
-                p0 = _mm512_dpbusd_epi32(zero, q0, a0);
-                p1 = _mm512_dpbusd_epi32(zero, q1, a1);
-            } else {
-                p0 = _mm512_dpbusd_epi32(zero, qa0, _mm512_mask_sub_epi8(a0, neg0, zero, a0));
-                p1 = _mm512_dpbusd_epi32(zero, qa1, _mm512_mask_sub_epi8(a1, neg1, zero, a1));
+            const __m512i a0 = load2x32(y + aq, (cnt > 1 ? y + asz : yl) + aq);
+            const __m512i a1 = load2x32((cnt > 2 ? y + 2 * asz : yl) + aq, (cnt > 3 ? y + 3 * asz : yl) + aq);
+            const __m256 ad = _mm256_maskz_mov_ps(valid, scales4(y, asz, cnt));
+            for (int r = 0; r < nr; r++) {
+                const int k = r * nc + c;
+                __m512i p0 = _mm512_dpbusd_epi32(zero, q0[r], is1 ? a0 : _mm512_mask_sub_epi8(a0, neg0[r], zero, a0));
+                __m512i p1 = _mm512_dpbusd_epi32(zero, q1[r], is1 ? a1 : _mm512_mask_sub_epi8(a1, neg1[r], zero, a1));
+                /* [d0*da0, m0*s0, d1*da1, m1*s1, ...], zero for the padding blocks */
+                __m256 s = _mm256_mul_ps(wd[r], ad);
+                __m512 s512 = _mm512_castps256_ps512(s);
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(lo, s512), acc[k]);
+                acc2[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(hi, s512), acc2[k]);
+                if (is1) accm[k] = _mm256_add_ps(accm[k], s);
             }
-            /* [d0*da0, m0*s0, d1*da1, m1*s1, ...], zero for the padding blocks */
-            __m256 s = _mm256_maskz_mul_ps(valid, wd, scales4(y, asz, cnt));
-            __m512 s512 = _mm512_castps256_ps512(s);
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(lo, s512), acc[c]);
-            acc2[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(hi, s512), acc2[c]);
-            if (is1) accm[c] = _mm256_add_ps(accm[c], s);
         }
     }
-    for (int c = 0; c < nc; c++) {
-        out[c] = _mm512_reduce_add_ps(_mm512_add_ps(acc[c], acc2[c]));
+    for (int k = 0; k < nr * nc; k++) {
+        out[k] = _mm512_reduce_add_ps(_mm512_add_ps(acc[k], acc2[k]));
         if (is1) {
             float m[8];
-            _mm256_storeu_ps(m, accm[c]);
-            out[c] += (m[1] + m[3]) + (m[5] + m[7]);
+            _mm256_storeu_ps(m, accm[k]);
+            out[k] += (m[1] + m[3]) + (m[5] + m[7]);
         }
     }
 }
@@ -261,17 +270,21 @@ INLINE __m512 load_w16(int type, const uint8_t *p, __mmask16 m) {
     }
 }
 
-INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+INLINE void float_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
+                       int nc, float *out) {
     const int es = type == SE_F32 ? 4 : 2;
     __m512 acc[4];
-    for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
+    for (int k = 0; k < nr * nc; k++) acc[k] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 x = load_w16(type, w + i * es, m);
-        for (int c = 0; c < nc; c++)
-            acc[c] = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, (const float *)(a + c * as) + i), acc[c]);
+        __m512 x[4];
+        for (int r = 0; r < nr; r++) x[r] = load_w16(type, w + r * wr + i * es, m);
+        for (int c = 0; c < nc; c++) {
+            const __m512 y = _mm512_maskz_loadu_ps(m, (const float *)(a + c * as) + i);
+            for (int r = 0; r < nr; r++) acc[r * nc + c] = _mm512_fmadd_ps(x[r], y, acc[r * nc + c]);
+        }
     }
-    for (int c = 0; c < nc; c++) out[c] = _mm512_reduce_add_ps(acc[c]);
+    for (int k = 0; k < nr * nc; k++) out[k] = _mm512_reduce_add_ps(acc[k]);
 }
 
 /* ---------------------------------------------------------------- instances
@@ -281,11 +294,12 @@ INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
 #define INSTANCE(name, call)                                                                       \
     static float dot_##name(int64_t n, const void *w, const void *a) {                             \
         float o;                                                                                   \
-        const int nc = 1; const size_t as = 0; float *out = &o;                                    \
+        const int nr = 1, nc = 1; const size_t wr = 0, as = 0; float *out = &o;                    \
         call;                                                                                      \
         return o;                                                                                  \
     }                                                                                              \
     static void dotx_##name(int64_t n, const void *w, const void *a, size_t as, int nc_, float *out) { \
+        const int nr = 1; const size_t wr = 0;                                                     \
         switch (nc_) {                                                                             \
         case 1: { const int nc = 1; call; break; }                                                 \
         case 2: { const int nc = 2; call; break; }                                                 \
@@ -293,24 +307,38 @@ INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
         default: { const int nc = 4; call; break; }                                                \
         }                                                                                          \
     }
+#define ROWS4(name, call)                                                                          \
+    static void rows4_##name(int64_t n, const void *w, size_t wr, const void *a, float *out) {     \
+        const int nr = 4, nc = 1; const size_t as = 0;                                             \
+        call;                                                                                      \
+    }
 
-INSTANCE(q4_0, legacy_dotx(SE_Q4_0, n, w, a, as, nc, out))
-INSTANCE(q4_1, legacy_dotx(SE_Q4_1, n, w, a, as, nc, out))
-INSTANCE(q5_0, legacy_dotx(SE_Q5_0, n, w, a, as, nc, out))
-INSTANCE(q5_1, legacy_dotx(SE_Q5_1, n, w, a, as, nc, out))
-INSTANCE(q8_0, legacy_dotx(SE_Q8_0, n, w, a, as, nc, out))
-INSTANCE(q4_K, q45_K_dotx(0, n, w, a, as, nc, out))
-INSTANCE(q5_K, q45_K_dotx(1, n, w, a, as, nc, out))
-INSTANCE(q6_K, q6_K_dotx(n, w, a, as, nc, out))
-INSTANCE(f32, float_dotx(SE_F32, n, w, a, as, nc, out))
-INSTANCE(f16, float_dotx(SE_F16, n, w, a, as, nc, out))
-INSTANCE(bf16, float_dotx(SE_BF16, n, w, a, as, nc, out))
+INSTANCE(q4_0, legacy_tile(SE_Q4_0, n, w, wr, nr, a, as, nc, out))
+INSTANCE(q4_1, legacy_tile(SE_Q4_1, n, w, wr, nr, a, as, nc, out))
+INSTANCE(q5_0, legacy_tile(SE_Q5_0, n, w, wr, nr, a, as, nc, out))
+INSTANCE(q5_1, legacy_tile(SE_Q5_1, n, w, wr, nr, a, as, nc, out))
+INSTANCE(q8_0, legacy_tile(SE_Q8_0, n, w, wr, nr, a, as, nc, out))
+INSTANCE(q4_K, (void)wr; (void)nr; q45_K_dotx(0, n, w, a, as, nc, out))
+INSTANCE(q5_K, (void)wr; (void)nr; q45_K_dotx(1, n, w, a, as, nc, out))
+INSTANCE(q6_K, (void)wr; (void)nr; q6_K_dotx(n, w, a, as, nc, out))
+INSTANCE(f32, float_tile(SE_F32, n, w, wr, nr, a, as, nc, out))
+INSTANCE(f16, float_tile(SE_F16, n, w, wr, nr, a, as, nc, out))
+INSTANCE(bf16, float_tile(SE_BF16, n, w, wr, nr, a, as, nc, out))
+ROWS4(q4_0, legacy_tile(SE_Q4_0, n, w, wr, nr, a, as, nc, out))
+ROWS4(q4_1, legacy_tile(SE_Q4_1, n, w, wr, nr, a, as, nc, out))
+ROWS4(q5_0, legacy_tile(SE_Q5_0, n, w, wr, nr, a, as, nc, out))
+ROWS4(q5_1, legacy_tile(SE_Q5_1, n, w, wr, nr, a, as, nc, out))
+ROWS4(q8_0, legacy_tile(SE_Q8_0, n, w, wr, nr, a, as, nc, out))
+ROWS4(f32, float_tile(SE_F32, n, w, wr, nr, a, as, nc, out))
+ROWS4(f16, float_tile(SE_F16, n, w, wr, nr, a, as, nc, out))
+ROWS4(bf16, float_tile(SE_BF16, n, w, wr, nr, a, as, nc, out))
 
-#define K(T, name) [T] = { dot_##name, dotx_##name }
+#define K(T, name) [T] = { dot_##name, dotx_##name, NULL }
+#define KR(T, name) [T] = { dot_##name, dotx_##name, rows4_##name }
 const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {
-    K(SE_Q4_0, q4_0), K(SE_Q4_1, q4_1), K(SE_Q5_0, q5_0), K(SE_Q5_1, q5_1), K(SE_Q8_0, q8_0),
+    KR(SE_Q4_0, q4_0), KR(SE_Q4_1, q4_1), KR(SE_Q5_0, q5_0), KR(SE_Q5_1, q5_1), KR(SE_Q8_0, q8_0),
     K(SE_Q4_K, q4_K), K(SE_Q5_K, q5_K), K(SE_Q6_K, q6_K),
-    K(SE_F32, f32), K(SE_F16, f16), K(SE_BF16, bf16),
+    KR(SE_F32, f32), KR(SE_F16, f16), KR(SE_BF16, bf16),
 };
 
 #else
