@@ -148,10 +148,9 @@ def _check_ids(tok: Tokenizer, oracle: Oracle, text: str) -> list[str]:
 # real models
 
 
-pytestmark = [pytest.mark.llamacpp]
-
 
 @pytest.mark.models
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("line", CORPUS, ids=LINE_IDS)
 def test_ids_match_llamacpp_per_line(model: Any, line: dict[str, str]) -> None:
     _, tok, oracle = model
@@ -159,6 +158,7 @@ def test_ids_match_llamacpp_per_line(model: Any, line: dict[str, str]) -> None:
 
 
 @pytest.mark.models
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("sep", ["\n", "", " ", "\n\n"], ids=["newline", "nothing", "space", "blank_line"])
 def test_ids_match_llamacpp_whole_corpus(model: Any, sep: str) -> None:
     _, tok, oracle = model
@@ -167,6 +167,7 @@ def test_ids_match_llamacpp_whole_corpus(model: Any, sep: str) -> None:
 
 
 @pytest.mark.models
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("text", ["", " ", "  ", "\n", "a", " a", "a ", "\t\n\r\n", "0", "<|im_end|>",
                                   "<end_of_turn>", "<bos>", "<|im_start|>user", "<start_of_turn>model\n"])
 def test_ids_match_llamacpp_short(model: Any, text: str) -> None:
@@ -175,6 +176,7 @@ def test_ids_match_llamacpp_short(model: Any, text: str) -> None:
 
 
 @pytest.mark.models
+@pytest.mark.llamacpp
 def test_vocabulary_facts_match_llamacpp(model: Any) -> None:
     _, tok, oracle = model
     lib, v = oracle.lib, oracle.vocab
@@ -188,6 +190,7 @@ def test_vocabulary_facts_match_llamacpp(model: Any) -> None:
 
 
 @pytest.mark.models
+@pytest.mark.llamacpp
 def test_token_to_piece_matches_llamacpp_for_every_token(model: Any) -> None:
     _, tok, oracle = model
     bad = [(i, special) for i in range(tok.n_vocab) for special in (True, False)
@@ -200,6 +203,7 @@ def _plain(text: str) -> bool:
 
 
 @pytest.mark.models
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("line", CORPUS, ids=LINE_IDS)
 def test_decode_roundtrip(model: Any, line: dict[str, str]) -> None:
     _, tok, oracle = model
@@ -213,6 +217,7 @@ def test_decode_roundtrip(model: Any, line: dict[str, str]) -> None:
 
 
 @pytest.mark.models
+@pytest.mark.llamacpp
 def test_decode_roundtrip_with_special_tokens(model: Any) -> None:
     name, tok, _ = model
     text = ("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n" if name == "smollm2"
@@ -224,6 +229,7 @@ def test_decode_roundtrip_with_special_tokens(model: Any) -> None:
 
 
 @pytest.mark.models
+@pytest.mark.llamacpp
 def test_stream_decoder_emits_only_complete_text(model: Any) -> None:
     _, tok, oracle = model
     text = "\n".join(c["text"] for c in CORPUS if _plain(c["text"]))
@@ -412,6 +418,7 @@ SYNTH_TEXTS = [c["text"] for c in CORPUS] + [
 ]
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2", "default", "smollm"])
 def test_synthetic_bpe_matches_llamacpp(tmp_path: Path, pre: str) -> None:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
@@ -426,6 +433,7 @@ def test_synthetic_bpe_matches_llamacpp(tmp_path: Path, pre: str) -> None:
         [oracle.piece(i, s) for i in range(tok.n_vocab) for s in (True, False)]
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("add_bos", [True, False])
 def test_synthetic_bpe_add_bos_token_is_honoured(tmp_path: Path, add_bos: bool) -> None:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
@@ -445,6 +453,7 @@ def test_llama_bpe_ignores_merges_for_whole_word_tokens() -> None:
     assert len(Tokenizer.from_metadata(_bpe_meta("gpt-2")).encode(" Zyzzyva")) > 1
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("space_prefix", [True, False])
 def test_synthetic_spm_matches_llamacpp(tmp_path: Path, space_prefix: bool) -> None:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
