@@ -310,3 +310,42 @@ def test_env_forces_isa(name):
     out = subprocess.run([sys.executable, "-c", "from stdengine.reference import kernels as K; print(K.isa())"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out == (name if name in ISAS else ISAS[-1])
+
+
+# ------------------------------------------------------------------ real model weights
+
+
+def _check_model_tensors(path, isa_names):
+    """Rows of every tensor type in a real GGUF, read in place: to_float == gguf, matmul within bound."""
+    reader = gguf.GGUFReader(str(path))
+    seen = {}
+    for t in reader.tensors:
+        if t.tensor_type in WEIGHT_TYPES and t.tensor_type not in seen and len(t.shape) == 2:
+            seen[t.tensor_type] = t
+    assert seen, "no known tensor types"
+    rng = np.random.default_rng(5)
+    for qt, t in seen.items():
+        k = int(t.shape[0])  # ggml's ne[0]: elements per row
+        raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1, K.row_size(qt, k))[:64]
+        wd = gg_dequantize(raw, qt).astype(np.float64).reshape(-1, k)
+        np.testing.assert_array_equal(np.stack([K.dequantize(qt, r, k) for r in raw[:8]]), wd[:8].astype(np.float32))
+        x = rng.standard_normal((3, k)).astype(np.float32)
+        want = x.astype(np.float64) @ wd.T
+        tol = act_error_bound(ACT[qt], x, wd) + float_error_bound(ACT[qt], x, wd)
+        for name in isa_names:
+            K.set_isa(name)
+            for n_tok in (1, 3):
+                got = K.matmul(qt, raw, k, x[:n_tok])
+                assert (np.abs(got - want[:n_tok]) <= tol[:n_tok]).all(), f"{t.name} {qt.name} {name}"
+    K.set_isa(None)
+    return sorted(q.name for q in seen)
+
+
+@pytest.mark.models
+def test_smollm2_tensors(smollm2_path):
+    assert _check_model_tensors(smollm2_path, ISAS) == ["Q4_1", "Q8_0"]  # its f32 tensors are 1-D norms
+
+
+@pytest.mark.models
+def test_gemma3_tensors(gemma3_path):
+    assert set(_check_model_tensors(gemma3_path, ISAS)) >= {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
