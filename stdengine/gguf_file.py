@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from stdengine.errors import BadModelFile
@@ -25,8 +26,8 @@ from stdengine.errors import BadModelFile
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
-# Arrays longer than this are not materialised by the scan (token lists, scores, merges): only
-# their item type and length are kept, which is all that `models info` needs.
+# By default arrays longer than this are not materialised by the scan (token lists, scores,
+# merges): only their item type and length are kept, which is all that `models info` needs.
 MAX_ARRAY_ITEMS = 1024
 
 # GGUF metadata value types (gguf.h): id -> (name, struct format or None for string/array)
@@ -123,8 +124,13 @@ def _bad(path: Path, what: str, hint: str | None = None) -> BadModelFile:
     )
 
 
-def scan_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
-    """Read and check a GGUF file's header, key/values and tensor table; BadModelFile if damaged."""
+def scan_gguf(path: str | os.PathLike[str], *, load_arrays: bool = False) -> GGUFHeader:
+    """Read and check a GGUF file's header, key/values and tensor table; BadModelFile if damaged.
+
+    Metadata arrays of up to MAX_ARRAY_ITEMS items are lists. Longer ones are ArrayValue (type
+    and length only) unless load_arrays=True: then string arrays are lists of str and numeric
+    arrays numpy arrays (a fast way to read a vocabulary: ~0.2 s for 262k tokens).
+    """
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -133,13 +139,13 @@ def scan_gguf(path: str | os.PathLike[str]) -> GGUFHeader:
         if size == 0:
             raise _bad(path, "the file is empty, not a GGUF model")
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _scan(path, buf, size)
+            return _scan(path, buf, size, load_arrays)
     except OSError as e:
         raise BadModelFile(f"{path}: cannot read the file: {e.strerror or e}",
                            hint="check the path and its permissions", path=str(path)) from e
 
 
-def _scan(path: Path, buf: Any, size: int) -> GGUFHeader:
+def _scan(path: Path, buf: Any, size: int, load_arrays: bool) -> GGUFHeader:
     if size < 4 or bytes(buf[:4]) != GGUF_MAGIC:
         got = bytes(buf[:4])
         raise _bad(path, f"not a GGUF file (bad magic {got!r}, expected b'GGUF')",
@@ -172,7 +178,7 @@ def _scan(path: Path, buf: Any, size: int) -> GGUFHeader:
             vtype = cur.unpack("i")
             if key in metadata:
                 raise _bad(path, f"duplicate metadata key {key!r}")
-            metadata[key] = _read_value(path, cur, vtype, key)
+            metadata[key] = _read_value(path, cur, vtype, key, load_arrays)
         infos: list[tuple[str, tuple[int, ...], int, int]] = []
         for i in range(n_tensors):
             where = f"tensor info #{i}"
@@ -228,7 +234,7 @@ def _scan(path: Path, buf: Any, size: int) -> GGUFHeader:
                       alignment=alignment, data_offset=data_offset, metadata=metadata, tensors=tensors)
 
 
-def _read_value(path: Path, cur: _Cursor, vtype: int, key: str) -> Any:
+def _read_value(path: Path, cur: _Cursor, vtype: int, key: str, load_arrays: bool) -> Any:
     if vtype not in VALUE_TYPES:
         raise _bad(path, f"metadata key {key!r} has unknown value type id {vtype}")
     name, fmt = VALUE_TYPES[vtype]
@@ -241,20 +247,22 @@ def _read_value(path: Path, cur: _Cursor, vtype: int, key: str) -> Any:
     if item_type not in VALUE_TYPES or item_type == 9:
         raise _bad(path, f"metadata array {key!r} has unsupported item type id {item_type}")
     item_name, item_fmt = VALUE_TYPES[item_type]
-    keep = count <= MAX_ARRAY_ITEMS
+    small = count <= MAX_ARRAY_ITEMS
     if item_fmt is None:  # strings: walk them (each has its own length)
-        if keep:
+        if small or load_arrays:
             return [cur.string() for _ in range(count)]
         for _ in range(count):
             cur.skip_string()
         return ArrayValue(item_name, count)
     n = struct.calcsize(item_fmt) * count
     cur.need(n)
-    if keep:
-        values = list(struct.unpack_from(f"{cur.order}{count}{item_fmt}", cur.buf, cur.pos))
-        cur.pos += n
-        return values
+    start = cur.pos
     cur.pos += n
+    if small:
+        return list(struct.unpack_from(f"{cur.order}{count}{item_fmt}", cur.buf, start))
+    if load_arrays:
+        return np.frombuffer(cur.buf, dtype=np.dtype(item_fmt).newbyteorder(cur.order), count=count,
+                             offset=start).copy()
     return ArrayValue(item_name, count)
 
 

@@ -105,6 +105,27 @@ def test_scan_agrees_with_gguf_reader(tmp_path):
     assert isinstance(reader, gguf.GGUFReader) and len(reader.tensors) == len(theirs.tensors)
 
 
+def test_scan_metadata_matches_gguf_reader(tmp_path):
+    path = tmp_path / "m.gguf"
+    tokens = ["<unk>", "<s>", "</s>"] + [f"tök{i}" for i in range(2000)]  # longer than MAX_ARRAY_ITEMS
+    write_llama_gguf(path, tokens=tokens, merges=["t ö", "tö k"], chat_template="{{ x }}",
+                     extra_kv={"test.ints": list(range(1500)), "test.small": [1.5, 2.5], "test.flag": True,
+                               "test.neg": -7, "test.f": 0.25})
+    theirs = gguf.GGUFReader(path)
+    lazy = scan_gguf(path).metadata
+    assert len(lazy["tokenizer.ggml.tokens"]) == len(tokens)  # summarised, not loaded
+    full = scan_gguf(path, load_arrays=True).metadata
+    assert full["tokenizer.ggml.tokens"] == tokens
+    assert list(full["test.ints"]) == list(range(1500))
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        ours = full[key]
+        ours = ours.tolist() if isinstance(ours, np.ndarray) else ours
+        assert ours == field.contents(), key
+    assert (full["test.flag"], full["test.neg"], full["test.f"], full["test.small"]) == (True, -7, 0.25, [1.5, 2.5])
+
+
 # --- the real models ------------------------------------------------------------------------------
 
 @pytest.mark.models
