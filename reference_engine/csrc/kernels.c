@@ -456,8 +456,7 @@ static const se_type_traits scalar_traits[SE_TYPE_COUNT] = {
 /* The live table: the scalar rows with `dot` replaced by the chosen ISA's, plus that ISA's
  * multi-token kernels. Works before se_kernels_init (scalar). */
 static se_type_traits traits[SE_TYPE_COUNT];
-static se_dotx_fn dotx[SE_TYPE_COUNT];
-static se_rows4_fn rows4[SE_TYPE_COUNT];
+static se_isa_kernels tiles[SE_TYPE_COUNT]; /* the chosen ISA's tiles (tile NULL: none) */
 static const char *isa_name = "scalar";
 static int initialised;
 
@@ -482,15 +481,13 @@ static int cpu_best_isa(void) {
 static void install(int isa) {
     static const char *names[] = {"scalar", "avx2", "avx512"};
     memcpy(traits, scalar_traits, sizeof traits);
-    memset(dotx, 0, sizeof dotx);
-    memset(rows4, 0, sizeof rows4);
+    memset(tiles, 0, sizeof tiles);
     /* Layer the paths: AVX-512 falls back to AVX2 for a type it does not cover, then scalar. */
     for (int level = ISA_AVX2; level <= isa; level++) {
         const se_isa_kernels *k = level == ISA_AVX2 ? se_kernels_avx2 : se_kernels_avx512;
         for (int t = 0; t < SE_TYPE_COUNT; t++) {
             if (k[t].dot) traits[t].dot = k[t].dot;
-            if (k[t].dotx) dotx[t] = k[t].dotx;
-            if (k[t].rows4) rows4[t] = k[t].rows4;
+            if (k[t].tile) tiles[t] = k[t];
         }
     }
     isa_name = names[isa];
@@ -541,8 +538,8 @@ void se_quantize_rows(int act_type, const float *x, int64_t k, int n_tok, void *
     for (int i = 0; i < n_tok; i++) t->from_float(x + (int64_t)i * k, (char *)act + row * (size_t)i, k);
 }
 
-/* Rows are taken in groups of ROW_BLOCK so that the group's weights stay in L1 while every
- * group of 4 tokens passes over them; each dotx call unpacks a weight block once for 4 tokens. */
+/* For prompts, rows are taken in groups of ROW_BLOCK so that the group's weights stay in L1
+ * while every group of 4 tokens passes over them. */
 #define ROW_BLOCK 16
 
 void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
@@ -550,29 +547,32 @@ void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
     const se_type_traits *t = se_traits(wtype);
     const size_t wrow = se_row_size(wtype, k), arow = se_row_size(t->act_type, k);
     const char *w = W, *a = act;
-    se_dotx_fn dx = dotx[wtype];
-    se_rows4_fn r4 = rows4[wtype];
+    const se_isa_kernels *kt = &tiles[wtype];
 
-    if (n_tok == 1 && r4) {
-        int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) r4(k, w + wrow * (size_t)r, wrow, a, y + r);
-        for (; r < r1; r++) y[r] = t->dot(k, w + wrow * (size_t)r, a);
-        return;
-    }
-    if (n_tok == 1 || !dx) {
+    if (!kt->tile) { /* scalar: one dot per output */
         for (int64_t r = r0; r < r1; r++)
             for (int i = 0; i < n_tok; i++)
                 y[i * ldy + r] = t->dot(k, w + wrow * (size_t)r, a + arow * (size_t)i);
         return;
     }
+    if (n_tok == 1) {
+        int64_t r = r0;
+        for (; r + kt->tg_rows <= r1; r += kt->tg_rows)
+            kt->tile(k, w + wrow * (size_t)r, wrow, kt->tg_rows, a, arow, 1, y + r);
+        for (; r < r1; r++) y[r] = kt->dot(k, w + wrow * (size_t)r, a);
+        return;
+    }
     for (int64_t rb = r0; rb < r1; rb += ROW_BLOCK) {
-        int64_t re = rb + ROW_BLOCK < r1 ? rb + ROW_BLOCK : r1;
+        const int64_t re = rb + ROW_BLOCK < r1 ? rb + ROW_BLOCK : r1;
         for (int i = 0; i < n_tok; i += 4) {
-            int nc = n_tok - i < 4 ? n_tok - i : 4;
-            for (int64_t r = rb; r < re; r++) {
-                float out[4];
-                dx(k, w + wrow * (size_t)r, a + arow * (size_t)i, arow, nc, out);
-                for (int c = 0; c < nc; c++) y[(i + c) * ldy + r] = out[c];
+            const int nc = n_tok - i < 4 ? n_tok - i : 4;
+            for (int64_t r = rb; r < re;) {
+                const int nr = re - r >= kt->pp_rows ? kt->pp_rows : 1;
+                float out[16];
+                kt->tile(k, w + wrow * (size_t)r, wrow, nr, a + arow * (size_t)i, arow, nc, out);
+                for (int j = 0; j < nr; j++)
+                    for (int c = 0; c < nc; c++) y[(i + c) * ldy + r + j] = out[j * nc + c];
+                r += nr;
             }
         }
     }

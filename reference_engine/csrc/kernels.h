@@ -69,14 +69,13 @@ typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t q
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } se_blk_q6_K; /* 210 B */
 typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } se_blk_q8_K; /* 292 B */
 
-/* One weight row against nc (1..4) activation rows a, a + a_stride, ...: out[t] for t < nc.
- * Reading each weight block once for several tokens is what makes batches fast. */
-typedef void (*se_dotx_fn)(int64_t n, const void *w, const void *a, size_t a_stride, int nc,
-                           float *out);
-/* Four weight rows (w, w + w_stride, ...) against one activation row: out[r]. Token generation
- * (one token) shares the activation loads and the final reductions between rows this way. */
-typedef void (*se_rows4_fn)(int64_t n, const void *w, size_t w_stride, const void *a, float *out);
-typedef struct { se_dot_fn dot; se_dotx_fn dotx; se_rows4_fn rows4; } se_isa_kernels;
+/* nr weight rows (w, w + w_stride, ...) against nc activation rows (a, a + a_stride, ...):
+ * out[r * nc + c]. Supports nr <= tg_rows with nc == 1 (token generation: rows share the
+ * activation loads) and nr <= pp_rows with nc <= 4 (prompts: each weight block is unpacked once
+ * for 4 tokens). */
+typedef void (*se_tile_fn)(int64_t n, const void *w, size_t w_stride, int nr, const void *a, size_t a_stride,
+                           int nc, float *out);
+typedef struct { se_dot_fn dot; se_tile_fn tile; int tg_rows, pp_rows; } se_isa_kernels;
 
 /* Indexed by weight type; NULL entries fall back to the scalar code. */
 extern const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT];

@@ -229,38 +229,71 @@ INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
 }
 
 /* ---------------------------------------------------------------- instances
- * Each kernel is inlined with a constant type and token count, so the loops over tokens unroll
- * and the accumulators stay in registers. */
+ * Each kernel is inlined with a constant type and tile shape, so the loops over rows and tokens
+ * unroll and the accumulators stay in registers. */
 
-#define INSTANCE(name, call)                                                                       \
-    static float dot_##name(int64_t n, const void *w, const void *a) {                             \
-        float o;                                                                                   \
-        const int nc = 1; const size_t as = 0; float *out = &o;                                    \
-        call;                                                                                      \
-        return o;                                                                                  \
-    }                                                                                              \
-    static void dotx_##name(int64_t n, const void *w, const void *a, size_t as, int nc_, float *out) { \
-        switch (nc_) {                                                                             \
-        case 1: { const int nc = 1; call; break; }                                                 \
-        case 2: { const int nc = 2; call; break; }                                                 \
-        case 3: { const int nc = 3; call; break; }                                                 \
-        default: { const int nc = 4; call; break; }                                                \
+#define SHAPE(R, C) case R * 8 + C: { const int nr = R, nc = C; CALL; break; }
+#define TILE_1(name)                                                                               \
+    static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
+                            int nc_, float *out) {                                                 \
+        switch (nr_ * 8 + nc_) { SHAPE(1, 1) SHAPE(1, 2) SHAPE(1, 3) default: SHAPE(1, 4) }        \
+    }
+#define TILE_N(name)                                                                               \
+    static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
+                            int nc_, float *out) {                                                 \
+        switch (nr_ * 8 + nc_) {                                                                   \
+        SHAPE(1, 1) SHAPE(1, 2) SHAPE(1, 3) SHAPE(1, 4) SHAPE(2, 1) SHAPE(2, 2) SHAPE(2, 3)        \
+        SHAPE(2, 4) SHAPE(3, 1) default: SHAPE(4, 1)                                               \
         }                                                                                          \
     }
+#define DOT(name)                                                                                  \
+    static float dot_##name(int64_t n, const void *w, const void *a) {                             \
+        float o;                                                                                   \
+        tile_##name(n, w, 0, 1, a, 0, 1, &o);                                                      \
+        return o;                                                                                  \
+    }
 
-INSTANCE(q4_0, legacy_dotx(SE_Q4_0, n, w, a, as, nc, out))
-INSTANCE(q4_1, legacy_dotx(SE_Q4_1, n, w, a, as, nc, out))
-INSTANCE(q5_0, legacy_dotx(SE_Q5_0, n, w, a, as, nc, out))
-INSTANCE(q5_1, legacy_dotx(SE_Q5_1, n, w, a, as, nc, out))
-INSTANCE(q8_0, legacy_dotx(SE_Q8_0, n, w, a, as, nc, out))
-INSTANCE(q4_K, q45_K_dotx(0, n, w, a, as, nc, out))
-INSTANCE(q5_K, q45_K_dotx(1, n, w, a, as, nc, out))
-INSTANCE(q6_K, q6_K_dotx(n, w, a, as, nc, out))
-INSTANCE(f32, float_dotx(SE_F32, n, w, a, as, nc, out))
-INSTANCE(f16, float_dotx(SE_F16, n, w, a, as, nc, out))
-INSTANCE(bf16, float_dotx(SE_BF16, n, w, a, as, nc, out))
+#define CALL ((void)wr, (void)nr, legacy_dotx(TYPE, n, w, a, as, nc, out))
+#define TYPE SE_Q4_0
+TILE_1(q4_0) DOT(q4_0)
+#undef TYPE
+#define TYPE SE_Q4_1
+TILE_1(q4_1) DOT(q4_1)
+#undef TYPE
+#define TYPE SE_Q5_0
+TILE_1(q5_0) DOT(q5_0)
+#undef TYPE
+#define TYPE SE_Q5_1
+TILE_1(q5_1) DOT(q5_1)
+#undef TYPE
+#define TYPE SE_Q8_0
+TILE_1(q8_0) DOT(q8_0)
+#undef TYPE
+#undef CALL
+#define CALL ((void)wr, (void)nr, float_dotx(TYPE, n, w, a, as, nc, out))
+#define TYPE SE_F32
+TILE_1(f32) DOT(f32)
+#undef TYPE
+#define TYPE SE_F16
+TILE_1(f16) DOT(f16)
+#undef TYPE
+#define TYPE SE_BF16
+TILE_1(bf16) DOT(bf16)
+#undef TYPE
+#undef CALL
+#define CALL ((void)wr, (void)nr, q45_K_dotx(TYPE == SE_Q5_K, n, w, a, as, nc, out))
+#define TYPE SE_Q4_K
+TILE_1(q4_K) DOT(q4_K)
+#undef TYPE
+#define TYPE SE_Q5_K
+TILE_1(q5_K) DOT(q5_K)
+#undef TYPE
+#undef CALL
+#define CALL ((void)wr, (void)nr, q6_K_dotx(n, w, a, as, nc, out))
+TILE_1(q6_K) DOT(q6_K)
+#undef CALL
 
-#define K(T, name) [T] = { dot_##name, dotx_##name, NULL }
+#define K(T, name) [T] = { dot_##name, tile_##name, 1, 1 }
 const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
     K(SE_Q4_0, q4_0), K(SE_Q4_1, q4_1), K(SE_Q5_0, q5_0), K(SE_Q5_1, q5_1), K(SE_Q8_0, q8_0),
     K(SE_Q4_K, q4_K), K(SE_Q5_K, q5_K), K(SE_Q6_K, q6_K),

@@ -77,7 +77,7 @@ INLINE __m256 scales4(const uint8_t *b, int size, int cnt) {
                                           (int)ld32(cnt > 3 ? b + 3 * size : last)));
 }
 
-/* nr weight rows (stride wr) x nc activation rows (stride as) -> out[r * nc + c]; nr * nc <= 4.
+/* nr weight rows (stride wr) x nc activation rows (stride as) -> out[r * nc + c]; nr * nc <= 8.
  * Four blocks per step (two vpdpbusd of two blocks each), so that the fp16 scales of both
  * operands convert in one instruction each. A short last step re-reads the row's last block
  * and gives the extra copies a zero scale. Several rows per call (token generation) share the
@@ -90,8 +90,8 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
     const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
     const __m512i hi = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
     const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[4], acc2[4]; /* two chains, so the fmadd latency is not the limit */
-    __m256 accm[4];
+    __m512 acc[8], acc2[8]; /* two chains, so the fmadd latency is not the limit */
+    __m256 accm[8];
     for (int k = 0; k < nr * nc; k++) {
         acc[k] = acc2[k] = _mm512_setzero_ps();
         accm[k] = _mm256_setzero_ps();
@@ -273,7 +273,7 @@ INLINE __m512 load_w16(int type, const uint8_t *p, __mmask16 m) {
 INLINE void float_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
                        int nc, float *out) {
     const int es = type == SE_F32 ? 4 : 2;
-    __m512 acc[4];
+    __m512 acc[8];
     for (int k = 0; k < nr * nc; k++) acc[k] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
@@ -288,57 +288,75 @@ INLINE void float_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr,
 }
 
 /* ---------------------------------------------------------------- instances
- * Each kernel is inlined with a constant type and token count, so the loops over tokens unroll
- * and the accumulators stay in registers. */
+ * Each kernel is inlined with a constant type and tile shape, so the loops over rows and tokens
+ * unroll and the accumulators stay in registers. */
 
-#define INSTANCE(name, call)                                                                       \
-    static float dot_##name(int64_t n, const void *w, const void *a) {                             \
-        float o;                                                                                   \
-        const int nr = 1, nc = 1; const size_t wr = 0, as = 0; float *out = &o;                    \
-        call;                                                                                      \
-        return o;                                                                                  \
-    }                                                                                              \
-    static void dotx_##name(int64_t n, const void *w, const void *a, size_t as, int nc_, float *out) { \
-        const int nr = 1; const size_t wr = 0;                                                     \
-        switch (nc_) {                                                                             \
-        case 1: { const int nc = 1; call; break; }                                                 \
-        case 2: { const int nc = 2; call; break; }                                                 \
-        case 3: { const int nc = 3; call; break; }                                                 \
-        default: { const int nc = 4; call; break; }                                                \
+#define SHAPE(R, C) case R * 8 + C: { const int nr = R, nc = C; CALL; break; }
+#define TILE_1(name)                                                                               \
+    static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
+                            int nc_, float *out) {                                                 \
+        switch (nr_ * 8 + nc_) { SHAPE(1, 1) SHAPE(1, 2) SHAPE(1, 3) default: SHAPE(1, 4) }        \
+    }
+#define TILE_N(name)                                                                               \
+    static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
+                            int nc_, float *out) {                                                 \
+        switch (nr_ * 8 + nc_) {                                                                   \
+        SHAPE(1, 1) SHAPE(1, 2) SHAPE(1, 3) SHAPE(1, 4) SHAPE(2, 1) SHAPE(2, 2) SHAPE(2, 3)        \
+        SHAPE(2, 4) SHAPE(3, 1) default: SHAPE(4, 1)                                               \
         }                                                                                          \
     }
-#define ROWS4(name, call)                                                                          \
-    static void rows4_##name(int64_t n, const void *w, size_t wr, const void *a, float *out) {     \
-        const int nr = 4, nc = 1; const size_t as = 0;                                             \
-        call;                                                                                      \
+#define DOT(name)                                                                                  \
+    static float dot_##name(int64_t n, const void *w, const void *a) {                             \
+        float o;                                                                                   \
+        tile_##name(n, w, 0, 1, a, 0, 1, &o);                                                      \
+        return o;                                                                                  \
     }
 
-INSTANCE(q4_0, legacy_tile(SE_Q4_0, n, w, wr, nr, a, as, nc, out))
-INSTANCE(q4_1, legacy_tile(SE_Q4_1, n, w, wr, nr, a, as, nc, out))
-INSTANCE(q5_0, legacy_tile(SE_Q5_0, n, w, wr, nr, a, as, nc, out))
-INSTANCE(q5_1, legacy_tile(SE_Q5_1, n, w, wr, nr, a, as, nc, out))
-INSTANCE(q8_0, legacy_tile(SE_Q8_0, n, w, wr, nr, a, as, nc, out))
-INSTANCE(q4_K, (void)wr; (void)nr; q45_K_dotx(0, n, w, a, as, nc, out))
-INSTANCE(q5_K, (void)wr; (void)nr; q45_K_dotx(1, n, w, a, as, nc, out))
-INSTANCE(q6_K, (void)wr; (void)nr; q6_K_dotx(n, w, a, as, nc, out))
-INSTANCE(f32, float_tile(SE_F32, n, w, wr, nr, a, as, nc, out))
-INSTANCE(f16, float_tile(SE_F16, n, w, wr, nr, a, as, nc, out))
-INSTANCE(bf16, float_tile(SE_BF16, n, w, wr, nr, a, as, nc, out))
-ROWS4(q4_0, legacy_tile(SE_Q4_0, n, w, wr, nr, a, as, nc, out))
-ROWS4(q4_1, legacy_tile(SE_Q4_1, n, w, wr, nr, a, as, nc, out))
-ROWS4(q5_0, legacy_tile(SE_Q5_0, n, w, wr, nr, a, as, nc, out))
-ROWS4(q5_1, legacy_tile(SE_Q5_1, n, w, wr, nr, a, as, nc, out))
-ROWS4(q8_0, legacy_tile(SE_Q8_0, n, w, wr, nr, a, as, nc, out))
-ROWS4(f32, float_tile(SE_F32, n, w, wr, nr, a, as, nc, out))
-ROWS4(f16, float_tile(SE_F16, n, w, wr, nr, a, as, nc, out))
-ROWS4(bf16, float_tile(SE_BF16, n, w, wr, nr, a, as, nc, out))
+#define CALL legacy_tile(TYPE, n, w, wr, nr, a, as, nc, out)
+#define TYPE SE_Q4_0
+TILE_N(q4_0) DOT(q4_0)
+#undef TYPE
+#define TYPE SE_Q4_1
+TILE_N(q4_1) DOT(q4_1)
+#undef TYPE
+#define TYPE SE_Q5_0
+TILE_N(q5_0) DOT(q5_0)
+#undef TYPE
+#define TYPE SE_Q5_1
+TILE_N(q5_1) DOT(q5_1)
+#undef TYPE
+#define TYPE SE_Q8_0
+TILE_N(q8_0) DOT(q8_0)
+#undef TYPE
+#undef CALL
+#define CALL float_tile(TYPE, n, w, wr, nr, a, as, nc, out)
+#define TYPE SE_F32
+TILE_N(f32) DOT(f32)
+#undef TYPE
+#define TYPE SE_F16
+TILE_N(f16) DOT(f16)
+#undef TYPE
+#define TYPE SE_BF16
+TILE_N(bf16) DOT(bf16)
+#undef TYPE
+#undef CALL
+#define CALL ((void)wr, (void)nr, q45_K_dotx(TYPE == SE_Q5_K, n, w, a, as, nc, out))
+#define TYPE SE_Q4_K
+TILE_1(q4_K) DOT(q4_K)
+#undef TYPE
+#define TYPE SE_Q5_K
+TILE_1(q5_K) DOT(q5_K)
+#undef TYPE
+#undef CALL
+#define CALL ((void)wr, (void)nr, q6_K_dotx(n, w, a, as, nc, out))
+TILE_1(q6_K) DOT(q6_K)
+#undef CALL
 
-#define K(T, name) [T] = { dot_##name, dotx_##name, NULL }
-#define KR(T, name) [T] = { dot_##name, dotx_##name, rows4_##name }
+#define K(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp }
 const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {
-    KR(SE_Q4_0, q4_0), KR(SE_Q4_1, q4_1), KR(SE_Q5_0, q5_0), KR(SE_Q5_1, q5_1), KR(SE_Q8_0, q8_0),
-    K(SE_Q4_K, q4_K), K(SE_Q5_K, q5_K), K(SE_Q6_K, q6_K),
-    KR(SE_F32, f32), KR(SE_F16, f16), KR(SE_BF16, bf16),
+    K(SE_Q4_0, q4_0, 4, 2), K(SE_Q4_1, q4_1, 4, 2), K(SE_Q5_0, q5_0, 4, 2), K(SE_Q5_1, q5_1, 4, 2),
+    K(SE_Q8_0, q8_0, 4, 2), K(SE_Q4_K, q4_K, 1, 1), K(SE_Q5_K, q5_K, 1, 1), K(SE_Q6_K, q6_K, 1, 1),
+    K(SE_F32, f32, 4, 2), K(SE_F16, f16, 4, 2), K(SE_BF16, bf16, 4, 2),
 };
 
 #else
