@@ -66,7 +66,7 @@ def list_cmd(as_json: bool) -> None:
     Console().print(table)
 
 
-@models.command("info")
+@models.command("info", short_help="Describe a GGUF model and the memory a run needs.")
 @click.argument("model", metavar="NAME|PATH")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @canonical_options("ctx_size")
