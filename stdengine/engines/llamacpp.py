@@ -1,0 +1,493 @@
+"""The `llamacpp` engine: llama.cpp in-process, through llama-cpp-python's low-level API.
+
+We drive llama.cpp's C API (llama_decode, llama_tokenize, the llama_sampler chain) rather than
+llama_cpp.Llama, so that decode() can ask for the logits of exactly the tokens it needs, the KV
+cache holds exactly what self.tokens says, and sampling is llama.cpp's own sampler chain in
+llama.cpp's order. Chat templates are rendered by the core (render_chat_template) from the GGUF's
+`tokenizer.chat_template`, and stop strings by the core's StopMatcher, so both behave exactly as
+in every other engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stdengine.adapter import (
+    DoneEvent,
+    Engine,
+    EngineInfo,
+    FinishReason,
+    GenerateRequest,
+    GenerationEvent,
+    SamplingParams,
+    Timings,
+    TokenEvent,
+    Usage,
+    now_ms,
+)
+from stdengine.errors import BadModelFile, ContextOverflow, EngineFailure, InvalidRequest, UnsupportedOption
+from stdengine.generation import StopMatcher, Utf8Stream, render_chat_template
+
+if TYPE_CHECKING:
+    from stdengine.events import Emitter
+    from stdengine.options import Options
+
+INSTALL_HINT = "pip install 'stdengine[llamacpp]'"
+
+# Canonical cache type -> ggml_type id (ggml.h; spec anchors §5.2).
+GGML_TYPE_IDS = {
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "iq4_nl": 20,
+    "bf16": 30,
+}
+LLAMA_TOKEN_NULL = -1
+LOAD_MODE_NONE, LOAD_MODE_MMAP, LOAD_MODE_MLOCK, LOAD_MODE_MMAP_MLOCK = 0, 1, 2, 3
+
+
+def _lib() -> Any:
+    """llama_cpp, imported on first use (typed Any: its ctypes signatures are not worth mypy's time)."""
+    return importlib.import_module("llama_cpp")
+
+
+# llama.cpp logs through one process-wide callback. We keep its recent lines to explain a failed
+# load, and print them only when asked (-v); the ctypes callback object must stay referenced.
+_log_tail: deque[str] = deque(maxlen=40)
+_log_echo = False
+_log_callback: Any = None
+
+
+def _install_log_callback(verbose: bool) -> None:
+    global _log_echo, _log_callback
+    _log_echo = verbose
+    if _log_callback is not None:
+        return
+    lib = _lib()
+
+    def on_log(level: int, text: bytes, user_data: Any) -> None:
+        line = text.decode("utf-8", errors="replace")
+        _log_tail.append(line)
+        if _log_echo:
+            import sys
+
+            sys.stderr.write(line)
+
+    _log_callback = lib.llama_log_callback(on_log)
+    lib.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
+def _recent_errors() -> str:
+    lines = [ln.strip() for ln in _log_tail if ln.strip()]
+    return "; ".join(lines[-3:])
+
+
+class LlamaCppEngine(Engine):
+    name = "llamacpp"
+    description = "llama.cpp in-process through llama-cpp-python (GGUF; its CPU or GPU backends)"
+    capabilities = frozenset({"stream", "logits", "tokenize", "chat_template", "seed", "batch"})
+    option_map = {
+        "model": "llama_model_load_from_file(path)",
+        "ctx_size": "n_ctx (0 = the model's n_ctx_train)",
+        "threads": "n_threads (default: physical cores)",
+        "threads_batch": "n_threads_batch (default: threads)",
+        "batch_size": "n_batch",
+        "ubatch_size": "n_ubatch (at most n_batch)",
+        "n_gpu_layers": "n_gpu_layers (-1 = all); refused unless llama.cpp was built with a GPU backend",
+        "cache_type_k": "type_k (ggml type id)",
+        "cache_type_v": "type_v (ggml type id; quantized V needs flash_attn)",
+        "flash_attn": "flash_attn_type (enabled/disabled)",
+        "mmap": "load_mode MMAP (--no-mmap: read the file)",
+        "mlock": "load_mode MLOCK",
+        "seed": "llama_sampler_init_dist(seed) (-1 = LLAMA_DEFAULT_SEED, random)",
+        "temp": "llama_sampler_init_temp (≤ 0: llama_sampler_init_greedy)",
+        "top_k": "llama_sampler_init_top_k",
+        "top_p": "llama_sampler_init_top_p",
+        "min_p": "llama_sampler_init_min_p",
+        "repeat_penalty": "llama_sampler_init_penalties penalty_repeat",
+        "repeat_last_n": "llama_sampler_init_penalties penalty_last_n (-1 = n_ctx)",
+        "presence_penalty": "llama_sampler_init_penalties penalty_present",
+        "frequency_penalty": "llama_sampler_init_penalties penalty_freq",
+        "n_predict": "generation limit",
+        "stop": "core stop matcher",
+    }
+
+    @classmethod
+    def version(cls) -> str:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("llama_cpp_python")
+        except PackageNotFoundError:
+            return "not installed"
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str | None]:
+        try:
+            _lib()
+        except ImportError as e:
+            return False, f"llama-cpp-python is not importable ({e}) ({INSTALL_HINT})"
+        except Exception as e:  # a broken build, e.g. a missing shared library
+            return False, f"llama-cpp-python failed to load: {type(e).__name__}: {e} ({INSTALL_HINT})"
+        return True, None
+
+    def __init__(self, model: Any, ctx: Any, options: Options, events: Emitter) -> None:
+        lib = _lib()
+        self.lib = lib
+        self.model = model
+        self.ctx = ctx
+        self.options = options
+        self.events = events
+        self.vocab = lib.llama_model_get_vocab(model)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+        self.n_batch = int(lib.llama_n_batch(ctx))
+        self.tokens: list[int] = []  # what the KV cache holds (sequence 0), to reuse a common prefix
+        self._last_prompt_n = 0
+        bos = int(lib.llama_vocab_bos(self.vocab))
+        eos = int(lib.llama_vocab_eos(self.vocab))
+        self.bos_id = None if bos == LLAMA_TOKEN_NULL else bos
+        self.eos_id = None if eos == LLAMA_TOKEN_NULL else eos
+        self.add_bos = bool(lib.llama_vocab_get_add_bos(self.vocab))
+        self.template = options.chat_template or self.meta("tokenizer.chat_template")
+        if lib.llama_supports_gpu_offload():
+            # the instance can offload; the class cannot know that without importing llama_cpp
+            self.capabilities = self.capabilities | {"gpu"}  # type: ignore[misc]
+
+    @classmethod
+    def load(cls, options: Options, events: Emitter) -> LlamaCppEngine:
+        from stdengine.engines import physical_cores
+
+        lib = _lib()
+        _install_log_callback(options.verbosity > 0)
+        lib.llama_backend_init()
+        if options.n_gpu_layers != 0 and not lib.llama_supports_gpu_offload():
+            raise UnsupportedOption(
+                f"engine 'llamacpp' cannot honour n_gpu_layers={options.n_gpu_layers}: this llama-cpp-python "
+                "build has no GPU backend",
+                hint="drop -ngl (or pass -ngl 0), or install a GPU build of llama-cpp-python",
+                options=["n_gpu_layers"],
+            )
+        assert options.model is not None
+        t0 = now_ms()
+        mp = lib.llama_model_default_params()
+        mp.n_gpu_layers = options.n_gpu_layers
+        mp.load_mode = {
+            (True, False): LOAD_MODE_MMAP,
+            (True, True): LOAD_MODE_MMAP_MLOCK,
+            (False, True): LOAD_MODE_MLOCK,
+            (False, False): LOAD_MODE_NONE,
+        }[(options.mmap, options.mlock)]
+        _log_tail.clear()
+        model = lib.llama_model_load_from_file(options.model.encode("utf-8"), mp)
+        if not model:
+            raise BadModelFile(
+                f"llama.cpp could not load {options.model}: {_recent_errors() or 'no reason given'}",
+                hint="check that the file is a complete GGUF of an architecture llama.cpp knows",
+            )
+        threads = options.threads or physical_cores()
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = options.ctx_size
+        cp.n_batch = options.batch_size
+        cp.n_ubatch = min(options.ubatch_size, options.batch_size)
+        cp.n_threads = threads
+        cp.n_threads_batch = options.threads_batch or threads
+        cp.type_k = GGML_TYPE_IDS[options.cache_type_k]
+        cp.type_v = GGML_TYPE_IDS[options.cache_type_v]
+        cp.flash_attn_type = (
+            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cp.no_perf = True
+        ctx = lib.llama_init_from_model(model, cp)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise UnsupportedOption(
+                f"llama.cpp could not create a context with these settings: {_recent_errors() or 'no reason given'}",
+                hint="check -c, -b, -ub, -ctk/-ctv (a quantized V cache needs --flash-attn)",
+                options=[
+                    "ctx_size",
+                    "batch_size",
+                    "ubatch_size",
+                    "cache_type_k",
+                    "cache_type_v",
+                    "flash_attn",
+                ],
+            )
+        engine = cls(model, ctx, options, events)
+        events.info(
+            "model.loaded",
+            path=options.model,
+            architecture=engine.meta("general.architecture"),
+            n_params=int(lib.llama_model_n_params(model)),
+            n_ctx=engine.n_ctx(),
+            threads=threads,
+            load_ms=round(now_ms() - t0, 1),
+        )
+        return engine
+
+    # --- adapter surface -----------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        lib = self.lib
+        desc = ctypes.create_string_buffer(256)
+        lib.llama_model_desc(self.model, desc, len(desc))
+        system = lib.llama_print_system_info().decode("utf-8", errors="replace").strip()
+        offloading = "gpu" in self.capabilities and self.options.n_gpu_layers != 0
+        return EngineInfo(
+            name=self.name,
+            version=lib.__version__,
+            build=f"llama-cpp-python {lib.__version__}; {system}",
+            backend="GPU" if offloading else "CPU",
+            model={
+                "path": self.options.model,
+                "architecture": self.meta("general.architecture"),
+                "description": desc.value.decode("utf-8", errors="replace"),
+                "n_params": int(lib.llama_model_n_params(self.model)),
+                "n_vocab": self.n_vocab,
+                "n_ctx_train": int(lib.llama_model_n_ctx_train(self.model)),
+            },
+        )
+
+    def n_ctx(self) -> int:
+        return int(self.lib.llama_n_ctx(self.ctx))
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as llama.cpp read it (strings; None when absent)."""
+        size = 4096
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = int(self.lib.llama_model_meta_val_str(self.model, key.encode("utf-8"), buf, size))
+            if n < 0:
+                return None
+            if n < size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n + 1
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            buf = (self.lib.llama_token * cap)()
+            n = int(
+                self.lib.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+            )
+            if n >= 0:
+                return list(buf[:n])
+            cap = -n  # too small: llama.cpp says how many it needs
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        arr = (self.lib.llama_token * max(1, len(tokens)))(*tokens)
+        cap = 8 * len(tokens) + 16
+        while True:
+            buf = ctypes.create_string_buffer(cap)
+            # remove_special=False, unparse_special=True: every token's text, as llama-server's /detokenize
+            n = int(self.lib.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, True))
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            cap = -n
+
+    def token_piece(self, token: int) -> bytes:
+        """The bytes a generated token adds to the text (control tokens add none)."""
+        buf = ctypes.create_string_buffer(64)
+        n = int(self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False))
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = int(self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False))
+        return buf.raw[:n]
+
+    def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        if len(tokens) == 0:
+            raise InvalidRequest("decode needs at least one token")
+        self._check_fits(len(self.tokens) + len(tokens))
+        bad = [t for t in tokens if not 0 <= int(t) < self.n_vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+        return self._decode([int(t) for t in tokens], all_logits)
+
+    def reset(self) -> None:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        self.tokens = []
+
+    def has_chat_template(self) -> bool:
+        return bool(self.template)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.template:
+            raise InvalidRequest("this model has no chat template", hint="pass one with --chat-template")
+        return render_chat_template(
+            self.template,
+            messages,
+            bos_token=self._token_text(self.bos_id),
+            eos_token=self._token_text(self.eos_id),
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+        s = request.sampling
+        if request.messages is not None:
+            text = self.apply_chat_template(request.messages)
+            # the template writes BOS itself when the model wants one (as the reference engine does)
+            prompt = self.tokenize(text, add_special=False, parse_special=True)
+            if self.add_bos and self.bos_id is not None and prompt[:1] != [self.bos_id]:
+                prompt = [self.bos_id, *prompt]
+        else:
+            if not request.prompt:
+                raise InvalidRequest("the prompt is empty", hint="give the model some text to complete")
+            prompt = self.tokenize(request.prompt, add_special=True, parse_special=True)
+        if not prompt:
+            raise InvalidRequest("the prompt is empty after tokenization")
+        self._check_fits(len(prompt) + 1)
+
+        t0 = now_ms()
+        self._prefill(prompt)
+        t1 = now_ms()
+        sampler = self._sampler(s)
+        try:
+            stops = StopMatcher(s.stop)
+            utf8 = Utf8Stream()
+            n_gen = 0
+            finish: FinishReason = "length"
+            matched: str | None = None
+            while s.n_predict < 0 or n_gen < s.n_predict:
+                tok = int(self.lib.llama_sampler_sample(sampler, self.ctx, -1))  # also accepts tok
+                if self.lib.llama_vocab_is_eog(self.vocab, tok):
+                    finish = "stop"
+                    break
+                n_gen += 1
+                text, matched = stops.feed(utf8.feed(self.token_piece(tok)))
+                yield TokenEvent(tok, text)
+                if matched is not None:
+                    finish = "stop"
+                    break
+                if len(self.tokens) >= self.n_ctx():
+                    break  # the context is full: finish with "length"
+                if s.n_predict >= 0 and n_gen >= s.n_predict:
+                    break
+                self._decode([tok], False)
+        finally:
+            self.lib.llama_sampler_free(sampler)
+        if matched is None:
+            tail = stops.feed(utf8.flush())[0] + stops.flush()
+            if tail:
+                yield TokenEvent(-1, tail)
+        t2 = now_ms()
+        yield DoneEvent(
+            finish_reason=finish,
+            stop=matched,
+            usage=Usage(prompt_tokens=len(prompt), completion_tokens=n_gen),
+            timings=Timings(
+                prompt_n=self._last_prompt_n, prompt_ms=t1 - t0, predicted_n=n_gen, predicted_ms=t2 - t1
+            ),
+        )
+
+    def close(self) -> None:
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            self.lib.llama_model_free(self.model)
+            self.model = None
+
+    # --- internals -----------------------------------------------------------------------
+    def _token_text(self, token: int | None) -> str:
+        if token is None:
+            return ""
+        return bytes(self.lib.llama_vocab_get_text(self.vocab, token)).decode("utf-8", errors="replace")
+
+    def _check_fits(self, n: int) -> None:
+        if n > self.n_ctx():
+            raise ContextOverflow(
+                f"the prompt needs {n} tokens but the context holds {self.n_ctx()}",
+                hint="shorten the prompt or raise --ctx-size",
+                n_prompt_tokens=n,
+                n_ctx=self.n_ctx(),
+            )
+
+    def _decode(self, tokens: list[int], all_logits: bool) -> np.ndarray:
+        """llama_decode in chunks of n_batch after the cached tokens; the logits asked for."""
+        lib = self.lib
+        rows: list[np.ndarray] = []
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            last_chunk = start + len(chunk) == len(tokens)
+            batch = lib.llama_batch_init(len(chunk), 0, 1)
+            try:
+                pos0 = len(self.tokens)
+                for i, tok in enumerate(chunk):
+                    batch.token[i] = tok
+                    batch.pos[i] = pos0 + i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = 0
+                    batch.logits[i] = all_logits or (last_chunk and i == len(chunk) - 1)
+                batch.n_tokens = len(chunk)
+                rc = int(lib.llama_decode(self.ctx, batch))
+            finally:
+                lib.llama_batch_free(batch)
+            if rc != 0:
+                # 1: no KV slot; <0: invalid batch or a fatal error. The cache may be partly
+                # written, so forget it: the next request starts clean.
+                self.reset()
+                raise EngineFailure(
+                    f"llama_decode failed with status {rc}: {_recent_errors() or 'no reason given'}"
+                )
+            self.tokens.extend(chunk)
+            if all_logits:
+                ptr = lib.llama_get_logits(self.ctx)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_vocab)).copy())
+        if all_logits:
+            return np.concatenate(rows, axis=0)
+        return np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).copy()
+
+    def _prefill(self, prompt: list[int]) -> None:
+        """Evaluate the prompt, reusing the longest prefix the KV cache already holds."""
+        common = 0
+        for a, b in zip(self.tokens, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)  # always evaluate the last token for its logits
+        if common < len(self.tokens):
+            mem = self.lib.llama_get_memory(self.ctx)
+            # a sliding-window cache (gemma3) cannot always drop a partial sequence: start over
+            if not self.lib.llama_memory_seq_rm(mem, 0, common, -1):
+                self.lib.llama_memory_clear(mem, True)
+                common = 0
+            self.tokens = self.tokens[:common]
+        todo = prompt[common:]
+        self._last_prompt_n = len(todo)
+        self._decode(todo, False)
+
+    def _sampler(self, s: SamplingParams) -> Any:
+        """llama.cpp's sampler chain in its default order: penalties, top-k, top-p, min-p, temperature,
+        draw (greedy when temp ≤ 0). The penalties see the context's last repeat_last_n tokens."""
+        lib = self.lib
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        last_n = self.n_ctx() if s.repeat_last_n < 0 else s.repeat_last_n
+        lib.llama_sampler_chain_add(
+            chain,
+            lib.llama_sampler_init_penalties(
+                self.n_vocab, last_n, s.repeat_penalty, s.frequency_penalty, s.presence_penalty
+            ),
+        )
+        if s.temp <= 0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+        else:
+            if s.top_k > 0:
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(s.top_k))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(s.top_p, 1))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(s.min_p, 1))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(s.temp))
+            seed = lib.LLAMA_DEFAULT_SEED if s.seed < 0 else s.seed & 0xFFFFFFFF
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
+        if last_n > 0:
+            for tok in self.tokens[-last_n:]:
+                lib.llama_sampler_accept(chain, tok)
+        return chain
