@@ -70,27 +70,60 @@ static int legacy_size(int type) {
     }
 }
 
-INLINE void legacy_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
-                        float *out) {
+/* [d, m] of 4 blocks as fp16 pairs -> 8 floats. Reading 4 bytes from a block's start gives d and
+ * the next field: m (or s) for the _1 types, the first quants otherwise (junk, never used). */
+INLINE __m256 scales4(const uint8_t *b, int size, int cnt) {
+    const uint8_t *last = b + (cnt - 1) * size; /* blocks past the row's end re-read its last block */
+    return _mm256_cvtph_ps(_mm_setr_epi32((int)ld32(b), (int)ld32(cnt > 1 ? b + size : last),
+                                          (int)ld32(cnt > 2 ? b + 2 * size : last),
+                                          (int)ld32(cnt > 3 ? b + 3 * size : last)));
+}
+
+/* nr weight rows x nc activation rows -> out[r * nc + c], nr * nc <= 8. Four blocks per step so
+ * that the fp16 scales convert 8 at a time; a short last step re-reads the row's last block and
+ * gives the copies a zero scale. */
+INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
+                        int nc, float *out) {
     const int is1 = type == SE_Q4_1 || type == SE_Q5_1; /* has a min; activations are Q8_1 */
     const int ws = legacy_size(type), asz = is1 ? 36 : 34, aq = is1 ? 4 : 2;
-    __m256 acc[4];
-    float accm[4] = {0};
-    for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
+    const int64_t nb = n / 32;
+    __m256 acc[8], accm[8];
+    for (int k = 0; k < nr * nc; k++) acc[k] = accm[k] = _mm256_setzero_ps();
 
-    for (int64_t i = 0; i < n / 32; i++) {
-        const uint8_t *x = w + i * ws;
-        const __m256i q = unpack1(type, x), qabs = _mm256_sign_epi8(q, q);
-        const float d = h2f(x), m = is1 ? h2f(x + 2) : 0;
+    for (int64_t i = 0; i < nb; i += 4) {
+        const int cnt = nb - i < 4 ? (int)(nb - i) : 4;
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(2 * cnt),
+                                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        /* [d0*da0, m0*s0, d1*da1, m1*s1, ...] per (row, token), zero for the padding blocks */
+        __m256 s[8];
         for (int c = 0; c < nc; c++) {
-            const uint8_t *y = a + c * as + i * asz;
-            __m256i av = _mm256_loadu_si256((const __m256i *)(y + aq));
-            __m256i dp = is1 ? dot_us8(q, av) : dot_us8(qabs, _mm256_sign_epi8(av, q));
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_set1_ps(d * h2f(y)), acc[c]);
-            if (is1) accm[c] += m * h2f(y + 2);
+            const __m256 ad = _mm256_and_ps(valid, scales4(a + c * as + i * asz, asz, cnt));
+            for (int r = 0; r < nr; r++) s[r * nc + c] = _mm256_mul_ps(scales4(w + r * wr + i * ws, ws, cnt), ad);
+        }
+        for (int j = 0; j < 4; j++) {
+            const int64_t b = i + (j < cnt ? j : cnt - 1);
+            const __m256i idx = _mm256_set1_epi32(2 * j);
+            for (int r = 0; r < nr; r++) {
+                const __m256i q = unpack1(type, w + r * wr + b * ws), qabs = _mm256_sign_epi8(q, q);
+                for (int c = 0; c < nc; c++) {
+                    const int k = r * nc + c;
+                    const __m256i av = _mm256_loadu_si256((const __m256i *)(a + c * as + b * asz + aq));
+                    const __m256i dp = is1 ? dot_us8(q, av) : dot_us8(qabs, _mm256_sign_epi8(av, q));
+                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_permutevar8x32_ps(s[k], idx), acc[k]);
+                }
+            }
+        }
+        if (is1)
+            for (int k = 0; k < nr * nc; k++) accm[k] = _mm256_add_ps(accm[k], s[k]);
+    }
+    for (int k = 0; k < nr * nc; k++) {
+        out[k] = hsum8(acc[k]);
+        if (is1) {
+            float m[8];
+            _mm256_storeu_ps(m, accm[k]);
+            out[k] += (m[1] + m[3]) + (m[5] + m[7]);
         }
     }
-    for (int c = 0; c < nc; c++) out[c] = hsum8(acc[c]) + accm[c];
 }
 
 /* ---------------------------------------------------------------- K-quants */
@@ -253,21 +286,21 @@ INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
         return o;                                                                                  \
     }
 
-#define CALL ((void)wr, (void)nr, legacy_dotx(TYPE, n, w, a, as, nc, out))
+#define CALL legacy_tile(TYPE, n, w, wr, nr, a, as, nc, out)
 #define TYPE SE_Q4_0
-TILE_1(q4_0) DOT(q4_0)
+TILE_N(q4_0) DOT(q4_0)
 #undef TYPE
 #define TYPE SE_Q4_1
-TILE_1(q4_1) DOT(q4_1)
+TILE_N(q4_1) DOT(q4_1)
 #undef TYPE
 #define TYPE SE_Q5_0
-TILE_1(q5_0) DOT(q5_0)
+TILE_N(q5_0) DOT(q5_0)
 #undef TYPE
 #define TYPE SE_Q5_1
-TILE_1(q5_1) DOT(q5_1)
+TILE_N(q5_1) DOT(q5_1)
 #undef TYPE
 #define TYPE SE_Q8_0
-TILE_1(q8_0) DOT(q8_0)
+TILE_N(q8_0) DOT(q8_0)
 #undef TYPE
 #undef CALL
 #define CALL ((void)wr, (void)nr, float_dotx(TYPE, n, w, a, as, nc, out))
@@ -293,11 +326,11 @@ TILE_1(q5_K) DOT(q5_K)
 TILE_1(q6_K) DOT(q6_K)
 #undef CALL
 
-#define K(T, name) [T] = { dot_##name, tile_##name, 1, 1 }
+#define K(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp }
 const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
-    K(SE_Q4_0, q4_0), K(SE_Q4_1, q4_1), K(SE_Q5_0, q5_0), K(SE_Q5_1, q5_1), K(SE_Q8_0, q8_0),
-    K(SE_Q4_K, q4_K), K(SE_Q5_K, q5_K), K(SE_Q6_K, q6_K),
-    K(SE_F32, f32), K(SE_F16, f16), K(SE_BF16, bf16),
+    K(SE_Q4_0, q4_0, 4, 1), K(SE_Q4_1, q4_1, 4, 1), K(SE_Q5_0, q5_0, 4, 1), K(SE_Q5_1, q5_1, 4, 1),
+    K(SE_Q8_0, q8_0, 4, 1), K(SE_Q4_K, q4_K, 1, 1), K(SE_Q5_K, q5_K, 1, 1), K(SE_Q6_K, q6_K, 1, 1),
+    K(SE_F32, f32, 1, 1), K(SE_F16, f16, 1, 1), K(SE_BF16, bf16, 1, 1),
 };
 
 #else
