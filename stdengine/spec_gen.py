@@ -117,7 +117,8 @@ def render(spec_dir: Path) -> dict[Path, str]:
                 rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: {name} -->)", re.S)
             if not pattern.search(text):
                 raise SystemExit(f"{path}: missing the markers for generated table '{name}'")
-            text = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text)
+            table = make()
+            text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
         out[path] = text
     return out
 

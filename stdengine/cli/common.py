@@ -34,7 +34,7 @@ def _click_option(name: str) -> Callable[[F], F]:
         return click.option(*names, name, multiple=True, help=help_text)
     if get_origin(base) is not None and get_args(base) and all(isinstance(a, str) for a in get_args(base)):
         return click.option(*names, name, type=click.Choice(get_args(base)), default=None, help=help_text)
-    click_type: Any = {int: int, float: float, str: str}.get(base, str)  # type: ignore[call-overload]
+    click_type: Any = base if base in (int, float, str) else str
     return click.option(*names, name, type=click_type, default=None, help=help_text)
 
 
