@@ -118,7 +118,11 @@ def render(spec_dir: Path) -> dict[Path, str]:
             if not pattern.search(text):
                 raise SystemExit(f"{path}: missing the markers for generated table '{name}'")
             table = make()
-            text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
+
+            def fill(m: re.Match[str], table: str = table) -> str:
+                return m.group(1) + table + "\n" + m.group(2)
+
+            text = pattern.sub(fill, text)
         out[path] = text
     return out
 
