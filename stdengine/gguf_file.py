@@ -261,7 +261,8 @@ def _read_value(path: Path, cur: _Cursor, vtype: int, key: str, load_arrays: boo
     if small:
         return list(struct.unpack_from(f"{cur.order}{count}{item_fmt}", cur.buf, start))
     if load_arrays:
-        return np.frombuffer(cur.buf, dtype=np.dtype(item_fmt).newbyteorder(cur.order), count=count,
+        dtype = np.dtype(cur.order + item_fmt)  # cur.order is "<" or ">"
+        return np.frombuffer(cur.buf, dtype=dtype, count=count,
                              offset=start).copy()
     return ArrayValue(item_name, count)
 
