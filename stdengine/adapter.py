@@ -195,6 +195,18 @@ class Engine(ABC):
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         raise NotImplementedError
 
+    def new_context(self) -> Engine | None:
+        """Optional: another instance on the same loaded model with its own context (KV cache,
+        sampler state), so that `infer serve -np N` serves N requests at once without loading the
+        weights N times. Each instance is used by one thread at a time; different instances may
+        run at the same time. close() on such an instance releases only its context. The default
+        returns None: the engine has one context, and the server serialises requests on it."""
+        return None
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """Optional, for engines that declare the `embeddings` capability: one vector per text."""
+        raise NotImplementedError
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model; the default does nothing."""
 

@@ -1,24 +1,115 @@
-"""`infer serve`: an OpenAI-compatible server for any engine (lands with the server issue)."""
+"""`infer serve`: an OpenAI-compatible server and web chat for any engine (stdengine.server)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
 
-from stdengine.cli.common import canonical_options
-from stdengine.errors import NotImplementedYet
+from stdengine.cli.common import canonical_options, load_engine, make_emitter, resolve_cli
+from stdengine.cli.run import sampling_from
+from stdengine.errors import EngineUnavailable
+from stdengine.options import OPTION_NAMES, Options
+
+# Prompt options make no sense for a server: requests bring their own prompts.
+SERVE_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("prompt", "file", "system"))
+
+
+def _require_server_extra() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise EngineUnavailable(
+            f"`infer serve` needs the server extra (FastAPI and uvicorn), which is not installed ({e})",
+            hint="pip install 'stdengine[server]'",
+        ) from None
 
 
 @click.command()
-@canonical_options()
-def serve(**kwargs: Any) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API with a web chat page.
+@canonical_options(*SERVE_OPTIONS)
+@click.option(
+    "--queue",
+    "queue_size",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help="requests that may wait for a busy slot; one more gets 503 at once [default: 16]",
+)
+def serve(queue_size: int | None, **kwargs: Any) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API, with a web chat page at /.
 
     \b
     Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-    GET /metrics, POST /tokenize, POST /detokenize. Default host is 127.0.0.1.
-    Not built yet in this version: it exits with status 9 (not_implemented).
+    GET /metrics, GET /props, POST /tokenize, POST /detokenize, and POST /v1/embeddings for
+    engines that declare embeddings. The default host is 127.0.0.1 (this machine only).
+    -np N serves N requests at once (the weights are loaded once); --api-key KEY requires
+    `Authorization: Bearer KEY` on every route but /, /health and /v1/models. The sampling flags
+    (--temp, --top-k, -n, ...) are the defaults for fields a request leaves out.
+    SIGINT or SIGTERM drains the requests in flight, then exits with status 0.
+    Needs the server extra (pip install 'stdengine[server]'); without it, exit status 6.
+
+    \b
+    Examples:
+      infer serve -m smollm2-135m-instruct
+      infer serve -e llamacpp -m model.gguf --port 8081 -np 4 --api-key secret
     """
-    raise NotImplementedYet("`infer serve` is not built yet in this version of stdengine",
-                            hint="use `infer run` or `infer chat` for now")
+    from stdengine.server.app import DEFAULT_QUEUE
+
+    _require_server_extra()
+    from stdengine.server import build_state, run_server
+    from stdengine.server.app import close_state
+
+    resolved = resolve_cli(kwargs)
+    options: Options = resolved.options
+    events = make_emitter(options)
+    events.debug("config.resolved", options=options.model_dump(), sources=resolved.sources)
+    model_ref = options.model or _default_model(options)
+    engine = load_engine(resolved, events)
+    state = None
+    try:
+        state = build_state(
+            engine,
+            parallel=options.parallel,
+            defaults=sampling_from(options),
+            events=events,
+            model_ref=model_ref,
+            model_path=events.model if getattr(type(engine), "needs_model_file", True) else None,
+            api_key=options.api_key,
+            queue_size=DEFAULT_QUEUE if queue_size is None else queue_size,
+            verbose=options.verbosity > 0,
+        )
+        slots = state.slots.total
+        turns = (
+            ""
+            if slots == options.parallel
+            else f" (engine '{engine.name}' has one context: -np {options.parallel} requests take turns on it)"
+        )
+
+        def listening(url: str) -> None:
+            events.info(
+                "run.start",
+                command="serve",
+                argv=sys.argv[1:],
+                url=url,
+                slots=slots,
+                queue=state.slots.queue_size if state else None,
+                summary=f"listening on {url} | model {model_ref} | {slots} slot(s), "
+                f"queue {state.slots.queue_size if state else 0}{turns} | web chat at {url}/",
+            )
+
+        run_server(state, options.host, options.port, on_listening=listening)
+    finally:
+        if state is not None:
+            close_state(state)
+        else:
+            engine.close()
+        events.close()
+
+
+def _default_model(options: Options) -> str:
+    from stdengine import DEFAULT_MODEL, registry
+
+    cls = registry.engine_class(options.engine)
+    return DEFAULT_MODEL if getattr(cls, "needs_model_file", True) else (options.url or options.engine)

@@ -1,0 +1,325 @@
+"""The OpenAI request shapes the server accepts and the response shapes it sends.
+
+Requests are parsed strictly (pydantic, `extra="forbid"`, `strict=True`): a field of the wrong type
+or a field we do not know is a 400 that names it, as OpenAI's own API answers "Unrecognized
+request argument supplied". Fields we know but cannot honour (n > 1, logprobs, tools, ...) are a
+400 too, never silently dropped. Sampling fields map to canonical options; a field whose option
+the engine does not honour is refused the same way `infer run` refuses the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from stdengine.adapter import DoneEvent, SamplingParams, Usage
+from stdengine.errors import InvalidRequest, UnsupportedOption
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """What chat and text completions share: model, streaming, and sampling."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=-1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, ge=0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    # Known OpenAI fields that this server accepts only at their neutral values (checked below).
+    n: int | None = Field(None, ge=1)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the caller's own tracking; not used
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=-1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(_Strict):
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int]
+
+
+class EmbeddingsRequest(_Strict):
+    input: str | list[str]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+
+
+# request field -> canonical option (spec/options.md); the engine must honour the option
+SAMPLING_FIELDS: dict[str, str] = {
+    "temperature": "temp",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "seed": "seed",
+    "max_tokens": "n_predict",
+    "max_completion_tokens": "n_predict",
+    "stop": "stop",
+}
+
+
+def parse(model: type[_Strict], body: dict[str, Any]) -> Any:
+    """Validate a request body; every problem becomes one InvalidRequest naming the fields."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        parts: list[str] = []
+        unknown_top_level = False
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            if err["type"] == "extra_forbidden":
+                parts.append(f"Unrecognized request argument supplied: {loc}")
+                unknown_top_level = unknown_top_level or len(err["loc"]) == 1
+            else:
+                parts.append(f"{loc}: {err['msg']}")
+        hint = None
+        if unknown_top_level:
+            hint = "this route accepts: " + ", ".join(model.model_fields)
+        raise InvalidRequest("; ".join(parts), hint=hint) from None
+
+
+def refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
+    """Known OpenAI fields that ask for something this server does not do are an error."""
+    bad: list[str] = []
+    if req.n is not None and req.n > 1:
+        bad.append("n > 1 (this server returns one choice per request)")
+    if req.logit_bias:
+        bad.append("logit_bias")
+    if isinstance(req, ChatRequest):
+        if req.logprobs or req.top_logprobs is not None:
+            bad.append("logprobs / top_logprobs")
+        if req.tools or req.functions:
+            bad.append("tools / functions (tool calls are not supported)")
+        if req.tool_choice not in (None, "none", "auto") or req.function_call not in (None, "none", "auto"):
+            bad.append("tool_choice / function_call")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            bad.append(f"response_format {req.response_format.get('type')!r} (only 'text')")
+    else:
+        if req.logprobs is not None:
+            bad.append("logprobs")
+        if req.echo:
+            bad.append("echo")
+        if req.suffix is not None:
+            bad.append("suffix")
+        if req.best_of is not None and req.best_of > 1:
+            bad.append("best_of > 1")
+    if bad:
+        raise UnsupportedOption(
+            f"not supported by this server: {'; '.join(bad)}", hint="remove these fields from the request"
+        )
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true")
+
+
+def sampling_for(
+    req: ChatRequest | CompletionRequest, defaults: SamplingParams, engine_name: str, honoured: frozenset[str]
+) -> SamplingParams:
+    """The server's defaults (its own sampling flags), overridden by the request's fields."""
+    refused = [
+        f for f, opt in SAMPLING_FIELDS.items() if getattr(req, f, None) is not None and opt not in honoured
+    ]
+    if refused:
+        raise UnsupportedOption(
+            f"engine '{engine_name}' cannot honour {', '.join(refused)}",
+            hint="remove "
+            + ("it" if len(refused) == 1 else "them")
+            + " from the request; the engine honours: "
+            + ", ".join(f for f, opt in SAMPLING_FIELDS.items() if opt in honoured),
+        )
+    s = dataclasses.replace(defaults, stop=list(defaults.stop))
+    if req.temperature is not None:
+        s.temp = req.temperature
+    for name in (
+        "top_p",
+        "top_k",
+        "min_p",
+        "repeat_penalty",
+        "repeat_last_n",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+    ):
+        value = getattr(req, name)
+        if value is not None:
+            setattr(s, name, value)
+    limit = req.max_tokens
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        if limit is not None and limit != req.max_completion_tokens:
+            raise InvalidRequest("max_tokens and max_completion_tokens disagree; give one of them")
+        limit = req.max_completion_tokens
+    if limit is not None:
+        if limit == 0:
+            raise InvalidRequest("max_tokens must be at least 1 (or -1 for no limit)")
+        s.n_predict = limit
+    if req.stop is not None:
+        s.stop = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    return s
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+    """OpenAI messages -> the {role, content} dicts a chat template renders."""
+    out = []
+    for m in req.messages:
+        # "developer" is OpenAI's newer name for the system role; templates know "system".
+        role = "system" if m.role == "developer" else m.role
+        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+        out.append({"role": role, "content": content})
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str:
+    if isinstance(req.prompt, str):
+        return req.prompt
+    if len(req.prompt) != 1:
+        raise UnsupportedOption(
+            "prompt: a list of several prompts is not supported", hint="send one request per prompt"
+        )
+    return req.prompt[0]
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def new_id(kind: Literal["chat", "text"]) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage_dict(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+@dataclasses.dataclass
+class Reply:
+    """What every response and chunk of one request share."""
+
+    kind: Literal["chat", "text"]
+    model: str
+    fingerprint: str
+    include_usage: bool = False
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = self.id or new_id(self.kind)
+        self.created = self.created or now_s()
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+        }
+
+    def final(self, text: str, done: DoneEvent) -> dict[str, Any]:
+        """The whole answer of a non-streamed request."""
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": done.finish_reason,
+            }
+            body = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+            body = self._head("text_completion")
+        body.update(choices=[choice], usage=usage_dict(done.usage), timings=done.timings.to_dict())
+        return body
+
+    def chunk(
+        self, text: str | None = None, *, role: bool = False, done: DoneEvent | None = None
+    ) -> dict[str, Any]:
+        """One streamed chunk: the role (chat only), a piece of text, or the finish."""
+        finish = done.finish_reason if done is not None else None
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif text is not None:
+                delta = {"content": text}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            body = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            body = self._head("text_completion")
+        body["choices"] = [choice]
+        if self.include_usage:
+            body["usage"] = None  # OpenAI: every chunk but the last one has usage null
+        if done is not None:
+            body["timings"] = done.timings.to_dict()
+        return body
+
+    def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
+        """The extra last chunk that stream_options.include_usage asks for: no choices, the usage."""
+        body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        body.update(choices=[], usage=usage_dict(done.usage), timings=done.timings.to_dict())
+        return body

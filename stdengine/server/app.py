@@ -1,0 +1,682 @@
+"""The server: OpenAI-compatible routes in front of one loaded engine, on FastAPI and uvicorn.
+
+Routes follow llama-server's (spec/server.md has the table). Every error is OpenAI's envelope
+`{"error": {"message", "type", "code"}}` with the HTTP status in `code`; no request can crash the
+server or keep a slot: generation runs in a worker thread per slot, and every way out of a
+request (answer, error, client gone) releases its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import json
+import signal
+import struct
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from stdengine import __version__
+from stdengine.adapter import DoneEvent, Engine, GenerateRequest, SamplingParams, TokenEvent
+from stdengine.errors import EngineFailure, InferError, InvalidRequest, ModelNotFound
+from stdengine.events import Emitter, Level
+from stdengine.server import api
+from stdengine.server.metrics import Metrics
+from stdengine.server.slots import END, ClientGone, DisconnectWatch, Generation, ServerBusy, SlotPool
+
+LOG_KEY = "stdengine.log"  # per-request fields for the request.done event, kept in the ASGI scope
+# Routes anyone may call even when the server has an API key (as in llama-server).
+PUBLIC_ROUTES = frozenset({"/", "/health", "/models", "/v1/models"})
+DEFAULT_QUEUE = 16
+
+
+class HttpError(Exception):
+    """An HTTP answer that is not one of stdengine's error kinds (401, 501, 503 busy, 404 route)."""
+
+    def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.headers = headers
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need: the engine, its slots, the defaults and the log."""
+
+    engine: Engine  # the instance load() returned; tokenize/detokenize/templates go through it
+    slots: SlotPool
+    defaults: SamplingParams  # the server's sampling flags: what a request's omitted fields get
+    events: Emitter
+    model_id: str  # what /v1/models lists and responses echo
+    model_names: frozenset[str]  # the names a request's `model` may use for this model
+    model_path: str | None = None
+    api_key: str | None = None
+    verbose: bool = False
+    started: float = field(default_factory=time.time)
+    metrics: Metrics = field(default_factory=Metrics)
+
+    @property
+    def fingerprint(self) -> str:
+        return f"stdengine-{__version__}-{self.engine.name}-{type(self.engine).version()}"
+
+
+def build_state(
+    engine: Engine,
+    *,
+    parallel: int,
+    defaults: SamplingParams,
+    events: Emitter,
+    model_ref: str,
+    model_path: str | None = None,
+    api_key: str | None = None,
+    queue_size: int = DEFAULT_QUEUE,
+    verbose: bool = False,
+) -> ServerState:
+    """Make the slots (N contexts on the one loaded model, when the engine can) and the state."""
+    contexts: list[Engine] = [engine]
+    while len(contexts) < parallel:
+        ctx = engine.new_context()
+        if ctx is None:  # one context only: requests take turns on it (the caller says so)
+            break
+        contexts.append(ctx)
+    names = {model_ref}
+    if model_path:
+        names |= {model_path, Path(model_path).name, Path(model_path).stem}
+    return ServerState(
+        engine=engine,
+        slots=SlotPool(contexts, queue_size),
+        defaults=defaults,
+        events=events,
+        model_id=model_ref,
+        model_names=frozenset(names),
+        model_path=model_path,
+        api_key=api_key,
+        verbose=verbose,
+    )
+
+
+def close_state(state: ServerState) -> None:
+    """Release the extra contexts first, then the engine that owns the model."""
+    state.slots.close()
+    for ctx in state.slots.contexts[1:]:
+        ctx.close()
+    state.engine.close()
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def error_body(status: int, type_: str, message: str, **details: Any) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": status, **details}}
+
+
+def error_parts(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str] | None]:
+    """Any exception -> (HTTP status, the OpenAI envelope, extra headers)."""
+    if isinstance(exc, InferError):
+        body = exc.openai_envelope()
+        if exc.hint:
+            body["error"]["message"] = f"{exc.message} ({exc.hint})"
+        return exc.http_status, body, None
+    if isinstance(exc, HttpError):
+        return exc.status, error_body(exc.status, exc.type, exc.message), exc.headers
+    if isinstance(exc, ServerBusy):
+        return 503, error_body(503, "unavailable_error", str(exc)), {"Retry-After": "1"}
+    failure = EngineFailure(f"internal error: {type(exc).__name__}: {exc}")
+    return failure.http_status, failure.openai_envelope(), None
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body, headers = error_parts(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def as_infer_error(exc: BaseException) -> BaseException:
+    """An engine's unexpected exception is an engine failure (500), with what it said."""
+    if isinstance(exc, (InferError, HttpError, ServerBusy)):
+        return exc
+    return EngineFailure(f"the engine failed: {type(exc).__name__}: {exc}")
+
+
+def note_error(request: Request, exc: BaseException, state: ServerState) -> None:
+    log = request.scope.get(LOG_KEY)
+    if log is None:
+        return
+    log["error"] = getattr(exc, "code", None) if isinstance(exc, InferError) else type(exc).__name__
+    if not isinstance(exc, (InferError, HttpError, ServerBusy)):
+        # a bug in the server or an engine: keep what is needed to fix it
+        log["message"] = f"{type(exc).__name__}: {exc}"
+        if state.verbose:
+            log["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+# --- middleware: API key, Server header, one request.done per request ---------------------------
+
+
+class Gate:
+    """Pure ASGI middleware (it must not buffer streamed responses)."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        log: dict[str, Any] = {"status": None}
+        scope[LOG_KEY] = log
+        self.state.events.debug("request.start", method=scope["method"], route=scope["path"])
+
+        async def send_logged(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                log["status"] = log.get("status") or message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"server", f"stdengine/{__version__}".encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            if self.state.api_key and scope["path"] not in PUBLIC_ROUTES and not self._authorized(scope):
+                response = JSONResponse(
+                    error_body(401, "authentication_error", "Invalid API Key"), status_code=401
+                )
+                await response(scope, receive, send_logged)
+                return
+            await self.app(scope, receive, send_logged)
+        except Exception:
+            log["status"] = log["status"] or 500
+            raise
+        finally:
+            self._log_done(scope, log, t0)
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        assert self.state.api_key is not None
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer" and hmac.compare_digest(
+                    token.strip().encode(), self.state.api_key.encode()
+                ):
+                    return True
+        return False
+
+    def _log_done(self, scope: dict[str, Any], log: dict[str, Any], t0: float) -> None:
+        duration_ms = round((time.perf_counter() - t0) * 1e3, 1)
+        status = log.pop("status")
+        fields: dict[str, Any] = {"method": scope["method"], "route": scope["path"], "status": status}
+        fields.update(log)
+        fields["duration_ms"] = duration_ms
+        if not self.state.verbose:
+            fields.pop("prompt", None)  # prompt text only with -v
+        summary = f"{scope['method']} {scope['path']} {status}"
+        if "prompt_tokens" in fields:
+            summary += f" | {fields['prompt_tokens']} prompt + {fields.get('completion_tokens', 0)} completion tokens"
+        if fields.get("ttft_ms") is not None:
+            summary += f" | ttft {fields['ttft_ms']:.0f} ms"
+        summary += f" | {duration_ms:.0f} ms"
+        if fields.get("error"):
+            summary += f" | error {fields['error']}"
+        level: Level = "error" if isinstance(status, int) and status >= 500 else "info"
+        self.state.events.emit("request.done", level, summary=summary, **fields)
+
+
+# --- the app ------------------------------------------------------------------------------------
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+def create_app(state: ServerState) -> FastAPI:
+    # No /docs: FastAPI's docs page loads its scripts from the internet, and the server must not.
+    app = FastAPI(title="stdengine", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Gate, state=state)
+    app.state.stdengine = state
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error"
+        )
+        message = (
+            f"no route {request.method} {request.url.path}"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
+        return JSONResponse(error_body(exc.status_code, kind, message), status_code=exc.status_code)
+
+    def guarded(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """Every error a route raises becomes the OpenAI envelope (never a crash or a bare 500)."""
+
+        async def wrapper(request: Request) -> Response:
+            try:
+                return await route(request)
+            except Exception as e:
+                note_error(request, e, state)
+                return error_response(e)
+
+        wrapper.__name__ = route.__name__
+        return wrapper
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index() -> HTMLResponse:
+        page = resources.files("stdengine.server").joinpath("static/index.html").read_text(encoding="utf-8")
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def models(request: Request) -> Response:
+        info = state.engine.info()
+        meta: dict[str, Any] = {
+            "engine": info.name,
+            "engine_version": info.version,
+            "backend": info.backend,
+            "n_ctx": _n_ctx(state.engine),
+            **_plain(info.model),
+        }
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": state.model_id,
+                        "object": "model",
+                        "created": int(state.started),
+                        "owned_by": "stdengine",
+                        "meta": meta,
+                    }
+                ],
+            }
+        )
+
+    app.get("/v1/models")(guarded(models))
+    app.get("/models")(guarded(models))
+
+    async def props(request: Request) -> Response:
+        """llama-server's /props: defaults and slots, plus what this engine honours (the web chat
+        uses it to offer only the settings the engine can honour)."""
+        info = state.engine.info()
+        d = state.defaults
+        honoured = type(state.engine).honoured_options()
+        return JSONResponse(
+            {
+                "default_generation_settings": {
+                    "temperature": d.temp,
+                    "top_k": d.top_k,
+                    "top_p": d.top_p,
+                    "min_p": d.min_p,
+                    "repeat_penalty": d.repeat_penalty,
+                    "repeat_last_n": d.repeat_last_n,
+                    "presence_penalty": d.presence_penalty,
+                    "frequency_penalty": d.frequency_penalty,
+                    "seed": d.seed,
+                    "n_predict": d.n_predict,
+                    "stop": d.stop,
+                    "n_ctx": _n_ctx(state.engine),
+                },
+                "total_slots": state.slots.total,
+                "model": state.model_id,
+                "model_path": state.model_path,
+                "build_info": f"stdengine {__version__}; {info.name} {info.version} {info.build}".strip(),
+                "engine": info.name,
+                "capabilities": sorted(type(state.engine).capabilities),
+                "supported_params": [f for f, opt in api.SAMPLING_FIELDS.items() if opt in honoured],
+                "chat": state.engine.has_chat_template(),
+            }
+        )
+
+    app.get("/props")(guarded(props))
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        n_ctx = _n_ctx(state.engine) or 0
+        text = state.metrics.render(
+            n_ctx_total=n_ctx * state.slots.total, processing=state.slots.busy, deferred=state.slots.waiting
+        )
+        return PlainTextResponse(
+            text,
+            media_type="text/plain; version=0.0.4",
+            headers={"Process-Start-Time-Unix": str(int(state.started))},
+        )
+
+    async def chat_completions(request: Request) -> Response:
+        req = api.parse(api.ChatRequest, await read_json(request))
+        model = _check_model(state, req.model)
+        api.refuse_unsupported(req)
+        sampling = api.sampling_for(
+            req, state.defaults, state.engine.name, type(state.engine).honoured_options()
+        )
+        if not state.engine.has_chat_template():
+            raise InvalidRequest(
+                "this model has no chat template, so the server cannot render a conversation",
+                hint="use /v1/completions, or start the server with --chat-template",
+            )
+        messages = api.chat_messages(req)
+        request.scope[LOG_KEY]["prompt"] = messages
+        reply = api.Reply(
+            "chat",
+            model,
+            state.fingerprint,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        )
+        return await generate(
+            request, GenerateRequest(messages=messages, sampling=sampling), reply, req.stream
+        )
+
+    async def completions(request: Request) -> Response:
+        req = api.parse(api.CompletionRequest, await read_json(request))
+        model = _check_model(state, req.model)
+        api.refuse_unsupported(req)
+        sampling = api.sampling_for(
+            req, state.defaults, state.engine.name, type(state.engine).honoured_options()
+        )
+        prompt = api.completion_prompt(req)
+        request.scope[LOG_KEY]["prompt"] = prompt
+        reply = api.Reply(
+            "text",
+            model,
+            state.fingerprint,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        )
+        return await generate(request, GenerateRequest(prompt=prompt, sampling=sampling), reply, req.stream)
+
+    app.post("/v1/chat/completions")(guarded(chat_completions))
+    app.post("/chat/completions")(guarded(chat_completions))
+    app.post("/v1/completions")(guarded(completions))
+
+    async def generate(
+        request: Request, gen_request: GenerateRequest, reply: api.Reply, stream: bool
+    ) -> Response:
+        """Wait for a slot, run the generation in its worker thread, answer whole or streamed."""
+        log = request.scope[LOG_KEY]
+        t0 = time.perf_counter()
+        watch = DisconnectWatch(request.receive)
+        gen: Generation | None = None
+        handed_over = False  # True once the streamed body owns the generation and the watch
+        try:
+            ctx = await watch.guard(state.slots.acquire())
+            log["slot"] = state.slots.slot_id(ctx)
+            log["queued_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+            gen = Generation(state.slots, ctx, gen_request)
+            gen.start()
+            first = await watch.guard(gen.next())
+            # Errors that come before any token (a prompt over the context, an empty prompt) are
+            # a plain HTTP error, also for a streamed request: nothing has been sent yet.
+            if isinstance(first, BaseException):
+                raise as_infer_error(first)
+            if first is END:
+                raise EngineFailure("the engine ended generate() without a DoneEvent")
+            if stream:
+                handed_over = True
+                return StreamingResponse(
+                    stream_body(request, gen, watch, first, reply, t0),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            pieces: list[str] = []
+            item = first
+            while True:
+                if isinstance(item, BaseException):
+                    raise as_infer_error(item)
+                if item is END:
+                    raise EngineFailure("the engine ended generate() without a DoneEvent")
+                if isinstance(item, TokenEvent):
+                    _count_token(state, log, t0, item)
+                    pieces.append(item.text)
+                elif isinstance(item, DoneEvent):
+                    _record_done(state, log, ctx, item)
+                    return JSONResponse(reply.final("".join(pieces), item))
+                item = await watch.guard(gen.next())
+        except ClientGone:
+            log["status"] = 499  # nginx's "client closed request": nobody read an answer
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                if gen is not None:
+                    gen.cancel()
+                watch.close()
+
+    async def stream_body(
+        request: Request, gen: Generation, watch: DisconnectWatch, first: Any, reply: api.Reply, t0: float
+    ) -> AsyncIterator[bytes]:
+        log = request.scope[LOG_KEY]
+        item = first
+        try:
+            if reply.kind == "chat":
+                yield _sse(reply.chunk(role=True))
+            while True:
+                if isinstance(item, TokenEvent):
+                    _count_token(state, log, t0, item)
+                    if item.text:
+                        yield _sse(reply.chunk(item.text))
+                elif isinstance(item, DoneEvent):
+                    _record_done(state, log, gen.ctx, item)
+                    yield _sse(reply.chunk(done=item))
+                    if reply.include_usage:
+                        yield _sse(reply.usage_chunk(item))
+                    yield b"data: [DONE]\n\n"
+                    return
+                else:
+                    # Headers are sent: a failure mid-stream is an error event (OpenAI's shape,
+                    # which its clients raise as an APIError), then the end of the stream.
+                    err = as_infer_error(
+                        item
+                        if isinstance(item, BaseException)
+                        else EngineFailure("the engine ended generate() without a DoneEvent")
+                    )
+                    note_error(request, err, state)
+                    yield _sse(error_parts(err)[1])
+                    yield b"data: [DONE]\n\n"
+                    return
+                item = await watch.guard(gen.next())
+        except ClientGone:  # seen by our watch
+            log["status"] = 499
+        except asyncio.CancelledError:  # seen by Starlette first, which cancels the body
+            log["status"] = 499
+            raise
+        finally:
+            gen.cancel()
+            watch.close()
+
+    async def tokenize(request: Request) -> Response:
+        _need(state, "tokenize")
+        req = api.parse(api.TokenizeRequest, await read_json(request))
+        engine = state.engine
+        tokens = await run_in_threadpool(engine.tokenize, req.content, req.add_special, True)
+        if not req.with_pieces:
+            return JSONResponse({"tokens": tokens})
+        pieces = await run_in_threadpool(lambda: [engine.detokenize([t]) for t in tokens])
+        return JSONResponse({"tokens": [{"id": t, "piece": p} for t, p in zip(tokens, pieces, strict=True)]})
+
+    async def detokenize(request: Request) -> Response:
+        _need(state, "tokenize")
+        req = api.parse(api.DetokenizeRequest, await read_json(request))
+        try:
+            content = await run_in_threadpool(state.engine.detokenize, req.tokens)
+        except InferError:
+            raise
+        except Exception as e:
+            raise InvalidRequest(
+                f"cannot detokenize these tokens: {type(e).__name__}: {e}",
+                hint="every token must be an id of the model's vocabulary",
+            ) from None
+        return JSONResponse({"content": content})
+
+    app.post("/tokenize")(guarded(tokenize))
+    app.post("/detokenize")(guarded(detokenize))
+
+    async def embeddings(request: Request) -> Response:
+        _need(state, "embeddings")
+        req = api.parse(api.EmbeddingsRequest, await read_json(request))
+        model = _check_model(state, req.model)
+        texts = [req.input] if isinstance(req.input, str) else list(req.input)
+        if not texts or any(t == "" for t in texts):
+            raise InvalidRequest("input must be a non-empty string or a list of non-empty strings")
+        watch = DisconnectWatch(request.receive)
+        try:
+            ctx = await watch.guard(state.slots.acquire())
+        finally:
+            watch.close()
+        loop = asyncio.get_running_loop()
+        try:
+            vectors = await loop.run_in_executor(state.slots.executor, ctx.embed, texts)
+            n_tokens = 0
+            if "tokenize" in type(state.engine).capabilities:
+                n_tokens = sum(len(state.engine.tokenize(t)) for t in texts)
+        except Exception as e:
+            raise as_infer_error(e) from e
+        finally:
+            state.slots.release(ctx)
+        data = []
+        for i, vec in enumerate(vectors):
+            emb: Any = [float(x) for x in vec]
+            if req.encoding_format == "base64":
+                emb = base64.b64encode(struct.pack(f"<{len(emb)}f", *emb)).decode("ascii")
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+            }
+        )
+
+    app.post("/v1/embeddings")(guarded(embeddings))
+    return app
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+def _check_model(state: ServerState, name: str | None) -> str:
+    """The request's model must be the served one (by its id, path or file name); none = it."""
+    if name is None or name == "":
+        return state.model_id
+    if name not in state.model_names:
+        raise ModelNotFound(
+            f"model '{name}' is not served here",
+            hint=f"this server serves '{state.model_id}' (GET /v1/models)",
+        )
+    return name
+
+
+def _need(state: ServerState, capability: str) -> None:
+    if capability not in type(state.engine).capabilities:
+        raise HttpError(
+            501,
+            "not_supported_error",
+            f"engine '{state.engine.name}' does not declare the '{capability}' capability",
+        )
+
+
+def _n_ctx(engine: Engine) -> int | None:
+    try:
+        return int(engine.n_ctx())
+    except Exception:  # an engine may not know (e.g. a remote server)
+        return None
+
+
+def _plain(d: dict[str, Any]) -> dict[str, Any]:
+    """Model metadata made JSON-safe (engines may put numpy scalars or paths in it)."""
+    return json.loads(json.dumps(d, default=str))
+
+
+def _count_token(state: ServerState, log: dict[str, Any], t0: float, ev: TokenEvent) -> None:
+    state.metrics.count_decode(state.slots.busy)
+    if ev.text and "ttft_ms" not in log:
+        log["ttft_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+
+
+def _record_done(state: ServerState, log: dict[str, Any], ctx: Engine, done: DoneEvent) -> None:
+    state.metrics.count_decode(state.slots.busy)  # the prompt's decode
+    state.metrics.record(ctx, done)
+    log.update(
+        prompt_tokens=done.usage.prompt_tokens,
+        completion_tokens=done.usage.completion_tokens,
+        finish_reason=done.finish_reason,
+        timings=done.timings.to_dict(),
+    )
+
+
+# --- running it ---------------------------------------------------------------------------------
+
+
+def run_server(
+    state: ServerState,
+    host: str,
+    port: int,
+    *,
+    on_listening: Callable[[str], None] | None = None,
+    ready: threading.Event | None = None,
+) -> None:
+    """Serve until SIGINT or SIGTERM, then drain: stop accepting connections, let requests in
+    flight (and those queued) finish, return. Returns normally, so the caller can close the engine."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        # uvicorn re-raises the signal after its graceful shutdown, which would kill the process
+        # before the engine is closed; we only ask it to shut down and return.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if ready is not None:
+                ready.set()
+
+    config = uvicorn.Config(
+        create_app(state),
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        lifespan="off",
+    )
+    sock = config.bind_socket()  # bound here so that --port 0 can report the port it got
+    bound_port = sock.getsockname()[1]
+    shown_host = f"[{host}]" if ":" in host else host
+    url = f"http://{shown_host}:{bound_port}"
+    if on_listening is not None:
+        on_listening(url)
+    server = DrainingServer(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

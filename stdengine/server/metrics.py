@@ -1,0 +1,104 @@
+"""`GET /metrics`: llama-server's Prometheus metric set, under our prefix `stdengine:`.
+
+llama-server counts from inside its decode loop; we count what the server sees of each request
+(its DoneEvent and its tokens), which gives the same numbers for an engine that decodes one token
+per step after the prompt. spec/server.md says how each one is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stdengine.adapter import DoneEvent, Engine
+
+PREFIX = "stdengine:"
+
+
+@dataclass
+class Metrics:
+    prompt_tokens_total: int = 0
+    prompt_seconds_total: float = 0.0
+    tokens_predicted_total: int = 0
+    tokens_predicted_seconds_total: float = 0.0
+    n_decode_total: int = 0
+    busy_slots_sum: int = 0  # busy slots summed over decodes, for n_busy_slots_per_decode
+    # tokens each context's KV cache holds after its last request (engines keep it for reuse)
+    kv_tokens: dict[int, int] = field(default_factory=dict)
+
+    def count_decode(self, busy_slots: int) -> None:
+        """One decode step (the prompt, or one generated token) while `busy_slots` were busy."""
+        self.n_decode_total += 1
+        self.busy_slots_sum += busy_slots
+
+    def record(self, ctx: Engine, done: DoneEvent) -> None:
+        t = done.timings
+        self.prompt_tokens_total += t.prompt_n
+        self.prompt_seconds_total += t.prompt_ms / 1e3
+        self.tokens_predicted_total += t.predicted_n
+        self.tokens_predicted_seconds_total += t.predicted_ms / 1e3
+        self.kv_tokens[id(ctx)] = done.usage.prompt_tokens + done.usage.completion_tokens
+
+    def render(self, *, n_ctx_total: int, processing: int, deferred: int) -> str:
+        def rate(n: float, s: float) -> float:
+            return n / s if s > 0 else 0.0
+
+        kv_tokens = sum(self.kv_tokens.values())
+        rows: list[tuple[str, str, float, str]] = [
+            ("prompt_tokens_total", "counter", self.prompt_tokens_total, "Prompt tokens evaluated."),
+            (
+                "prompt_seconds_total",
+                "counter",
+                self.prompt_seconds_total,
+                "Seconds spent evaluating prompts.",
+            ),
+            ("tokens_predicted_total", "counter", self.tokens_predicted_total, "Tokens generated."),
+            (
+                "tokens_predicted_seconds_total",
+                "counter",
+                self.tokens_predicted_seconds_total,
+                "Seconds spent generating tokens.",
+            ),
+            (
+                "n_decode_total",
+                "counter",
+                self.n_decode_total,
+                "Decode steps (one per prompt, one per generated token).",
+            ),
+            (
+                "n_busy_slots_per_decode",
+                "counter",
+                rate(self.busy_slots_sum, self.n_decode_total),
+                "Busy slots per decode step, on average.",
+            ),
+            (
+                "prompt_tokens_seconds",
+                "gauge",
+                rate(self.prompt_tokens_total, self.prompt_seconds_total),
+                "Prompt tokens per second, on average.",
+            ),
+            (
+                "predicted_tokens_seconds",
+                "gauge",
+                rate(self.tokens_predicted_total, self.tokens_predicted_seconds_total),
+                "Generated tokens per second, on average.",
+            ),
+            (
+                "kv_cache_usage_ratio",
+                "gauge",
+                rate(kv_tokens, n_ctx_total),
+                "Share of all slots' context held by KV caches (1 = full).",
+            ),
+            ("kv_cache_tokens", "gauge", kv_tokens, "Tokens held by the slots' KV caches."),
+            ("requests_processing", "gauge", processing, "Requests holding a slot now."),
+            ("requests_deferred", "gauge", deferred, "Requests waiting in the queue for a slot."),
+        ]
+        out = []
+        for name, kind, value, help_text in rows:
+            out.append(f"# HELP {PREFIX}{name} {help_text}")
+            out.append(f"# TYPE {PREFIX}{name} {kind}")
+            out.append(f"{PREFIX}{name} {_number(value)}")
+        return "\n".join(out) + "\n"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

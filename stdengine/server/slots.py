@@ -1,0 +1,194 @@
+"""Slots: the engine contexts that serve requests at once, the bounded queue in front of them, and
+the bridge between an engine's blocking `generate()` (run in a worker thread) and the asyncio
+server.
+
+An engine instance has one context (KV cache, sampler), so one request at a time may use it. With
+`-np N` the server asks the engine for N-1 more contexts on the same loaded weights
+(`Engine.new_context()`); an engine that cannot make one is served on its single context and
+requests take turns. A request that finds every slot busy waits in a queue of bounded length; one
+more is refused with 503 at once, so a flood of clients cannot pile up unbounded work.
+
+Everything here except `Generation._run` runs on the event loop thread, so the pool needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from stdengine.adapter import Engine, GenerateRequest
+
+T = TypeVar("T")
+
+END = object()  # put on a generation's queue after its last item
+
+
+class ServerBusy(Exception):
+    """Every slot is busy and the queue is full."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its request was waiting or running."""
+
+
+class SlotPool:
+    def __init__(self, contexts: list[Engine], queue_size: int) -> None:
+        if not contexts:
+            raise ValueError("a slot pool needs at least one context")
+        self.contexts = contexts
+        self.queue_size = queue_size
+        self._free: list[Engine] = list(reversed(contexts))  # pop() hands out slot 0 first
+        self._waiters: deque[asyncio.Future[Engine]] = deque()
+        # One worker thread per slot: a generation holds its slot for as long as its thread runs.
+        self.executor = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix="infer-slot")
+
+    @property
+    def total(self) -> int:
+        return len(self.contexts)
+
+    @property
+    def busy(self) -> int:
+        return len(self.contexts) - len(self._free)
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for f in self._waiters if not f.done())
+
+    def slot_id(self, ctx: Engine) -> int:
+        return next(i for i, c in enumerate(self.contexts) if c is ctx)
+
+    async def acquire(self) -> Engine:
+        """A free context, after waiting in the queue if need be; ServerBusy when the queue is full."""
+        if self._free and not self.waiting:
+            return self._free.pop()
+        if self.waiting >= self.queue_size:
+            raise ServerBusy(
+                f"the server is busy: all {self.total} slot(s) are in use and {self.waiting} request(s) "
+                f"are already waiting (queue size {self.queue_size}); retry later"
+            )
+        fut: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # The waiter gave up (its client left). If a context was handed over at the same
+            # moment, pass it on instead of losing the slot.
+            if fut.done() and not fut.cancelled():
+                self.release(fut.result())
+            raise
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    def release(self, ctx: Engine) -> None:
+        """Give a context back: to the longest-waiting request, else to the free list."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(ctx)
+                return
+        self._free.append(ctx)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+class DisconnectWatch:
+    """Notices when the client closes the connection, so that a request waiting for a slot or
+    for its next token stops at once instead of running to the end for nobody.
+
+    Start it only after the request body has been read: it consumes the ASGI receive channel."""
+
+    def __init__(self, receive: Any) -> None:
+        self._task: asyncio.Future[None] = asyncio.ensure_future(self._wait(receive))
+
+    @staticmethod
+    async def _wait(receive: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    @property
+    def gone(self) -> bool:
+        return self._task.done() and not self._task.cancelled()
+
+    async def guard(self, awaitable: Awaitable[T]) -> T:
+        """Await `awaitable`, or raise ClientGone if the client disconnects first."""
+        task = asyncio.ensure_future(awaitable)
+        both: set[asyncio.Future[Any]] = {task, self._task}
+        try:
+            done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            raise ClientGone()
+        finally:
+            if not task.done():
+                task.cancel()
+                # let the cancelled awaitable run its cleanup (e.g. leave the slot queue)
+                await asyncio.wait({task})
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
+class Generation:
+    """One request's generate() on one slot's context, run in that slot's worker thread.
+
+    The thread hands each event (or the exception that ended generation) to the loop through an
+    asyncio queue, then END. cancel() makes it stop at the next token: the engine's generator is
+    closed there, and the slot is released as the thread leaves."""
+
+    def __init__(self, pool: SlotPool, ctx: Engine, request: GenerateRequest) -> None:
+        self.pool = pool
+        self.ctx = ctx
+        self.request = request
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._cancel = threading.Event()
+        self.finished = False  # END was received
+
+    def start(self) -> None:
+        self.loop.run_in_executor(self.pool.executor, self._run)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    async def next(self) -> Any:
+        item = await self.queue.get()
+        if item is END:
+            self.finished = True
+        return item
+
+    def _put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:  # in the worker thread
+        events = None
+        try:
+            events = self.ctx.generate(self.request)
+            for ev in events:
+                if self._cancel.is_set():
+                    break
+                self._put(ev)
+        except BaseException as e:  # handed to the request handler, which answers with it
+            self._put(e)
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                try:
+                    close()  # stop the engine's generator where it is
+                except Exception as e:
+                    self._put(e)
+            try:
+                self.loop.call_soon_threadsafe(self.pool.release, self.ctx)
+            except RuntimeError:
+                pass
+            self._put(END)
