@@ -9,6 +9,7 @@
 #include "kernels.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -454,11 +455,11 @@ static const se_type_traits scalar_traits[SE_TYPE_COUNT] = {
 };
 
 /* The live table: the scalar rows with `dot` replaced by the chosen ISA's, plus that ISA's
- * multi-token kernels. Works before se_kernels_init (scalar). */
+ * tiles. Every entry point initialises it on first use. */
 static se_type_traits traits[SE_TYPE_COUNT];
 static se_isa_kernels tiles[SE_TYPE_COUNT]; /* the chosen ISA's tiles (tile NULL: none) */
 static const char *isa_name = "scalar";
-static int initialised;
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
 /* ---------------------------------------------------------------- ISA choice */
 
@@ -491,7 +492,6 @@ static void install(int isa) {
         }
     }
     isa_name = names[isa];
-    initialised = 1;
 }
 
 static int isa_from_name(const char *s) {
@@ -503,24 +503,29 @@ static int isa_from_name(const char *s) {
 }
 
 int se_set_isa(const char *isa) {
+    se_kernels_init(); /* so that a later first use does not undo this choice */
     int want = isa_from_name(isa);
     if (want < 0 || want > cpu_best_isa()) return -1;
     install(want);
     return 0;
 }
 
-void se_kernels_init(void) {
+static void init_from_env(void) {
     /* An unknown or unsupported INFER_REF_ISA falls back to the best path here. */
-    if (se_set_isa(getenv("INFER_REF_ISA")) != 0) install(cpu_best_isa());
+    int want = isa_from_name(getenv("INFER_REF_ISA")), best = cpu_best_isa();
+    install(want < 0 || want > best ? best : want);
 }
 
+/* Safe to call from several threads; the first call decides (later ones return at once). */
+void se_kernels_init(void) { pthread_once(&init_once, init_from_env); }
+
 const char *se_isa_name(void) {
-    if (!initialised) se_kernels_init();
+    se_kernels_init();
     return isa_name;
 }
 
 const se_type_traits *se_traits(int type) {
-    if (!initialised) se_kernels_init();
+    se_kernels_init();
     if (type < 0 || type >= SE_TYPE_COUNT || !traits[type].name) return NULL;
     return &traits[type];
 }
