@@ -48,8 +48,28 @@ from stdengine.errors import ContextOverflow, InvalidRequest
 from stdengine.generation import StopMatcher
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
-         "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+]
 DEFAULT_LENGTH = 12  # tokens generated when n_predict is -1, then an end-of-generation "token"
 
 
@@ -67,8 +87,15 @@ class ToyEngine(Engine):
     name = "toy"
     description = "test engine: words for tokens, optional delay"
     capabilities = frozenset({"stream", "tokenize", "chat_template", "seed"})
-    option_map = {"ctx_size": "prompt limit", "seed": "random.Random", "temp": "0 = words follow the prompt",
-                  "top_k": "accepted", "top_p": "accepted", "n_predict": "generation limit", "stop": "StopMatcher"}
+    option_map = {
+        "ctx_size": "prompt limit",
+        "seed": "random.Random",
+        "temp": "0 = words follow the prompt",
+        "top_k": "accepted",
+        "top_p": "accepted",
+        "n_predict": "generation limit",
+        "stop": "StopMatcher",
+    }
     needs_model_file = False
 
     def __init__(self, weights: Weights, n_ctx: int, delay_ms: float, clone: bool) -> None:
@@ -81,7 +108,9 @@ class ToyEngine(Engine):
     @classmethod
     def load(cls, options: Any, events: Any) -> ToyEngine:
         args = options.engine_args
-        engine = cls(Weights(), options.ctx_size or 256, float(args.get("delay_ms", 0)), args.get("clone", "1") != "0")
+        engine = cls(
+            Weights(), options.ctx_size or 256, float(args.get("delay_ms", 0)), args.get("clone", "1") != "0"
+        )
         events.info("model.loaded", path=options.model, architecture="toy", n_params=len(WORDS), load_ms=0.0)
         return engine
 
@@ -89,7 +118,9 @@ class ToyEngine(Engine):
         return ToyEngine(self.weights, self._n_ctx, self.delay_ms, self.clone) if self.clone else None
 
     def info(self) -> EngineInfo:
-        return EngineInfo(name="toy", version="1", model={"n_vocab": 0x110000, "words": len(self.weights.words)})
+        return EngineInfo(
+            name="toy", version="1", model={"n_vocab": 0x110000, "words": len(self.weights.words)}
+        )
 
     def n_ctx(self) -> int:
         return self._n_ctx
@@ -128,8 +159,11 @@ class ToyEngine(Engine):
             raise InvalidRequest("the prompt is empty")
         prompt = self.tokenize(text)
         if len(prompt) + 1 > self._n_ctx:
-            raise ContextOverflow(f"the prompt needs {len(prompt) + 1} tokens but the context holds {self._n_ctx}",
-                                  n_prompt_tokens=len(prompt) + 1, n_ctx=self._n_ctx)
+            raise ContextOverflow(
+                f"the prompt needs {len(prompt) + 1} tokens but the context holds {self._n_ctx}",
+                n_prompt_tokens=len(prompt) + 1,
+                n_ctx=self._n_ctx,
+            )
         t0 = now_ms()
         if s.temp > 0:
             rng = random.Random(s.seed if s.seed >= 0 else None)
@@ -159,9 +193,14 @@ class ToyEngine(Engine):
             yield TokenEvent(-1, tail)
         if n >= limit and s.n_predict < 0:
             finish = "stop"
-        yield DoneEvent(finish_reason=finish, stop=matched, usage=Usage(len(prompt), n),
-                        timings=Timings(prompt_n=len(prompt), prompt_ms=t1 - t0, predicted_n=n,
-                                        predicted_ms=max(now_ms() - t1, 1e-3)))
+        yield DoneEvent(
+            finish_reason=finish,
+            stop=matched,
+            usage=Usage(len(prompt), n),
+            timings=Timings(
+                prompt_n=len(prompt), prompt_ms=t1 - t0, predicted_n=n, predicted_ms=max(now_ms() - t1, 1e-3)
+            ),
+        )
 
 
 # --- starting `infer serve` with the toy engine -------------------------------------------------
@@ -174,8 +213,9 @@ class Server:
         self.log_path = tmp / f"serve-{os.getpid()}-{time.monotonic_ns()}.log"
         self.err = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115
         cmd = [sys.executable, str(Path(__file__)), "serve", "--port", "0", "--log-format", "json", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.err, cwd=ROOT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=self.err, cwd=ROOT, env={**os.environ, **(env or {})}
+        )
         self.url = self._wait_listening()
 
     def _wait_listening(self, timeout: float = 120.0) -> str:
@@ -185,7 +225,9 @@ class Server:
                 if ev.get("event") == "run.start" and ev.get("url"):
                     return str(ev["url"])
             if self.proc.poll() is not None:
-                raise RuntimeError(f"infer serve exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+                raise RuntimeError(
+                    f"infer serve exited with {self.proc.returncode}:\n{self.log_path.read_text()}"
+                )
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"infer serve did not start:\n{self.log_path.read_text()}")
@@ -264,8 +306,14 @@ def test_request_parsing_is_strict() -> None:
         api.parse(api.ChatRequest, {"messages": [{"role": "user", "content": "x"}], "typical_p": 0.5})
     with pytest.raises(Bad, match="temperature"):
         api.parse(api.ChatRequest, {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"})
-    req = api.parse(api.ChatRequest, {"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}]}],
-                                      "stop": "x", "max_completion_tokens": 5})
+    req = api.parse(
+        api.ChatRequest,
+        {
+            "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}]}],
+            "stop": "x",
+            "max_completion_tokens": 5,
+        },
+    )
     assert api.chat_messages(req) == [{"role": "system", "content": "a"}]
 
 

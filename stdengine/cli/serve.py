@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -55,17 +56,22 @@ def serve(queue_size: int | None, **kwargs: Any) -> None:
       infer serve -m smollm2-135m-instruct
       infer serve -e llamacpp -m model.gguf --port 8081 -np 4 --api-key secret
     """
-    from stdengine.server.app import DEFAULT_QUEUE
-
-    _require_server_extra()
-    from stdengine.server import build_state, run_server
-    from stdengine.server.app import close_state
+    _require_server_extra()  # first: nothing under stdengine.server imports without it
+    from stdengine.server.app import DEFAULT_QUEUE, build_state, close_state, run_server
 
     resolved = resolve_cli(kwargs)
     options: Options = resolved.options
     events = make_emitter(options)
     events.debug("config.resolved", options=options.model_dump(), sources=resolved.sources)
     model_ref = options.model or _default_model(options)
+    # --api-key is the key this server requires of its clients; it is not handed to the engine
+    # (which would refuse it, or send it on to a remote server).
+    server_key = options.api_key
+    resolved = dataclasses.replace(
+        resolved,
+        options=options.model_copy(update={"api_key": None}),
+        sources={**resolved.sources, "api_key": "default"},
+    )
     engine = load_engine(resolved, events)
     state = None
     try:
@@ -76,7 +82,7 @@ def serve(queue_size: int | None, **kwargs: Any) -> None:
             events=events,
             model_ref=model_ref,
             model_path=events.model if getattr(type(engine), "needs_model_file", True) else None,
-            api_key=options.api_key,
+            api_key=server_key,
             queue_size=DEFAULT_QUEUE if queue_size is None else queue_size,
             verbose=options.verbosity > 0,
         )
