@@ -144,16 +144,25 @@ def test_f16_bf16_from_float_round_like_numpy():
     np.testing.assert_array_equal(K.quantize(T.BF16, x)[0], gg_quantize(x, T.BF16).view(np.uint8))
 
 
-def test_q8_0_from_float_matches_gguf():
+def _ties(n: int) -> np.ndarray:
+    """A block whose scale is exactly 1 (amax 127), with every value halfway between integers."""
+    x = (np.arange(n, dtype=np.float32) % 200 - 100) + np.float32(0.5)
+    x[0] = 127
+    return x
+
+
+def test_q8_0_from_float_matches_gguf(isa):
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((3, 32 * 9)) * rng.uniform(0.01, 100, (3, 1))).astype(np.float32)
     x[1, 32:64] = 0
+    x[2, 64:96] = _ties(32)  # roundf: halfway cases go away from zero
     np.testing.assert_array_equal(K.quantize(T.Q8_0, x), gg_quantize(x, T.Q8_0).view(np.uint8))
 
 
-def test_q8_1_from_float():
+def test_q8_1_from_float(isa):
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((2, 32 * 5)) * 3).astype(np.float32)
+    x[1, :32] = _ties(32)
     got = K.quantize(T.Q8_1, x).reshape(2, 5, 36)
     q8_0 = gg_quantize(x, T.Q8_0).view(np.uint8).reshape(2, 5, 34)
     np.testing.assert_array_equal(got[:, :, 0:2], q8_0[:, :, 0:2])  # same d and quants as Q8_0
@@ -164,10 +173,13 @@ def test_q8_1_from_float():
     np.testing.assert_array_equal(got[:, :, 2:4].copy().view(np.float16)[..., 0], s)
 
 
-def test_q8_K_from_float():
+def test_q8_K_from_float(isa):
     rng = np.random.default_rng(4)
     x = (rng.standard_normal((3, 256 * 3)) * 2).astype(np.float32)
     x[2, 256:512] = 0
+    x[1, :256] = -_ties(256)  # the largest |x| is -127, so iscale is exactly 1: halfway cases go to even
+    x[0, 256 + 7] = x[0, 256:512].max() + 1
+    x[0, 256 + 9] = -x[0, 256 + 7]  # equal |x| of both signs: the first one sets the sign
     got = K.quantize(T.Q8_K, x).reshape(3, 3, 292)
     blocks = x.reshape(3, 3, 256)
     for i in range(3):

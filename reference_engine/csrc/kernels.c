@@ -489,6 +489,7 @@ static void install(int isa) {
         for (int t = 0; t < SE_TYPE_COUNT; t++) {
             if (k[t].dot) traits[t].dot = k[t].dot;
             if (k[t].tile) tiles[t] = k[t];
+            if (k[t].from_float) traits[t].from_float = k[t].from_float;
         }
     }
     isa_name = names[isa];

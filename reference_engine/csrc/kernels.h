@@ -3,7 +3,7 @@
  * Every tensor type is one row of the type-trait table (kernels.c). A matmul quantizes the
  * activations once into the weight type's `act_type` (Q8_0, Q8_1, Q8_K or F32), then takes
  * dot products row by row; the SIMD variant of each dot is chosen once at start-up from the
- * CPU's flags (cpu.c), so the forward passes never see an ISA.
+ * CPU's flags (kernels.c), so the forward passes never see an ISA.
  */
 #ifndef SE_KERNELS_H
 #define SE_KERNELS_H
@@ -75,7 +75,12 @@ typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } se_blk_q8_K; /* 2
  * for 4 tokens). */
 typedef void (*se_tile_fn)(int64_t n, const void *w, size_t w_stride, int nr, const void *a, size_t a_stride,
                            int nc, float *out);
-typedef struct { se_dot_fn dot; se_tile_fn tile; int tg_rows, pp_rows; } se_isa_kernels;
+typedef struct {
+    se_dot_fn dot;
+    se_tile_fn tile;
+    int tg_rows, pp_rows;
+    se_from_float_fn from_float; /* activation types: must give the scalar code's bytes exactly */
+} se_isa_kernels;
 
 /* Indexed by weight type; NULL entries fall back to the scalar code. */
 extern const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT];

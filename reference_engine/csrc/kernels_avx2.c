@@ -261,6 +261,103 @@ INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
     }
 }
 
+/* ---------------------------------------------------------------- activation quantizers
+ * Byte for byte the scalar code's results: the same float operations, and roundf's halfway
+ * cases (away from zero) rebuilt from a truncation, since the vector rounding mode is to even. */
+
+INLINE __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+
+INLINE float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+INLINE int hsum8i(__m256i v) {
+    __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+    m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+    return _mm_cvtsi128_si32(m);
+}
+
+INLINE __m256 roundf8(__m256 v) {
+    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 up = _mm256_cmp_ps(abs8(_mm256_sub_ps(v, t)), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(v, _mm256_set1_ps(-0.0f)));
+    return _mm256_add_ps(t, _mm256_and_ps(up, one));
+}
+
+/* 32 int32 (4 vectors, in order) -> 32 int8 in order; the values fit, so saturation is moot */
+INLINE void store_i8x32(int8_t *dst, __m256i q0, __m256i q1, __m256i q2, __m256i q3) {
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)dst, p);
+}
+
+INLINE float quant_block32(const float *x, int8_t *qs, int *sum) {
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        m = _mm256_max_ps(m, abs8(v[j]));
+    }
+    const float amax = hmax8(m);
+    const float d = amax / 127, id = d ? 1 / d : 0;
+    __m256i q[4];
+    for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(roundf8(_mm256_mul_ps(v[j], _mm256_set1_ps(id))));
+    store_i8x32(qs, q[0], q[1], q[2], q[3]);
+    *sum = hsum8i(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    return d;
+}
+
+static void q8_0_from_float(const float *x, void *dst, int64_t n) {
+    se_blk_q8_0 *b = dst;
+    for (int64_t i = 0; i < n / 32; i++, x += 32) {
+        int s;
+        b[i].d = _cvtss_sh(quant_block32(x, b[i].qs, &s), _MM_FROUND_TO_NEAREST_INT);
+    }
+}
+
+static void q8_1_from_float(const float *x, void *dst, int64_t n) {
+    se_blk_q8_1 *b = dst;
+    for (int64_t i = 0; i < n / 32; i++, x += 32) {
+        int s;
+        const float d = quant_block32(x, b[i].qs, &s);
+        b[i].d = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+        b[i].s = _cvtss_sh(d * (float)s, _MM_FROUND_TO_NEAREST_INT);
+    }
+}
+
+/* Q8_K: the first element of largest |x| maps to -127; the rest round to nearest even (the
+ * vector default, like lrintf) and clip at 127. Each 16 quants make one bsum. */
+static void q8_K_from_float(const float *x, void *dst, int64_t n) {
+    se_blk_q8_K *b = dst;
+    for (int64_t i = 0; i < n / 256; i++, x += 256) {
+        __m256 m = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 8) m = _mm256_max_ps(m, abs8(_mm256_loadu_ps(x + j)));
+        const float amax = hmax8(m);
+        memset(&b[i], 0, sizeof b[i]);
+        if (amax == 0) continue;
+        float max = 0;
+        for (int j = 0; j < 256; j += 8) {
+            int hit = _mm256_movemask_ps(_mm256_cmp_ps(abs8(_mm256_loadu_ps(x + j)), _mm256_set1_ps(amax), _CMP_EQ_OQ));
+            if (hit) { max = x[j + __builtin_ctz((unsigned)hit)]; break; }
+        }
+        const __m256 vis = _mm256_set1_ps(-127.f / max);
+        const __m256i lim = _mm256_set1_epi32(127);
+        for (int j = 0; j < 256; j += 32) {
+            __m256i q[4];
+            for (int l = 0; l < 4; l++)
+                q[l] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * l), vis)), lim);
+            store_i8x32(b[i].qs + j, q[0], q[1], q[2], q[3]);
+            b[i].bsums[j / 16] = (int16_t)hsum8i(_mm256_add_epi32(q[0], q[1]));
+            b[i].bsums[j / 16 + 1] = (int16_t)hsum8i(_mm256_add_epi32(q[2], q[3]));
+        }
+        b[i].d = 1 / (-127.f / max);
+    }
+}
+
 /* ---------------------------------------------------------------- instances
  * Each kernel is inlined with a constant type and tile shape, so the loops over rows and tokens
  * unroll and the accumulators stay in registers. */
@@ -329,8 +426,9 @@ TILE_1(q6_K) DOT(q6_K)
 #define K(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp }
 const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
     K(SE_Q4_0, q4_0, 4, 1), K(SE_Q4_1, q4_1, 4, 1), K(SE_Q5_0, q5_0, 4, 1), K(SE_Q5_1, q5_1, 4, 1),
-    K(SE_Q8_0, q8_0, 4, 1), K(SE_Q4_K, q4_K, 1, 1), K(SE_Q5_K, q5_K, 1, 1), K(SE_Q6_K, q6_K, 1, 1),
+    [SE_Q8_0] = { dot_q8_0, tile_q8_0, 4, 1, q8_0_from_float }, K(SE_Q4_K, q4_K, 1, 1), K(SE_Q5_K, q5_K, 1, 1), K(SE_Q6_K, q6_K, 1, 1),
     K(SE_F32, f32, 1, 1), K(SE_F16, f16, 1, 1), K(SE_BF16, bf16, 1, 1),
+    [SE_Q8_1] = { .from_float = q8_1_from_float }, [SE_Q8_K] = { .from_float = q8_K_from_float },
 };
 
 #else

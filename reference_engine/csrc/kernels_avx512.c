@@ -287,6 +287,75 @@ INLINE void float_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr,
     for (int k = 0; k < nr * nc; k++) out[k] = _mm512_reduce_add_ps(acc[k]);
 }
 
+/* ---------------------------------------------------------------- activation quantizers
+ * Byte for byte the scalar code's results: the same float operations, and roundf's halfway
+ * cases (away from zero) rebuilt from a truncation, since the vector rounding mode is to even. */
+
+INLINE __m512 roundf16(__m512 v) {
+    const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(v, _mm512_set1_ps(-0.0f)));
+    return _mm512_mask_add_ps(t, up, t, one);
+}
+
+/* One block of 32: writes the quants, returns d (f32) and the quants' sum. */
+INLINE float quant_block32(const float *x, int8_t *qs, int *sum) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127, id = d ? 1 / d : 0;
+    const __m512 vid = _mm512_set1_ps(id);
+    const __m512i q0 = _mm512_cvtps_epi32(roundf16(_mm512_mul_ps(v0, vid)));
+    const __m512i q1 = _mm512_cvtps_epi32(roundf16(_mm512_mul_ps(v1, vid)));
+    _mm_storeu_si128((__m128i *)qs, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(qs + 16), _mm512_cvtepi32_epi8(q1));
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    return d;
+}
+
+static void q8_0_from_float(const float *x, void *dst, int64_t n) {
+    se_blk_q8_0 *b = dst;
+    for (int64_t i = 0; i < n / 32; i++, x += 32) {
+        int s;
+        b[i].d = _cvtss_sh(quant_block32(x, b[i].qs, &s), _MM_FROUND_TO_NEAREST_INT);
+    }
+}
+
+static void q8_1_from_float(const float *x, void *dst, int64_t n) {
+    se_blk_q8_1 *b = dst;
+    for (int64_t i = 0; i < n / 32; i++, x += 32) {
+        int s;
+        const float d = quant_block32(x, b[i].qs, &s);
+        b[i].d = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+        b[i].s = _cvtss_sh(d * (float)s, _MM_FROUND_TO_NEAREST_INT);
+    }
+}
+
+/* Q8_K: the first element of largest |x| maps to -127; the rest round to nearest even (the
+ * vector default, like lrintf) and clip at 127. Each 16 quants make one bsum. */
+static void q8_K_from_float(const float *x, void *dst, int64_t n) {
+    se_blk_q8_K *b = dst;
+    for (int64_t i = 0; i < n / 256; i++, x += 256) {
+        __m512 m = _mm512_setzero_ps();
+        for (int j = 0; j < 256; j += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+        const float amax = _mm512_reduce_max_ps(m);
+        memset(&b[i], 0, sizeof b[i]);
+        if (amax == 0) continue;
+        float max = 0;
+        for (int j = 0; j < 256; j += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + j)), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+            if (hit) { max = x[j + __builtin_ctz(hit)]; break; }
+        }
+        const float iscale = -127.f / max;
+        for (int j = 0; j < 16; j++) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * j), _mm512_set1_ps(iscale)));
+            q = _mm512_min_epi32(q, _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i *)(b[i].qs + 16 * j), _mm512_cvtepi32_epi8(q));
+            b[i].bsums[j] = (int16_t)_mm512_reduce_add_epi32(q);
+        }
+        b[i].d = 1 / iscale;
+    }
+}
+
 /* ---------------------------------------------------------------- instances
  * Each kernel is inlined with a constant type and tile shape, so the loops over rows and tokens
  * unroll and the accumulators stay in registers. */
@@ -355,8 +424,9 @@ TILE_1(q6_K) DOT(q6_K)
 #define K(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp }
 const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {
     K(SE_Q4_0, q4_0, 4, 2), K(SE_Q4_1, q4_1, 4, 2), K(SE_Q5_0, q5_0, 4, 2), K(SE_Q5_1, q5_1, 4, 2),
-    K(SE_Q8_0, q8_0, 4, 2), K(SE_Q4_K, q4_K, 1, 1), K(SE_Q5_K, q5_K, 1, 1), K(SE_Q6_K, q6_K, 1, 1),
+    [SE_Q8_0] = { dot_q8_0, tile_q8_0, 4, 2, q8_0_from_float }, K(SE_Q4_K, q4_K, 1, 1), K(SE_Q5_K, q5_K, 1, 1), K(SE_Q6_K, q6_K, 1, 1),
     K(SE_F32, f32, 4, 2), K(SE_F16, f16, 4, 2), K(SE_BF16, bf16, 4, 2),
+    [SE_Q8_1] = { .from_float = q8_1_from_float }, [SE_Q8_K] = { .from_float = q8_K_from_float },
 };
 
 #else
