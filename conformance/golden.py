@@ -1,0 +1,235 @@
+"""Make the golden data for a catalogue model: `python -m stdengine.conformance.golden --model ALIAS`.
+
+Sources (independent of every engine under test, and of each other):
+- token ids: llama.cpp's tokenizer (llama-cpp-python), the tokenizer oracle;
+- next-token log-probabilities: the exact float64 reference (exact.py) over the dequantized weights;
+- chat templates: the GGUF's `tokenizer.chat_template` rendered here with jinja2, cross-checked
+  against llama-cpp-python's own jinja rendering;
+- llama.cpp's distance from the exact reference on the same positions (metrics.py), which scales
+  the logits bounds, and the end-of-generation token ids from llama.cpp's vocabulary.
+
+The file is conformance/golden/ALIAS.json.gz. It takes a few minutes per model on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stdengine.conformance import corpus
+from stdengine.conformance.metrics import CONFIDENT_MARGIN, distance, log_softmax, top_k_record
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+FORMAT = 1
+TOP_K = 20
+
+
+def golden_path(alias: str) -> Path:
+    return GOLDEN_DIR / f"{alias}.json.gz"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def render_template(template: str, messages: list[dict[str, str]], bos: str, eos: str,
+                    add_generation_prompt: bool) -> str:
+    """Render a chat template the way HF transformers does (trim_blocks, lstrip_blocks)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, bos_token=bos, eos_token=eos,
+                                            add_generation_prompt=add_generation_prompt)
+
+
+def _llama(path: Path) -> Any:
+    import llama_cpp
+
+    return llama_cpp.Llama(str(path), n_ctx=2048, n_batch=512, logits_all=True, n_threads=os.cpu_count() or 1,
+                           verbose=False, seed=0)
+
+
+def _llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
+    llm.reset()
+    llm.eval(ids)
+    return np.array(llm.scores[: len(ids)], dtype=np.float64)
+
+
+def _eog_ids(llm: Any) -> list[int]:
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    n = llama_cpp.llama_vocab_n_tokens(vocab)
+    return [i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+
+
+def _greedy(llm: Any, ids: list[int], n: int, stop_ids: set[int]) -> list[int]:
+    llm.reset()
+    llm.eval(ids)
+    out: list[int] = []
+    for _ in range(n):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(tok)
+        if tok in stop_ids:
+            break
+        llm.eval([tok])
+    return out
+
+
+def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
+    import gguf
+    import llama_cpp
+
+    from stdengine.conformance.exact import ExactModel
+
+    t0 = time.time()
+    reader = gguf.GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    template = str(reader.fields["tokenizer.chat_template"].contents()) if "tokenizer.chat_template" in reader.fields else None
+    llm = _llama(path)
+
+    def tok(text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return [int(i) for i in llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)]
+
+    def piece(i: int) -> str:
+        return bytes(llm.detokenize([i], special=True)).decode("utf-8", errors="replace")
+
+    # --- tokenizer ------------------------------------------------------------------------------
+    cases = []
+    texts = dict(corpus.TOKENIZER_TEXTS) | corpus.SPECIAL_TEXTS.get(arch, {})
+    for name, text in texts.items():
+        for add_special, parse_special in ((True, True), (False, False)):
+            ids = tok(text, add_special, parse_special)
+            cases.append({"name": name, "text": text, "add_special": add_special,
+                          "parse_special": parse_special, "ids": ids})
+    log(f"tokenizer: {len(cases)} cases")
+
+    # --- logits ---------------------------------------------------------------------------------
+    exact = ExactModel(path)
+    ltexts = []
+    llama_logits = []
+    for name, text in corpus.LOGIT_TEXTS.items():
+        ids = tok(text, True, False)
+        t1 = time.time()
+        ref = log_softmax(exact.logits(ids))
+        top_ids, top_lps, tails = top_k_record(ref, TOP_K)
+        ltexts.append({"name": name, "ids": ids, "top_ids": top_ids, "top_logprobs": top_lps,
+                       "tail_logprob": tails})
+        llama_logits.append(_llama_logits(llm, ids))
+        log(f"logits: text {name}: {len(ids)} positions, exact reference {time.time() - t1:.1f}s")
+    dist = distance(ltexts, llama_logits)
+    per_text = {t["name"]: distance([t], [lg]).to_dict() for t, lg in zip(ltexts, llama_logits)}
+    log(f"llama.cpp distance: {dist.to_dict()}")
+
+    # --- chat -----------------------------------------------------------------------------------
+    eog = _eog_ids(llm)
+    bos_id, eos_id = llm.token_bos(), llm.token_eos()
+    bos = piece(bos_id) if bos_id >= 0 else ""
+    eos = piece(eos_id) if eos_id >= 0 else ""
+    chat: dict[str, Any] = {"template_sha256": None, "bos_token": bos, "eos_token": eos, "cases": []}
+    if template:
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        chat["template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
+        for name, messages in corpus.CONVERSATIONS.items():
+            for agp in (True, False):
+                text = render_template(template, messages, bos, eos, agp)
+                theirs = Jinja2ChatFormatter(template, eos_token=eos, bos_token=bos,
+                                             add_generation_prompt=agp)(messages=messages).prompt  # type: ignore[arg-type]
+                chat["cases"].append({"name": name, "messages": messages, "add_generation_prompt": agp,
+                                      "text": text, "llama_cpp_python_agrees": theirs == text})
+        log(f"chat: {len(chat['cases'])} renderings")
+
+    # --- end of generation ----------------------------------------------------------------------
+    eog_case: dict[str, Any] | None = None
+    for e in [eos_id] + [i for i in eog if i != eos_id]:
+        prompt = corpus.EOG_PATTERN.replace("{E}", piece(e))
+        out = _greedy(llm, tok(prompt, True, True), 16, set(eog))
+        if out and out[-1] in eog:
+            eog_case = {"prompt": prompt, "token": e, "llama_cpp_greedy": out}
+            break
+    log(f"eog: {eog_case}")
+
+    completion_ids = tok(corpus.COMPLETION_PROMPT, True, False)
+    return {
+        "format": FORMAT,
+        "model": alias,
+        "file": path.name,
+        "sha256": sha256_file(path),
+        "architecture": arch,
+        "made": {
+            "command": f"python -m stdengine.conformance.golden --model {alias}",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "llama_cpp_python": llama_cpp.__version__,
+            "gguf": getattr(gguf, "__version__", None),
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+            "seconds": round(time.time() - t0, 1),
+        },
+        "tokenizer": {"source": "llama.cpp (llama-cpp-python)", "cases": cases},
+        "logits": {
+            "source": "exact float64 reference (stdengine.conformance.exact)",
+            "k": TOP_K,
+            "confident_margin": CONFIDENT_MARGIN,
+            "texts": ltexts,
+            "llama_cpp": {"all": dist.to_dict(), "by_text": per_text},
+        },
+        "chat": chat,
+        "eog": {"ids": eog, "case": eog_case},
+        "completion": {"prompt": corpus.COMPLETION_PROMPT,
+                       "llama_cpp_greedy": _greedy(llm, completion_ids, 32, set(eog))},
+    }
+
+
+def load_golden(path: Path) -> dict[str, Any]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def write_golden(data: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    # mtime=0: the same data gives the same bytes, so a re-run shows no spurious git diff
+    with open(path, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0) as gz:
+        gz.write(raw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stdengine.conformance.golden", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="catalogue alias (pulled if needed)")
+    ap.add_argument("--path", help="use this GGUF file instead of resolving the alias")
+    ap.add_argument("--out", help="output file (default conformance/golden/ALIAS.json.gz)")
+    args = ap.parse_args(argv)
+    from stdengine.store import resolve_model
+
+    path = Path(args.path) if args.path else resolve_model(args.model)
+    data = make_golden(args.model, path, log=lambda m: print(m, file=sys.stderr, flush=True))
+    out = Path(args.out) if args.out else golden_path(args.model)
+    write_golden(data, out)
+    print(f"wrote {out} ({out.stat().st_size} bytes)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Running the suite from Python: find the golden data, plan the checks, run them.
+
+    from stdengine.conformance.runner import find_golden, run_suite
+    golden, note = find_golden("smollm2-135m-instruct", path)
+    results = run_suite(Context(engine=engine, golden=golden, golden_note=note), level="core")
+
+The CLI (`infer conformance`) is a thin layer over this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stdengine.conformance import checks, http
+from stdengine.conformance.golden import GOLDEN_DIR, golden_path, load_golden, sha256_file
+from stdengine.conformance.suite import Check, Context, Result, run_check, select
+
+SUITE_VERSION = "1.0"
+
+
+def find_golden(model_ref: str | None, model_path: Path | None) -> tuple[dict[str, Any] | None, str]:
+    """The golden data for a model: by catalogue alias, else by the file's SHA256. When the file
+    is not the one the golden data was made from, the data does not apply (returns None, why)."""
+    sha = sha256_file(model_path) if model_path is not None and model_path.is_file() else None
+    candidates: list[Path] = []
+    if model_ref and golden_path(model_ref).is_file():
+        candidates.append(golden_path(model_ref))
+    candidates += [p for p in sorted(GOLDEN_DIR.glob("*.json.gz")) if p not in candidates]
+    for p in candidates:
+        data = load_golden(p)
+        if sha is not None and data.get("sha256") == sha:
+            return data, f"golden data {p.name}"
+        if sha is None and p.name == f"{model_ref}.json.gz":
+            # a remote engine: no file to hash, trust the alias
+            return data, f"golden data {p.name} (by name; the served file cannot be verified)"
+        if sha is not None and p.name == f"{model_ref}.json.gz":
+            return None, (f"the golden data {p.name} was made from a file with SHA256 {data.get('sha256')}, "
+                          f"this file's is {sha}")
+    known = ", ".join(p.name.removesuffix(".json.gz") for p in sorted(GOLDEN_DIR.glob("*.json.gz")))
+    return None, f"no golden data for this model (golden data exists for: {known})"
+
+
+def plan(ctx: Context) -> list[Check]:
+    return (checks.plan(ctx) if ctx.engine is not None else []) + http.plan_http(ctx)
+
+
+def run_suite(ctx: Context, level: str = "core", only: str | None = None,
+              on_start: Callable[[list[Check]], None] | None = None,
+              on_result: Callable[[Check, Result], None] | None = None) -> list[Result]:
+    selected = select(plan(ctx), level, only)
+    if on_start is not None:
+        on_start(selected)
+    results = []
+    for check in selected:
+        result = run_check(check, ctx)
+        results.append(result)
+        if on_result is not None:
+            on_result(check, result)
+    return results
