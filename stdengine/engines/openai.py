@@ -1,0 +1,588 @@
+"""The `openai` engine: any OpenAI-compatible HTTP server (llama-server, llama-cpp-python's server,
+vLLM, Ollama, a one-off engine) behind the adapter interface.
+
+What HTTP allows: chat and completions, streamed (server-sent events); the sampling fields of the
+OpenAI API; llama.cpp's extra sampling fields when the server is llama.cpp-like; tokenize and
+detokenize when the server offers them (probed at load). What it does not: logits, and every
+load-time option (the server was started with its own) -- the core refuses those before load.
+
+Stop strings are matched here, by the core's StopMatcher, on the streamed text, so that they behave
+exactly as in every other engine; on a match the stream is closed, which makes the server stop.
+spec/engines.md is the prose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from stdengine import __version__
+from stdengine.adapter import (
+    DoneEvent,
+    Engine,
+    EngineInfo,
+    FinishReason,
+    GenerateRequest,
+    GenerationEvent,
+    SamplingParams,
+    Timings,
+    TokenEvent,
+    Usage,
+    now_ms,
+)
+from stdengine.errors import (
+    ContextOverflow,
+    EngineFailure,
+    EngineUnavailable,
+    InferError,
+    InvalidRequest,
+    ModelNotFound,
+    UnsupportedOption,
+    UsageError,
+)
+from stdengine.generation import StopMatcher, render_chat_template
+
+if TYPE_CHECKING:
+    import httpx
+
+    from stdengine.events import Emitter
+    from stdengine.options import Options
+
+# Server dialects: which of llama.cpp's extra sampling fields a server takes (besides the OpenAI ones).
+DIALECT_EXTRAS: dict[str, tuple[str, ...]] = {
+    "llama.cpp": ("top_k", "min_p", "repeat_penalty", "repeat_last_n"),  # llama-server
+    "llama-cpp-python": ("top_k", "min_p", "repeat_penalty"),  # its penalty window is a server setting
+    "openai": (),
+}
+ENGINE_ARGS = {
+    "model": "the served model to use (default: -m, else the first id of /v1/models)",
+    "dialect": "auto (default), llama.cpp, llama-cpp-python or openai: which extra fields the server takes",
+    "timeout": "seconds to wait for the server's next bytes (default 600, llama-server's own)",
+}
+SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.name != "stop"}
+
+
+class OpenAIEngine(Engine):
+    name = "openai"
+    description = "any OpenAI-compatible HTTP server (llama-server, vLLM, Ollama, ...) at --url"
+    # what every instance can do; an instance adds "tokenize" when its server offers it (see load)
+    capabilities = frozenset({"stream", "chat_template"})
+    needs_model_file = False
+    option_map = {
+        "url": "base URL of the server (/v1 routes below it); OPENAI_BASE_URL when unset",
+        "api_key": "Authorization: Bearer KEY; OPENAI_API_KEY when unset",
+        "seed": "seed (-1: not sent)",
+        "temp": "temperature",
+        "top_p": "top_p",
+        "presence_penalty": "presence_penalty",
+        "frequency_penalty": "frequency_penalty",
+        "n_predict": "max_tokens (-1: unlimited)",
+        "stop": "core stop matcher on the streamed text (the stream is closed at a match)",
+        "top_k": "top_k, llama.cpp-like servers only (refused by others unless left at 40)",
+        "min_p": "min_p, llama.cpp-like servers only (refused by others unless left at 0.05)",
+        "repeat_penalty": "repeat_penalty, llama.cpp-like servers only (refused by others unless left at 1.0)",
+        "repeat_last_n": "repeat_last_n, llama-server only (refused by others unless left at 64)",
+    }
+
+    @classmethod
+    def version(cls) -> str:
+        return __version__
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str | None]:
+        try:
+            import httpx  # noqa: F401
+        except ImportError:
+            return False, "httpx is not installed (pip install httpx)"
+        return True, None
+
+    def __init__(
+        self, client: httpx.Client, root: str, model: str, dialect: str, options: Options, events: Emitter
+    ) -> None:
+        self.client = client
+        self.root = root  # scheme://host:port[/prefix], without /v1
+        self.model = model
+        self.dialect = dialect
+        self.options = options
+        self.events = events
+        self.bos_prefix: list[int] = []  # what the server's tokenizer adds to "" (BOS, if any)
+        self.tokenize_route: str | None = None
+        self.server_n_ctx: int | None = None
+        self.build = ""
+
+    # --- loading: find the server, its model and what it offers ----------------------------
+    @classmethod
+    def load(cls, options: Options, events: Emitter) -> OpenAIEngine:
+        import httpx
+
+        args = dict(options.engine_args)
+        unknown = sorted(set(args) - set(ENGINE_ARGS))
+        if unknown:
+            raise UsageError(
+                f"engine 'openai' has no engine argument {', '.join(unknown)}",
+                hint="valid -E keys: " + "; ".join(f"{k}: {v}" for k, v in ENGINE_ARGS.items()),
+            )
+        dialect = args.get("dialect", "auto")
+        if dialect != "auto" and dialect not in DIALECT_EXTRAS:
+            raise UsageError(
+                f"unknown dialect '{dialect}'", hint="-E dialect= takes auto, " + ", ".join(DIALECT_EXTRAS)
+            )
+        try:
+            timeout = float(args.get("timeout", "600"))
+        except ValueError:
+            raise UsageError(f"-E timeout must be a number of seconds, not '{args['timeout']}'") from None
+        root = _root_url(options.url or os.environ.get("OPENAI_BASE_URL"))
+        api_key = options.api_key or os.environ.get("OPENAI_API_KEY")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
+
+        t0 = now_ms()
+        engine = cls(client, root, "", "openai", options, events)
+        try:
+            listing = engine._request("GET", "/v1/models", what="a model list (GET /v1/models)")
+            ids = [str(m.get("id")) for m in listing.json().get("data", []) if isinstance(m, dict)]
+            engine.model = engine._choose_model(ids, args.get("model"))
+            detected = engine._probe(listing)
+            engine.dialect = detected if dialect == "auto" else dialect
+        except Exception:
+            client.close()
+            raise
+        engine._check_extras_supported(_sampling_of(options), at="load")
+        if engine.tokenize_route:
+            engine.capabilities = engine.capabilities | {"tokenize"}  # type: ignore[misc]
+        events.info(
+            "model.loaded",
+            path=engine.model,
+            url=root,
+            dialect=engine.dialect,
+            tokenize=engine.tokenize_route is not None,
+            load_ms=round(now_ms() - t0, 1),
+        )
+        return engine
+
+    def _choose_model(self, ids: list[str], from_args: str | None) -> str:
+        if from_args and self.options.model and from_args != self.options.model:
+            raise UsageError(
+                f"two served model names: -m {self.options.model} and -E model={from_args}",
+                hint="give the name once",
+            )
+        wanted = from_args or self.options.model
+        if wanted:
+            if ids and wanted not in ids:
+                raise ModelNotFound(
+                    f"the server at {self.root} does not serve '{wanted}'",
+                    hint="it serves: " + ", ".join(ids),
+                )
+            return wanted
+        if not ids:
+            raise ModelNotFound(
+                f"the server at {self.root} lists no models (GET /v1/models)",
+                hint="name the served model with -m NAME or -E model=NAME",
+            )
+        return ids[0]
+
+    def _probe(self, listing: httpx.Response) -> str:
+        """Which dialect the server speaks, and whether it tokenizes. llama-server says
+        `Server: llama.cpp` and has /tokenize and /props; llama-cpp-python has /extras/tokenize."""
+        if "llama.cpp" in listing.headers.get("server", ""):
+            found = self._try_json("POST", "/tokenize", {"content": "", "add_special": True})
+            if found is not None and isinstance(found.get("tokens"), list):
+                self.tokenize_route = "/tokenize"
+                self.bos_prefix = [int(t) for t in found["tokens"]]
+            props = self._try_json("GET", "/props", None)
+            if props:
+                self.build = str(props.get("build_info", ""))
+                n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
+                self.server_n_ctx = int(n_ctx) if isinstance(n_ctx, int) else None
+            return "llama.cpp"
+        found = self._try_json("POST", "/extras/tokenize", {"input": ""})
+        if found is not None and isinstance(found.get("tokens"), list):
+            self.tokenize_route = "/extras/tokenize"
+            self.bos_prefix = [int(t) for t in found["tokens"]]
+            return "llama-cpp-python"
+        return "openai"
+
+    def _try_json(self, method: str, path: str, body: Any) -> dict[str, Any] | None:
+        """A probe: the JSON object answered, or None when the route is missing or failing."""
+        import httpx
+
+        try:
+            r = self.client.request(method, self.root + path, json=body)
+        except httpx.HTTPError:
+            return None
+        if r.status_code in (401, 403):
+            raise self._error(r, f"{method} {path}")
+        if r.status_code != 200:
+            return None
+        try:
+            data = r.json()
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    # --- adapter surface -----------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            name=self.name,
+            version=__version__,
+            build=self.build or f"dialect={self.dialect}",
+            backend="remote",
+            model={"url": self.root, "id": self.model, "dialect": self.dialect},
+        )
+
+    def n_ctx(self) -> int:
+        if self.server_n_ctx is None:
+            raise NotImplementedError("this server does not say its context size")
+        return self.server_n_ctx
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        route = self._need_tokenize()
+        if route == "/tokenize":
+            data = self._request(
+                "POST",
+                route,
+                {"content": text, "add_special": add_special, "parse_special": parse_special},
+                what="POST /tokenize",
+            ).json()
+            return [int(t) for t in data["tokens"]]
+        if not parse_special:
+            raise InvalidRequest(
+                "this server (llama-cpp-python) always parses special tokens",
+                hint="tokenize with parse_special=True, or use a llama-server",
+            )
+        data = self._request("POST", route, {"input": text, "model": self.model}, what=f"POST {route}").json()
+        tokens = [int(t) for t in data["tokens"]]
+        # its tokenizer always adds the special prefix; take it off when not asked for
+        if not add_special and self.bos_prefix and tokens[: len(self.bos_prefix)] == self.bos_prefix:
+            tokens = tokens[len(self.bos_prefix) :]
+        return tokens
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        route = self._need_tokenize()
+        if route == "/tokenize":
+            return str(
+                self._request(
+                    "POST", "/detokenize", {"tokens": list(tokens)}, what="POST /detokenize"
+                ).json()["content"]
+            )
+        return str(
+            self._request(
+                "POST",
+                "/extras/detokenize",
+                {"tokens": list(tokens), "model": self.model},
+                what="POST /extras/detokenize",
+            ).json()["text"]
+        )
+
+    def decode(self, tokens: Sequence[int], all_logits: bool = False) -> Any:
+        raise InvalidRequest(
+            "engine 'openai' cannot return logits: the OpenAI API has no such call",
+            hint="use an in-process engine (reference, llamacpp) for decode()",
+        )
+
+    def reset(self) -> None:
+        """Nothing to do: the server manages its own cache per request."""
+
+    def has_chat_template(self) -> bool:
+        return True  # the server renders its model's template (or --chat-template is rendered here)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self.options.chat_template:
+            return render_chat_template(
+                self.options.chat_template, messages, add_generation_prompt=add_generation_prompt
+            )
+        if self.dialect == "llama.cpp":
+            data = self._request(
+                "POST", "/apply-template", {"messages": messages}, what="POST /apply-template"
+            ).json()
+            return str(data["prompt"])
+        raise InvalidRequest(
+            "this server applies its chat template itself and does not show it",
+            hint="pass a template with --chat-template to render it here",
+        )
+
+    def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+        s = request.sampling
+        body: dict[str, Any] = {
+            "model": self.model,
+            "stream": True,
+            "temperature": s.temp,
+            "top_p": s.top_p,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "stream_options": {"include_usage": True},
+        }
+        body.update(self._check_extras_supported(s, at="request"))
+        if s.seed >= 0:
+            body["seed"] = s.seed
+        if request.messages is not None and not self.options.chat_template:
+            route = "/v1/chat/completions"
+            body["messages"] = request.messages
+            if s.n_predict >= 0:
+                body["max_tokens"] = s.n_predict
+        else:
+            route = "/v1/completions"
+            if request.messages is not None:  # --chat-template: rendered here, completed raw
+                body["prompt"] = self.apply_chat_template(request.messages)
+            elif not request.prompt:
+                raise InvalidRequest("the prompt is empty", hint="give the model some text to complete")
+            else:
+                body["prompt"] = request.prompt
+            body["max_tokens"] = s.n_predict if s.n_predict >= 0 else None  # the API's default is 16
+        if s.n_predict == 0:
+            yield DoneEvent(finish_reason="length", usage=Usage(), timings=Timings())
+            return
+        yield from self._stream(route, body, s)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # --- internals -----------------------------------------------------------------------
+    def _need_tokenize(self) -> str:
+        if self.tokenize_route is None:
+            raise InvalidRequest(
+                f"the server at {self.root} offers no tokenizer (no /tokenize route)",
+                hint="the 'tokenize' capability is declared only for servers that have one",
+            )
+        return self.tokenize_route
+
+    def _check_extras_supported(self, s: SamplingParams, at: str) -> dict[str, Any]:
+        """llama.cpp's extra sampling fields this server takes; one it does not take is refused
+        unless it is left at its default (then it is simply not sent)."""
+        extras = DIALECT_EXTRAS[self.dialect]
+        refused = [
+            k
+            for k in DIALECT_EXTRAS["llama.cpp"]
+            if k not in extras and getattr(s, k) != SAMPLING_DEFAULTS[k]
+        ]
+        if refused:
+            raise UnsupportedOption(
+                f"the server at {self.root} ({self.dialect} dialect) takes no {', '.join(refused)}",
+                hint=f"leave {'it' if len(refused) == 1 else 'them'} at the default, or pass -E dialect=llama.cpp "
+                "if the server does take llama.cpp's fields",
+                options=refused,
+                at=at,
+            )
+        return {k: getattr(s, k) for k in extras}
+
+    def _request(self, method: str, path: str, body: Any = None, *, what: str) -> httpx.Response:
+        import httpx
+
+        try:
+            r = self.client.request(method, self.root + path, json=body)
+        except httpx.HTTPError as e:
+            raise self._transport_error(e, what) from e
+        if r.status_code != 200:
+            raise self._error(r, what)
+        return r
+
+    def _stream(self, route: str, body: dict[str, Any], s: SamplingParams) -> Iterator[GenerationEvent]:
+        import httpx
+
+        stops = StopMatcher(s.stop)
+        finish: FinishReason | None = None
+        matched: str | None = None
+        usage: dict[str, Any] = {}
+        timings: dict[str, Any] = {}
+        n_pieces = 0
+        t0 = now_ms()
+        t_first: float | None = None
+        done = False
+        try:
+            with self.client.stream("POST", self.root + route, json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise self._error(r, f"POST {route}")
+                for data in _sse_events(r.iter_lines(), self.root):
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    chunk = _json_object(data, self.root)
+                    if "error" in chunk:
+                        raise self._error_from(500, chunk, f"POST {route}")
+                    usage = chunk.get("usage") or usage
+                    timings = chunk.get("timings") or timings
+                    for choice in chunk.get("choices") or []:
+                        piece = _choice_text(choice)
+                        if piece:
+                            n_pieces += 1
+                            t_first = t_first if t_first is not None else now_ms()
+                            text, matched = stops.feed(piece)
+                            yield TokenEvent(-1, text)
+                            if matched is not None:
+                                break  # leaving the `with` closes the stream: the server stops
+                        if choice.get("finish_reason"):
+                            finish = "length" if choice["finish_reason"] == "length" else "stop"
+                    if matched is not None:
+                        break
+        except httpx.HTTPError as e:
+            raise self._transport_error(e, f"POST {route}", mid_stream=t_first is not None) from e
+        if matched is not None:
+            finish = "stop"
+        elif finish is None and not done:
+            raise EngineFailure(
+                f"the server at {self.root} ended the stream before its end (no finish_reason, no [DONE])",
+                hint="the server may have crashed: check its log",
+            )
+        else:
+            tail = stops.flush()
+            if tail:
+                yield TokenEvent(-1, tail)
+        t2 = now_ms()
+        t1 = t_first if t_first is not None else t2
+        n_gen = int(usage.get("completion_tokens") or 0) if matched is None else 0
+        n_gen = n_gen or n_pieces
+        yield DoneEvent(
+            finish_reason=finish or "stop",
+            stop=matched,
+            usage=Usage(
+                prompt_tokens=int(usage.get("prompt_tokens") or timings.get("prompt_n") or 0),
+                completion_tokens=n_gen,
+            ),
+            # the server's own timings when it sends them (llama-server), else measured here
+            timings=Timings(
+                prompt_n=int(timings.get("prompt_n", usage.get("prompt_tokens") or 0)),
+                prompt_ms=float(timings.get("prompt_ms", t1 - t0)),
+                predicted_n=int(timings.get("predicted_n", n_gen)) if matched is None else n_gen,
+                predicted_ms=float(timings.get("predicted_ms", t2 - t1)) if matched is None else t2 - t1,
+            ),
+        )
+
+    def _transport_error(self, e: Exception, what: str, mid_stream: bool = False) -> InferError:
+        import httpx
+
+        if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+            return EngineUnavailable(
+                f"cannot reach the server at {self.root} ({what}): {e}",
+                hint="start the server, or check --url",
+            )
+        if isinstance(e, httpx.TimeoutException):
+            return EngineFailure(
+                f"the server at {self.root} did not answer {what} in time: {e}",
+                hint="raise the limit with -E timeout=SECONDS, or check the server",
+            )
+        where = "in the middle of the stream" if mid_stream else "during the request"
+        return EngineFailure(
+            f"the connection to the server at {self.root} broke {where} ({what}): {type(e).__name__}: {e}",
+            hint="the server may have crashed or restarted: check its log",
+        )
+
+    def _error(self, r: httpx.Response, what: str) -> InferError:
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"error": {"message": r.text.strip()[:500] or r.reason_phrase}}
+        return self._error_from(r.status_code, body if isinstance(body, dict) else {}, what)
+
+    def _error_from(self, status: int, body: dict[str, Any], what: str) -> InferError:
+        """An error reply (llama-server's envelope, OpenAI's, or FastAPI's {"detail": ...}) as the
+        standard error, keeping the server's message."""
+        err = body.get("error")
+        if isinstance(err, dict):
+            message, etype, code = str(err.get("message", "")), str(err.get("type", "")), err.get("code")
+            status = code if isinstance(code, int) and status == 500 and code >= 400 else status
+        else:
+            message, etype, code = str(err or body.get("detail") or body), "", None
+        said = f"the server at {self.root} answered {what} with {status}: {message}"
+        low = message.lower()
+        if (
+            etype == "exceed_context_size_error"
+            or code == "context_length_exceeded"
+            or ("context" in low and ("exceed" in low or "too long" in low or "maximum" in low))
+        ):
+            extra = {k: err[k] for k in ("n_prompt_tokens", "n_ctx") if isinstance(err, dict) and k in err}
+            return ContextOverflow(
+                said, hint="shorten the prompt, or start the server with a larger context", **extra
+            )
+        if status in (401, 403):
+            return EngineUnavailable(said, hint="pass the server's key with --api-key or OPENAI_API_KEY")
+        if status == 404:
+            if "model" in low:
+                return ModelNotFound(said, hint="name a served model with -m NAME (see GET /v1/models)")
+            return EngineUnavailable(said, hint="check --url: is this an OpenAI-compatible server?")
+        if status in (400, 422):
+            return InvalidRequest(said)
+        if status == 503:
+            return EngineUnavailable(said, hint="the server may still be loading its model: retry shortly")
+        return EngineFailure(said, hint="check the server's log")
+
+
+def _root_url(url: str | None) -> str:
+    if not url:
+        raise UsageError(
+            "engine 'openai' needs the server's URL",
+            hint="pass --url http://HOST:PORT (or set INFER_URL or OPENAI_BASE_URL)",
+        )
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(
+            f"--url must start with http:// or https://, not '{url}'", hint="e.g. --url http://127.0.0.1:8080"
+        )
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _sampling_of(options: Options) -> SamplingParams:
+    return SamplingParams(**{k: getattr(options, k) for k in SAMPLING_DEFAULTS})
+
+
+def _sse_events(lines: Iterator[str], root: str) -> Iterator[str]:
+    """The data of each server-sent event (lines joined); llama-server's `error:` lines become
+    {"error": ...} data; comments (`: ping`) and other fields are skipped."""
+    data: list[str] = []
+    for line in lines:
+        if line == "":
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "data":
+            data.append(value)
+        elif field == "error":
+            yield json.dumps({"error": _json_object(value, root)})
+    if data:
+        yield "\n".join(data)
+
+
+def _json_object(data: str, root: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        raise EngineFailure(
+            f"the server at {root} sent a malformed stream event: {data[:200]!r}",
+            hint="is this an OpenAI-compatible server?",
+        ) from None
+    if not isinstance(obj, dict):
+        raise EngineFailure(f"the server at {root} sent a stream event that is not an object: {data[:200]!r}")
+    return obj
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    """The text a streamed choice adds: chat `delta.content` or completion `text`."""
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return str(delta.get("content") or "")
+    return str(choice.get("text") or "")
+
+
+def wait_until_ready(url: str, timeout_s: float = 60.0) -> None:
+    """Poll GET /v1/models until the server answers (for scripts and tests that start one)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(_root_url(url) + "/v1/models", timeout=2.0).status_code in (200, 401):
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise EngineUnavailable(f"the server at {url} did not come up within {timeout_s:.0f} s")
+        time.sleep(0.2)
