@@ -276,6 +276,22 @@ def test_matmul_row_ranges(t, n_tok, isa):
         assert np.isnan(part[:, :r0]).all() and np.isnan(part[:, r1:]).all()
 
 
+@pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_batch_equals_single_token(t, isa):
+    """A token's outputs do not depend on the batch around it: bit for bit, on every path.
+
+    Prompt processing and generation then agree exactly, which batched verification of drafted
+    tokens (and any comparison of the two) relies on.
+    """
+    rng = rng_for("batch", t)
+    rows, k = 23, (block(t) * 7 if block(t) > 1 else 224)
+    w = weights(t, rows, k, rng, sources(t)[-1])
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    batch = K.matmul(t, w, k, x)
+    for i in range(9):
+        np.testing.assert_array_equal(K.matmul(t, w, k, x[i:i + 1])[0], batch[i])
+
+
 @pytest.mark.parametrize("t", QUANT_TYPES + [T.F16, T.F32], ids=lambda t: t.name)
 def test_isas_agree(t):
     """Every path gives the scalar path's dot up to float rounding (integer sums are exact)."""
