@@ -1,8 +1,9 @@
 /* The type-trait table, the portable scalar kernels, and the run-time choice of SIMD path.
  *
- * Every type is one row of `traits` below. The scalar code is the definition of each type;
- * the AVX2 and AVX-512 files only replace `dot` (and the multi-token `dotx` used by se_matmul)
- * for the types they know, and the tests check them against this code and against gguf.
+ * Every type is one row of `scalar_traits` below. The scalar code is the definition of each
+ * type; the AVX2 and AVX-512 files only replace `dot`, the activation quantizers, and add the
+ * tiles (several rows x several tokens) that se_matmul uses, for the types they know. The tests
+ * check every path against gguf and numpy.
  * Block layouts are ggml's (weights are read in place from GGUF files).
  */
 #define SE_KERNELS_INTERNAL

@@ -3,8 +3,8 @@
  *
  * Integer products use vpmaddubsw (u8 x s8 -> pairs summed to s16) then vpmaddwd to s32. Every
  * pair sum here stays below 2*128*127 = 32512, so the s16 saturation never triggers. Signed
- * weights (q4_0, q5_0, q8_0) go in as |w| with w's sign moved onto the activation. One weight
- * block per step; each kernel takes one weight row and 1..4 activation rows.
+ * weights (q4_0, q5_0, q8_0) go in as |w| with w's sign moved onto the activation.
+ * Kernels are tiles of weight rows x activation rows (see se_tile_fn in kernels.h).
  */
 #define SE_KERNELS_INTERNAL
 #include "kernels.h"

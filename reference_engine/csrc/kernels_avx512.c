@@ -3,8 +3,9 @@
  *
  * Integer products use vpdpbusd (u8 x s8 -> s32, no saturation). Weights that are unsigned
  * (q4_1, q5_1, the K-quants' q) go in the u8 operand directly; signed ones (q4_0, q5_0, q8_0) use
- * |w| and move w's sign onto the activation. Each kernel takes one weight row and 1..4 activation
- * rows, so a batch unpacks every weight block once per 4 tokens.
+ * |w| and move w's sign onto the activation. Each kernel is a tile of weight rows x activation
+ * rows: 4 x 1 for generation (rows share the activation loads), 2 x 4 for prompts (a weight
+ * block is unpacked once for 4 tokens).
  */
 #define SE_KERNELS_INTERNAL
 #include "kernels.h"
