@@ -130,3 +130,7 @@ def run_cli(params: BenchParams) -> int:
                 p.footer()
         events.close()
     return status
+
+
+if __name__ == "__main__":
+    main()

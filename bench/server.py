@@ -371,7 +371,7 @@ def _one_test(
         "gpu_info": "",
         "backends": "HTTP",
         "model_filename": model,
-        "model_type": model,
+        "model_type": model.replace("\\", "/").rsplit("/", 1)[-1],  # a served path: its file name
         "model_size": 0,
         "model_n_params": 0,
         "n_batch": params.n_batch[0],
@@ -426,7 +426,9 @@ def summary(xs: Iterable[float]) -> dict[str, float]:
     }
 
 
-def load_metrics(streams: list[Stream], prompt_tokens: list[int], duration: float) -> dict[str, Any]:
+def load_metrics(
+    streams: list[Stream], prompt_tokens: list[int], duration: float, n_gen: int
+) -> dict[str, Any]:
     """The load test's metrics from the requests' streams (times in seconds; results in ms)."""
     ok = [s for s in streams if s.error is None]
     ttft = [s.ttft * 1e3 for s in ok]
@@ -439,6 +441,7 @@ def load_metrics(streams: list[Stream], prompt_tokens: list[int], duration: floa
         "requests": len(streams),
         "completed": len(ok),
         "errors": len(streams) - len(ok),
+        "short": sum(1 for s in ok if s.n_out < n_gen),
         "duration_s": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
@@ -520,7 +523,7 @@ def run_load_test(params: BenchParams) -> dict[str, Any]:
         if not params.no_warmup:
             stream_completion(client, api, completion_body(model, maker.words(8), 2))
     streams, duration = asyncio.run(_load(params, api, model, prompts, n_gen, headers))
-    metrics = load_metrics(streams, [n for _, n in prompts], duration)
+    metrics = load_metrics(streams, [n for _, n in prompts], duration, n_gen)
     return {
         "engine": params.engines[0] if params.engines else "openai",
         "url": params.url,
@@ -561,7 +564,8 @@ def render_load(result: dict[str, Any], fmt: str) -> str:
         )
     lines += [
         "",
-        f"completed {result['completed']}, errors {result['errors']}, duration {result['duration_s']:.2f} s",
+        f"completed {result['completed']} ({result['short']} with fewer than {result['n_gen']} tokens), "
+        f"errors {result['errors']}, duration {result['duration_s']:.2f} s",
         f"request throughput {result['request_throughput']:.3f} req/s, output throughput "
         f"{result['output_throughput']:.2f} tok/s, total token throughput {result['total_token_throughput']:.2f} tok/s",
     ]

@@ -15,14 +15,14 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 from gguf_factory import write_llama_gguf
-
-from stdengine import registry
-from stdengine.adapter import Engine, EngineInfo
 from stdengine.bench import cli as bench_cli
 from stdengine.bench import runner
 from stdengine.bench.params import ParamError, instances, parse_args, parse_int_range
 from stdengine.bench.printers import make_printer
 from stdengine.bench.record import FIELD_NAMES, LLAMA_BENCH_FIELDS, finish, size_label
+
+from stdengine import registry
+from stdengine.adapter import Engine, EngineInfo
 
 # --- ranges and lists ------------------------------------------------------------------------
 
@@ -71,7 +71,9 @@ def test_negative_first_value_only_for_ngl():
 
 
 def test_lists_append_across_repeated_flags_and_defaults_fill_the_rest():
-    p = parse_args(["-p", "128,256", "-p", "512-1024*2", "-n", "0", "-e", "a,b", "-e", "c", "-pg", "8,2", "-pg", "4,1"])
+    p = parse_args(
+        ["-p", "128,256", "-p", "512-1024*2", "-n", "0", "-e", "a,b", "-e", "c", "-pg", "8,2", "-pg", "4,1"]
+    )
     assert p.n_prompt == [128, 256, 512, 1024]
     assert p.n_gen == [0]
     assert p.engines == ["a", "b", "c"]
@@ -85,13 +87,21 @@ def test_lists_append_across_repeated_flags_and_defaults_fill_the_rest():
 
 
 def test_every_combination_runs_in_llama_bench_order():
-    p = parse_args(["-m", "x", "-e", "a,b", "-p", "16,32", "-n", "4", "-pg", "8,2", "-d", "0,64", "-t", "1,2"])
+    p = parse_args(
+        ["-m", "x", "-e", "a,b", "-p", "16,32", "-n", "4", "-pg", "8,2", "-d", "0,64", "-t", "1,2"]
+    )
     insts = instances(p)
     assert len(insts) == 2 * 2 * 2 * 4  # engines x threads x depths x (2 pp + 1 tg + 1 pg)
     first = [(i.engine, i.n_threads, i.n_depth, i.n_prompt, i.n_gen) for i in insts[:8]]
     assert first == [
-        ("a", 1, 0, 16, 0), ("a", 1, 0, 32, 0), ("a", 1, 0, 0, 4), ("a", 1, 0, 8, 2),
-        ("a", 1, 64, 16, 0), ("a", 1, 64, 32, 0), ("a", 1, 64, 0, 4), ("a", 1, 64, 8, 2),
+        ("a", 1, 0, 16, 0),
+        ("a", 1, 0, 32, 0),
+        ("a", 1, 0, 0, 4),
+        ("a", 1, 0, 8, 2),
+        ("a", 1, 64, 16, 0),
+        ("a", 1, 64, 32, 0),
+        ("a", 1, 64, 0, 4),
+        ("a", 1, 64, 8, 2),
     ]
     assert insts[8].n_threads == 2 and insts[16].engine == "b"
     # -p 0 and -n 0 skip those tests
@@ -136,15 +146,45 @@ def test_help_exits_zero(capsys):
 
 def fixed_record(**over: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {
-        "build_commit": "abc1234", "build_number": 0, "cpu_info": "AMD EPYC", "gpu_info": "", "backends": "CPU",
-        "model_filename": "/m/x.gguf", "model_type": "llama 256M Q4_1", "model_size": 96576768,
-        "model_n_params": 134515008, "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "cpu_mask": "0x0",
-        "cpu_strict": False, "poll": 50, "type_k": "f16", "type_v": "f16", "n_gpu_layers": 0, "n_cpu_moe": 0,
-        "split_mode": "layer", "main_gpu": 0, "no_kv_offload": False, "flash_attn": False, "devices": "auto",
-        "tensor_split": "0.00", "tensor_buft_overrides": "none", "use_mmap": True, "embeddings": False,
-        "no_op_offload": 0, "no_host": False, "n_prompt": 512, "n_gen": 0, "n_depth": 0,
-        "test_time": "2026-11-29T17:00:00Z", "engine": "reference", "engine_version": "0.1.0",
-        "engine_build": "isa=avx2", "n_ctx": 512, "recipe": "",
+        "build_commit": "abc1234",
+        "build_number": 0,
+        "cpu_info": "AMD EPYC",
+        "gpu_info": "",
+        "backends": "CPU",
+        "model_filename": "/m/x.gguf",
+        "model_type": "llama 256M Q4_1",
+        "model_size": 96576768,
+        "model_n_params": 134515008,
+        "n_batch": 2048,
+        "n_ubatch": 512,
+        "n_threads": 2,
+        "cpu_mask": "0x0",
+        "cpu_strict": False,
+        "poll": 50,
+        "type_k": "f16",
+        "type_v": "f16",
+        "n_gpu_layers": 0,
+        "n_cpu_moe": 0,
+        "split_mode": "layer",
+        "main_gpu": 0,
+        "no_kv_offload": False,
+        "flash_attn": False,
+        "devices": "auto",
+        "tensor_split": "0.00",
+        "tensor_buft_overrides": "none",
+        "use_mmap": True,
+        "embeddings": False,
+        "no_op_offload": 0,
+        "no_host": False,
+        "n_prompt": 512,
+        "n_gen": 0,
+        "n_depth": 0,
+        "test_time": "2026-11-29T17:00:00Z",
+        "engine": "reference",
+        "engine_version": "0.1.0",
+        "engine_build": "isa=avx2",
+        "n_ctx": 512,
+        "recipe": "",
     }
     rec.update(over)
     return finish(rec, rec.pop("samples", [1_000_000_000, 500_000_000]))
@@ -170,8 +210,12 @@ def test_timing_fields():
 
 
 def test_markdown_layout():
-    two = [fixed_record(), fixed_record(n_prompt=0, n_gen=128, n_depth=512, engine="llamacpp",
-                                        samples=[1_000_000_000, 1_000_000_000])]
+    two = [
+        fixed_record(),
+        fixed_record(
+            n_prompt=0, n_gen=128, n_depth=512, engine="llamacpp", samples=[1_000_000_000, 1_000_000_000]
+        ),
+    ]
     # widths: model -30, size 10, params 10, backend -10, engine -10 (ours), threads 7, test 15, t/s 20
     expected = (
         "| model                          |       size |     params | backend    | engine     | threads |"
@@ -189,16 +233,28 @@ def test_markdown_layout():
 
 
 def test_markdown_shows_options_with_several_or_non_default_values():
-    rec = fixed_record(n_batch=512, flash_attn=True, model_size=5 * 1024**3, model_n_params=7_620_000_000,
-                       backends="CUDA", n_gpu_layers=99)
+    rec = fixed_record(
+        n_batch=512,
+        flash_attn=True,
+        model_size=5 * 1024**3,
+        model_n_params=7_620_000_000,
+        backends="CUDA",
+        n_gpu_layers=99,
+    )
     text = render("md", [rec], ["-b", "512", "-fa", "1"])
     head, sep, row = text.splitlines()[:3]
-    assert head == ("| model                          |       size |     params | backend    | engine     | ngl |"
-                    " n_batch | fa |            test |                  t/s |")
-    assert sep == ("| ------------------------------ | ---------: | ---------: | ---------- | ---------- | --: |"
-                   " ------: | -: | --------------: | -------------------: |")
-    assert row == ("| llama 256M Q4_1                |   5.00 GiB |     7.62 B | CUDA       | reference  |  99 |"
-                   "     512 |  1 |           pp512 |      768.00 ± 362.04 |")
+    assert head == (
+        "| model                          |       size |     params | backend    | engine     | ngl |"
+        " n_batch | fa |            test |                  t/s |"
+    )
+    assert sep == (
+        "| ------------------------------ | ---------: | ---------: | ---------- | ---------- | --: |"
+        " ------: | -: | --------------: | -------------------: |"
+    )
+    assert row == (
+        "| llama 256M Q4_1                |   5.00 GiB |     7.62 B | CUDA       | reference  |  99 |"
+        "     512 |  1 |           pp512 |      768.00 ± 362.04 |"
+    )
 
 
 def test_csv():
@@ -206,18 +262,26 @@ def test_csv():
     header, row = text.splitlines()
     assert header == ",".join(FIELD_NAMES)
     assert header.startswith("build_commit,build_number,cpu_info,gpu_info,backends,model_filename,")
-    assert row.startswith('"abc1234","0","AMD EPYC","","CPU","a ""quoted"" name","llama 256M Q4_1","96576768",')
-    assert '"2026-11-29T17:00:00Z","750000000","353553390","768.000000","362.038672","reference","0.1.0",' in row
+    assert row.startswith(
+        '"abc1234","0","AMD EPYC","","CPU","a ""quoted"" name","llama 256M Q4_1","96576768",'
+    )
+    assert (
+        '"2026-11-29T17:00:00Z","750000000","353553390","768.000000","362.038672","reference","0.1.0",' in row
+    )
     assert "samples" not in text
 
 
 def test_json_exact_layout():
     text = render("json", [fixed_record(), fixed_record(cpu_info='x"y\\z\t')])
-    assert text.startswith('[\n  {\n    "build_commit": "abc1234",\n    "build_number": 0,\n    "cpu_info": "AMD EPYC",\n')
+    assert text.startswith(
+        '[\n  {\n    "build_commit": "abc1234",\n    "build_number": 0,\n    "cpu_info": "AMD EPYC",\n'
+    )
     assert '    "cpu_strict": false,\n' in text and '    "use_mmap": true,\n' in text
     assert '    "avg_ts": 768.000000,\n    "stddev_ts": 362.038672,\n    "engine": "reference",\n' in text
-    assert ('    "recipe": "",\n    "samples_ns": [ 1000000000, 500000000 ],\n'
-            '    "samples_ts": [ 512, 1024 ]\n  },\n  {\n') in text
+    assert (
+        '    "recipe": "",\n    "samples_ns": [ 1000000000, 500000000 ],\n'
+        '    "samples_ts": [ 512, 1024 ]\n  },\n  {\n'
+    ) in text
     assert '    "cpu_info": "x\\"y\\\\z\\u0009",\n' in text
     assert text.endswith("  }\n]\n")
     rows = json.loads(text)
@@ -230,15 +294,19 @@ def test_jsonl_exact_layout():
     line = text.splitlines()[0]
     assert line.startswith('{"build_commit": "abc1234", "build_number": 0, ')
     # samples_ts: C++ ostream's 6 significant digits; no space before "samples_ts"
-    assert line.endswith('"recipe": "", "samples_ns": [ 3000000000, 1000000000, 7000000 ],'
-                         '"samples_ts": [ 170.667, 512, 73142.9 ]}')
+    assert line.endswith(
+        '"recipe": "", "samples_ns": [ 3000000000, 1000000000, 7000000 ],'
+        '"samples_ts": [ 170.667, 512, 73142.9 ]}'
+    )
     assert json.loads(line)["n_prompt"] == 512
 
 
 def test_sql_loads_into_sqlite():
     text = render("sql", [fixed_record(), fixed_record(model_filename="it's here")])
-    assert text.startswith("CREATE TABLE IF NOT EXISTS llama_bench (\n  build_commit TEXT,\n  build_number INTEGER,\n"
-                           "  cpu_info TEXT,\n")
+    assert text.startswith(
+        "CREATE TABLE IF NOT EXISTS llama_bench (\n  build_commit TEXT,\n  build_number INTEGER,\n"
+        "  cpu_info TEXT,\n"
+    )
     assert "  avg_ts REAL,\n  stddev_ts REAL,\n  engine TEXT,\n" in text
     assert "  recipe TEXT\n);\n\nINSERT INTO llama_bench (build_commit, build_number, " in text
     assert "VALUES ('abc1234', '0', 'AMD EPYC', '', 'CPU', '/m/x.gguf', " in text
@@ -277,10 +345,18 @@ class FakeClock:
 class CountingEngine(Engine):
     name = "counting"
     capabilities = frozenset({"logits", "tokenize"})
-    option_map: ClassVar[dict[str, str]] = {"ctx_size": "", "threads": "", "batch_size": "", "ubatch_size": "",
-                                            "threads_batch": ""}
-    accepted_values: ClassVar[dict[str, tuple[Any, ...]]] = {"flash_attn": (False,), "n_gpu_layers": (0,),
-                                                            "mmap": (True,)}
+    option_map: ClassVar[dict[str, str]] = {
+        "ctx_size": "",
+        "threads": "",
+        "batch_size": "",
+        "ubatch_size": "",
+        "threads_batch": "",
+    }
+    accepted_values: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "flash_attn": (False,),
+        "n_gpu_layers": (0,),
+        "mmap": (True,),
+    }
     log: ClassVar[list[tuple[Any, ...]]] = []
     loads: ClassVar[list[Any]] = []
     bos: ClassVar[int | None] = 1
@@ -338,8 +414,27 @@ def bench(argv: list[str], capsys) -> tuple[int, str, str]:
 
 
 def test_warmup_reps_chunks_and_untimed_depth(counting, capsys):
-    code, out, err = bench(["-m", counting, "-e", "counting", "-p", "10", "-n", "3", "-d", "5", "-b", "4",
-                            "-r", "2", "-o", "jsonl"], capsys)
+    code, out, err = bench(
+        [
+            "-m",
+            counting,
+            "-e",
+            "counting",
+            "-p",
+            "10",
+            "-n",
+            "3",
+            "-d",
+            "5",
+            "-b",
+            "4",
+            "-r",
+            "2",
+            "-o",
+            "jsonl",
+        ],
+        capsys,
+    )
     assert code == 0, err
     D = "decode"
     log = CountingEngine.log
@@ -374,24 +469,47 @@ def test_warmup_reps_chunks_and_untimed_depth(counting, capsys):
 
 def test_no_warmup_and_no_bos(counting, capsys):
     CountingEngine.bos = None
-    code, out, err = bench(["-m", counting, "-e", "counting", "-p", "3", "-n", "0", "-r", "3", "--no-warmup",
-                            "-o", "json"], capsys)
+    code, out, err = bench(
+        ["-m", counting, "-e", "counting", "-p", "3", "-n", "0", "-r", "3", "--no-warmup", "-o", "json"],
+        capsys,
+    )
     assert code == 0, err
     assert [e[:2] for e in CountingEngine.log] == [("reset",)] + [("reset",), ("decode", 3)] * 3
     assert len(json.loads(out)[0]["samples_ns"]) == 3
 
 
 def test_pg_test_times_prompt_and_generation_together(counting, capsys):
-    code, out, err = bench(["-m", counting, "-e", "counting", "-p", "0", "-n", "0", "-pg", "6,2", "-r", "1",
-                            "-o", "jsonl"], capsys)
+    code, out, err = bench(
+        ["-m", counting, "-e", "counting", "-p", "0", "-n", "0", "-pg", "6,2", "-r", "1", "-o", "jsonl"],
+        capsys,
+    )
     assert code == 0, err
     rec = json.loads(out)
     assert rec["samples_ns"] == [8_000] and rec["avg_ts"] == pytest.approx(1e6)
 
 
 def test_reload_only_when_the_load_configuration_changes(counting, capsys):
-    code, out, err = bench(["-m", counting, "-e", "counting", "-p", "4", "-n", "2", "-d", "0,8", "-t", "1,2",
-                            "-r", "1", "-o", "jsonl"], capsys)
+    code, out, err = bench(
+        [
+            "-m",
+            counting,
+            "-e",
+            "counting",
+            "-p",
+            "4",
+            "-n",
+            "2",
+            "-d",
+            "0,8",
+            "-t",
+            "1,2",
+            "-r",
+            "1",
+            "-o",
+            "jsonl",
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert [o.threads for o in CountingEngine.loads] == [1, 2]
     assert [o.ctx_size for o in CountingEngine.loads] == [12, 12]
@@ -399,8 +517,10 @@ def test_reload_only_when_the_load_configuration_changes(counting, capsys):
 
 
 def test_option_the_engine_cannot_honour_skips_those_rows(counting, capsys):
-    code, out, err = bench(["-m", counting, "-e", "counting", "-p", "4", "-n", "0", "-fa", "0,1", "-r", "1",
-                            "-o", "jsonl"], capsys)
+    code, out, err = bench(
+        ["-m", counting, "-e", "counting", "-p", "4", "-n", "0", "-fa", "0,1", "-r", "1", "-o", "jsonl"],
+        capsys,
+    )
     assert code == 0
     recs = [json.loads(line) for line in out.splitlines()]
     assert [r["flash_attn"] for r in recs] == [False]
@@ -408,8 +528,26 @@ def test_option_the_engine_cannot_honour_skips_those_rows(counting, capsys):
 
 
 def test_progress_lines_go_to_stderr_and_stdout_stays_clean(counting, capsys):
-    code, out, err = bench(["-m", counting, "-e", "counting", "-p", "4", "-n", "2", "-r", "2", "--progress",
-                            "-o", "json", "-oe", "md"], capsys)
+    code, out, err = bench(
+        [
+            "-m",
+            counting,
+            "-e",
+            "counting",
+            "-p",
+            "4",
+            "-n",
+            "2",
+            "-r",
+            "2",
+            "--progress",
+            "-o",
+            "json",
+            "-oe",
+            "md",
+        ],
+        capsys,
+    )
     assert code == 0
     assert json.loads(out)  # stdout: only the json document
     lines = [line for line in err.splitlines() if line.startswith("infer-bench: benchmark")]
