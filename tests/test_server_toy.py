@@ -74,12 +74,9 @@ DEFAULT_LENGTH = 12  # tokens generated when n_predict is -1, then an end-of-gen
 
 
 class Weights:
-    """What new_context() shares: loaded once per process, counted to prove it."""
-
-    loads = 0
+    """What new_context() shares: made once by load()."""
 
     def __init__(self) -> None:
-        Weights.loads += 1
         self.words = list(WORDS)
 
 

@@ -450,6 +450,7 @@ def create_app(state: ServerState) -> FastAPI:
                     pieces.append(item.text)
                 elif isinstance(item, DoneEvent):
                     _record_done(state, log, ctx, item)
+                    await gen.finish()
                     return JSONResponse(reply.final("".join(pieces), item))
                 item = await watch.guard(gen.next())
         except ClientGone:
@@ -476,6 +477,7 @@ def create_app(state: ServerState) -> FastAPI:
                         yield _sse(reply.chunk(item.text))
                 elif isinstance(item, DoneEvent):
                     _record_done(state, log, gen.ctx, item)
+                    await watch.guard(gen.finish())
                     yield _sse(reply.chunk(done=item))
                     if reply.include_usage:
                         yield _sse(reply.usage_chunk(item))

@@ -164,6 +164,12 @@ class Generation:
             self.finished = True
         return item
 
+    async def finish(self) -> None:
+        """Wait for the worker to leave (it releases the slot just before END), so that a client
+        that sends its next request as soon as it has this answer finds the slot free."""
+        while not self.finished:
+            await self.next()
+
     def _put(self, item: Any) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
