@@ -3,9 +3,11 @@ subprocess (tests/test_server_toy.py: the CLI with a small test engine registere
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -438,6 +440,33 @@ def test_disconnecting_clients_free_their_slots(slow: Server) -> None:
         )
     gone = [e for e in slow.events("request.done") if e["status"] == 499]
     assert len(gone) == 3
+
+
+def test_one_context_engine_takes_turns_and_embeddings(tmp_path: Path) -> None:
+    """An engine without new_context() still serves -np 2: one slot, requests take turns (the toy
+    engine raises if two generations ever share its context). This one also declares embeddings."""
+    s = toy_server(tmp_path, "-e", "toy-embed", "-np", "2", "-E", "clone=0", "-E", "delay_ms=10")
+    try:
+        (start,) = s.events("run.start")
+        assert start["slots"] == 1 and "take turns" in start["summary"]
+        results: list[Any] = []
+        threads = [stream_in_thread(s.url, results, max_tokens=5) for _ in range(3)]
+        for t in threads:
+            t.join(60)
+        assert [r[0] for r in results] == [200, 200, 200] and all(r[1][-1] == "[DONE]" for r in results)
+        with httpx.Client(base_url=s.url, timeout=30) as http:
+            assert http.get("/props").json()["total_slots"] == 1
+            r = http.post("/v1/embeddings", json={"input": ["abca", "zz"]}).json()
+            assert r["object"] == "list" and r["model"] == "toy" and r["usage"]["prompt_tokens"] == 8
+            vectors = [d["embedding"] for d in r["data"]]
+            assert [d["index"] for d in r["data"]] == [0, 1] and vectors[0][:3] == [2.0, 1.0, 1.0]
+            assert vectors[1][25] == 2.0
+            b64 = http.post("/v1/embeddings", json={"input": "abca", "encoding_format": "base64"}).json()
+            raw = base64.b64decode(b64["data"][0]["embedding"])
+            assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == vectors[0]
+            envelope(http.post("/v1/embeddings", json={"input": [1, 2]}), 400, "invalid_request_error")
+    finally:
+        assert s.stop() == 0
 
 
 # --- the process: SIGTERM drains, -v logs prompts, the server extra ---------------------------------------

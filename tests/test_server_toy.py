@@ -200,6 +200,16 @@ class ToyEngine(Engine):
         )
 
 
+class ToyEmbedEngine(ToyEngine):
+    """The toy engine plus embeddings: a text's vector is its character histogram over a-z."""
+
+    name = "toy-embed"
+    capabilities = ToyEngine.capabilities | {"embeddings"}
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        return [[float(t.count(chr(c))) for c in range(ord("a"), ord("z") + 1)] for t in texts]
+
+
 # --- starting `infer serve` with the toy engine -------------------------------------------------
 
 
@@ -319,4 +329,5 @@ if __name__ == "__main__":
     from stdengine.cli.main import main
 
     registry.register("toy", ToyEngine)
+    registry.register("toy-embed", ToyEmbedEngine)
     main()
