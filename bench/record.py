@@ -187,11 +187,11 @@ def stdengine_commit() -> str:
 
 def build_of(engine_name: str, build: str, version: str) -> tuple[str, int]:
     """build_commit and build_number: the engine's build. For the reference engine, stdengine's git
-    commit (number 0); for others, the build string the engine reports (a `b1234` tag gives the
-    number), else its version."""
+    commit (number 0); for others, the first `;`-separated part of the build string the engine
+    reports (a `b1234` tag gives the number), else its version."""
     if engine_name == "reference":
         return stdengine_commit(), 0
-    text = build or version or "unknown"
+    text = (build or version or "unknown").split(";")[0].strip() or "unknown"  # its first part: no flag lists
     number = int(text[1:]) if text[:1] == "b" and text[1:].isdigit() else 0
     return text, number
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from stdengine.bench.params import BenchParams, Instance, instances
 from stdengine.bench.record import FIXED, build_of, cpu_info, finish, model_fields, utc_now
 
-from stdengine.errors import InferError, UnsupportedOption
+from stdengine.errors import EngineFailure, InferError, UnsupportedOption
 
 
 class Decoder(Protocol):
@@ -258,11 +258,11 @@ def run(
         events.engine, events.model = cls.name, model_path
         try:
             engine = loader(cls, values, events)
-        except InferError as e:
-            warn(f"error: engine '{cls.name}' failed to load {model_path}: {e.message}")
-            if e.hint:
+        except Exception as e:  # reported, and the other engines still run
+            warn(f"error: engine '{cls.name}' failed to load {model_path}: {_message(e)}")
+            if isinstance(e, InferError) and e.hint:
                 warn(f"hint: {e.hint}")
-            status = e.exit_status
+            status = e.exit_status if isinstance(e, InferError) else EngineFailure.exit_status
             continue
         try:
             status = (
@@ -272,6 +272,10 @@ def run(
         finally:
             engine.close()
     return status
+
+
+def _message(e: Exception) -> str:
+    return e.message if isinstance(e, InferError) else f"{type(e).__name__}: {e}"
 
 
 def _with_model(inst: Instance, path: str) -> Instance:
@@ -318,9 +322,9 @@ def _run_group(
             samples = measure(
                 engine, inst, params.reps, not params.no_warmup, src, progress, index, total, params.delay
             )
-        except InferError as e:
-            warn(f"error: engine '{cls.name}' failed in test {index}/{total}: {e.message}")
-            return e.exit_status
+        except Exception as e:
+            warn(f"error: engine '{cls.name}' failed in test {index}/{total}: {_message(e)}")
+            return e.exit_status if isinstance(e, InferError) else EngineFailure.exit_status
         rec: dict[str, Any] = {
             "build_commit": commit,
             "build_number": number,

@@ -1,0 +1,241 @@
+"""infer-bench with the real engines on the catalogue models, the model fields against llama.cpp's
+own, and `infer-bench compare` (table and plot) on two result files."""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+from stdengine.bench.compare import main as compare_main
+from stdengine.bench.params import parse_args
+from stdengine.bench.printers import make_printer
+from stdengine.bench.record import finish, model_fields
+
+from stdengine import registry
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stdengine.bench.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+@pytest.mark.models
+def test_reference_and_llamacpp_side_by_side(smollm2_path):
+    missing = [e for e in ("reference", "llamacpp") if e not in registry.entries()]
+    if missing:
+        pytest.skip(f"engine(s) not registered yet: {', '.join(missing)}")
+    r = bench(
+        "-m",
+        str(smollm2_path),
+        "-e",
+        "reference,llamacpp",
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "-t",
+        "2",
+        "-o",
+        "jsonl",
+    )
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(x["engine"], x["n_prompt"], x["n_gen"]) for x in recs] == [
+        ("reference", 16, 0),
+        ("reference", 0, 4),
+        ("llamacpp", 16, 0),
+        ("llamacpp", 0, 4),
+    ]
+    for x in recs:
+        assert x["model_type"] == "llama 256M Q4_1"
+        assert x["model_size"] == 96576768 and x["model_n_params"] == 134515008
+        assert x["backends"] == "CPU" and x["gpu_info"] == "" and x["n_threads"] == 2
+        assert len(x["samples_ns"]) == 1 and x["avg_ts"] > 0 and x["n_ctx"] >= 16
+    assert recs[0]["build_number"] == 0 and recs[0]["build_commit"]
+    assert recs[2]["engine_version"]
+
+
+def _llama_cpp_desc(path: str) -> tuple[str, int, int]:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp.llama_backend_init()
+    mp = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(path.encode(), mp)
+    assert model
+    try:
+        buf = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(model, buf, 256)
+        return (
+            buf.value.decode(),
+            int(llama_cpp.llama_model_size(model)),
+            int(llama_cpp.llama_model_n_params(model)),
+        )
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+@pytest.mark.models
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("fixture", ["smollm2_path", "gemma3_path"])
+def test_model_fields_match_llama_cpp(fixture, request):
+    path = str(request.getfixturevalue(fixture))
+    desc, size, n_params = _llama_cpp_desc(path)
+    mf = model_fields(path)
+    assert (mf["model_type"], mf["model_size"], mf["model_n_params"]) == (desc, size, n_params)
+
+
+# --- compare and plot -----------------------------------------------------------------------------
+
+
+def _record(engine: str, n_prompt: int, n_gen: int, samples: list[int], threads: int = 2) -> dict:
+    rec = {
+        "build_commit": "abc1234" if engine == "reference" else "llama-cpp-python 0.3.36",
+        "build_number": 0,
+        "cpu_info": "AMD EPYC",
+        "gpu_info": "",
+        "backends": "CPU",
+        "model_filename": "/m/smol.gguf",
+        "model_type": "llama 256M Q4_1",
+        "model_size": 96576768,
+        "model_n_params": 134515008,
+        "n_batch": 2048,
+        "n_ubatch": 512,
+        "n_threads": threads,
+        "cpu_mask": "0x0",
+        "cpu_strict": False,
+        "poll": 50,
+        "type_k": "f16",
+        "type_v": "f16",
+        "n_gpu_layers": 0,
+        "n_cpu_moe": 0,
+        "split_mode": "layer",
+        "main_gpu": 0,
+        "no_kv_offload": False,
+        "flash_attn": False,
+        "devices": "auto",
+        "tensor_split": "0.00",
+        "tensor_buft_overrides": "none",
+        "use_mmap": True,
+        "embeddings": False,
+        "no_op_offload": 0,
+        "no_host": False,
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+        "n_depth": 0,
+        "test_time": "2026-11-29T17:00:00Z",
+        "engine": engine,
+        "engine_version": "0.1.0",
+        "engine_build": "",
+        "n_ctx": n_prompt + n_gen,
+        "recipe": "",
+    }
+    return finish(rec, samples)
+
+
+def _write(path, fmt: str, records: list[dict]) -> str:
+    out = io.StringIO()
+    p = make_printer(fmt, out, parse_args([]))
+    p.header()
+    for r in records:
+        p.record(r)
+    p.footer()
+    path.write_text(out.getvalue())
+    return str(path)
+
+
+@pytest.fixture
+def two_files(tmp_path):
+    base = [
+        _record("llamacpp", 512, 0, [1_000_000_000, 1_000_000_000]),
+        _record("llamacpp", 0, 128, [4_000_000_000]),
+    ]
+    cand = [
+        _record("reference", 512, 0, [500_000_000, 500_000_000]),
+        _record("reference", 0, 128, [2_000_000_000]),
+        _record("reference", 0, 64, [1_000_000_000]),
+    ]  # no match in base: left out
+    return _write(tmp_path / "base.json", "json", base), _write(tmp_path / "cand.jsonl", "jsonl", cand)
+
+
+def test_compare_table(two_files, capsys):
+    assert compare_main(list(two_files)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "| model           |  test | base     |      t/s base | candidate |  t/s candidate | speedup |"
+    )
+    assert lines[1] == (
+        "| --------------- | ----: | -------- | ------------: | --------- | -------------: | ------: |"
+    )
+    assert lines[2] == (
+        "| llama 256M Q4_1 | pp512 | llamacpp | 512.00 ± 0.00 | reference | 1024.00 ± 0.00 |    2.00 |"
+    )
+    assert lines[3] == (
+        "| llama 256M Q4_1 | tg128 | llamacpp |  32.00 ± 0.00 | reference |   64.00 ± 0.00 |    2.00 |"
+    )
+    assert len(lines) == 4
+
+
+def test_compare_json_and_sqlite(two_files, tmp_path, capsys):
+    base, cand = two_files
+    # the same results loaded into sqlite from -o sql, as llama.cpp's tooling does
+    sql = _write(tmp_path / "cand.sql", "sql", [json.loads(line) for line in open(cand)])
+    db = tmp_path / "cand.db"
+    con = sqlite3.connect(db)
+    con.executescript(open(sql).read())
+    con.close()
+    assert compare_main([base, str(db), "-o", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["test"], r["speedup"]) for r in rows] == [("pp512", 2.0), ("tg128", 2.0)]
+    assert compare_main([base, sql, "--candidate-engine", "reference", "-o", "csv"]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[0] == "model,test,base,t/s base,candidate,t/s candidate,speedup"
+    )
+
+
+def test_compare_one_file_with_two_engines(tmp_path, capsys):
+    both = _write(
+        tmp_path / "both.jsonl",
+        "jsonl",
+        [_record("reference", 64, 0, [100_000_000]), _record("llamacpp", 64, 0, [200_000_000])],
+    )
+    assert compare_main([both, both]) == 1
+    assert "choose one with --base-engine (llamacpp, reference)" in capsys.readouterr().err
+    assert compare_main([both, both, "--base-engine", "llamacpp", "--candidate-engine", "reference"]) == 0
+    assert "|    2.00 |" in capsys.readouterr().out
+
+
+def test_compare_errors(two_files, tmp_path, capsys):
+    base, _ = two_files
+    assert compare_main([base]) == 1
+    assert "two results files" in capsys.readouterr().err
+    bad = tmp_path / "bad.txt"
+    bad.write_text("hello")
+    assert compare_main([base, str(bad)]) == 1
+    assert "not a json, jsonl, sql or sqlite results file" in capsys.readouterr().err
+    assert compare_main([base, str(tmp_path / "missing.json")]) == 1
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_plot(two_files, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "cmp.png"
+    assert compare_main([*two_files, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_plot_without_matplotlib_is_a_clear_error(two_files, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert compare_main([*two_files, "--plot", str(tmp_path / "x.png")]) == 1
+    assert "--plot needs matplotlib: pip install 'stdengine[plot]'" in capsys.readouterr().err
