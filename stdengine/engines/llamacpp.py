@@ -88,7 +88,7 @@ def _install_log_callback(verbose: bool) -> None:
 
 
 def _recent_errors() -> str:
-    lines = [ln.strip() for ln in _log_tail if ln.strip()]
+    lines = [ln.strip() for ln in _log_tail if len(ln.strip()) > 1]  # not the progress dots
     return "; ".join(lines[-3:])
 
 
