@@ -1,0 +1,345 @@
+"""ctypes bindings of the reference engine's C core (csrc/engine.h): contexts, decoding, sampling.
+
+    >>> from stdengine.reference.model import Model
+    >>> from stdengine.reference.core import Context, SamplingParams
+    >>> model = Model.load("SmolLM2-135M-Instruct.Q4_1.gguf")
+    >>> ctx = Context(model, n_ctx=2048, n_threads=2)
+    >>> logits = ctx.decode([1, 504, 3458])          # the last token's logits, shape (n_vocab,)
+    >>> tok = ctx.sample(SamplingParams(temp=0))      # greedy
+    >>> ctx.decode([tok]); ctx.n_past
+    4
+
+Each decode and each sample is one ctypes call with precomputed integer addresses: the whole
+forward pass (all layers, the thread pool, the KV cache) and the sampler run in C.
+A Context is not thread-safe: use one per thread (they may share a Model).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stdengine.errors import ContextOverflow, EngineFailure, InvalidRequest
+
+from ._lib import lib
+
+if TYPE_CHECKING:
+    from .model import Model
+
+# engine.h enums (keep in step)
+OK, ERR_CONTEXT_OVERFLOW, ERR_BAD_TOKEN, ERR_INVALID, ERR_NOMEM, ERR_MISSING = 0, -1, -2, -3, -4, -5
+ARCH_LLAMA, ARCH_GEMMA3 = 1, 2
+ROPE_NORM, ROPE_NEOX = 0, 2
+SLOTS = {name: i for i, name in enumerate([
+    "TOKEN_EMBD", "OUTPUT_NORM", "OUTPUT", "ATTN_NORM", "ATTN_Q", "ATTN_K", "ATTN_V", "ATTN_OUTPUT",
+    "ATTN_Q_NORM", "ATTN_K_NORM", "ATTN_POST_NORM", "FFN_NORM", "FFN_GATE", "FFN_UP", "FFN_DOWN",
+    "FFN_POST_NORM",
+])}
+
+_i32, _i64, _f32, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class HParams:
+    """The model's shape, as the C core sees it (se_hparams)."""
+
+    arch: int
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_rot: int
+    rope_type: int
+    norm_eps: float
+    rope_base: float
+    rope_freq_scale: float
+    attn_scale: float
+    embd_scale: float
+
+
+class _HParams(ctypes.Structure):
+    _fields_ = [(n, _i32) for n in ("arch", "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv",
+                                    "head_dim", "n_ff", "n_rot", "rope_type")] + \
+               [(n, _f32) for n in ("norm_eps", "rope_base", "rope_freq_scale", "attn_scale",
+                                    "embd_scale")]
+
+
+class _ContextParams(ctypes.Structure):
+    _fields_ = [("n_ctx", _i32), ("n_batch", _i32), ("n_ubatch", _i32), ("n_threads", _i32),
+                ("n_threads_batch", _i32)]
+
+
+class _SamplingParams(ctypes.Structure):
+    _fields_ = [("temp", _f32), ("top_k", _i32), ("top_p", _f32), ("min_p", _f32),
+                ("repeat_penalty", _f32), ("repeat_last_n", _i32), ("presence_penalty", _f32),
+                ("frequency_penalty", _f32), ("seed", _i64)]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings (llama.cpp's defaults). Any object with these attributes will do, e.g.
+    stdengine.adapter.SamplingParams. temp <= 0 is greedy; top_k <= 0, top_p >= 1, min_p <= 0 and
+    repeat_penalty == 1 switch a step off; seed -1 is random."""
+
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+
+
+_SAMPLING_FIELDS = ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+                    "presence_penalty", "frequency_penalty", "seed")
+
+
+@cache
+def api() -> ctypes.CDLL:
+    """The C library with the engine's signatures declared."""
+    c = lib()
+    sig = {
+        "se_version": ([], ctypes.c_char_p),
+        "se_model_new": ([_vp], _vp),
+        "se_model_set_tensor": ([_vp, _i32, _i32, _vp, _i32, _i64, _i64], ctypes.c_int),
+        "se_model_set_layer": ([_vp, _i32, _f32, _i32], ctypes.c_int),
+        "se_model_finalize": ([_vp, _vp, _vp], ctypes.c_int),
+        "se_model_free": ([_vp], None),
+        "se_context_new": ([_vp, _vp], _vp),
+        "se_context_free": ([_vp], None),
+        "se_context_logits": ([_vp], _vp),
+        "se_context_n_past": ([_vp], _i32),
+        "se_context_tokens": ([_vp], _vp),
+        "se_context_reset": ([_vp], None),
+        "se_context_truncate": ([_vp, _i32], ctypes.c_int),
+        "se_decode": ([_vp, _vp, _i32, _vp], ctypes.c_int),
+        "se_sample": ([_vp, _vp], _i32),
+        "se_traits": ([ctypes.c_int], _vp),
+        "se_row_size": ([ctypes.c_int, _i64], ctypes.c_size_t),
+        "se_isa_name": ([], ctypes.c_char_p),
+    }
+    for name, (args, res) in sig.items():
+        f = getattr(c, name)
+        f.argtypes, f.restype = args, res
+    return c
+
+
+class _Traits(ctypes.Structure):  # kernels.h se_type_traits
+    _fields_ = [("name", ctypes.c_char_p), ("blck", ctypes.c_int), ("size", ctypes.c_int),
+                ("act_type", ctypes.c_int), ("to_float", _vp), ("from_float", _vp), ("dot", _vp)]
+
+
+def _traits(type_id: int) -> _Traits | None:
+    p = api().se_traits(type_id)
+    return _Traits.from_address(p) if p else None
+
+
+def type_supported(type_id: int) -> bool:
+    """The kernels know this ggml type (can at least dequantize it)."""
+    t = _traits(type_id)
+    return t is not None and bool(t.to_float)
+
+
+def type_has_matmul(type_id: int) -> bool:
+    """The kernels can multiply by a weight of this type."""
+    t = _traits(type_id)
+    if t is None or not t.dot:
+        return False
+    a = _traits(t.act_type)
+    return a is not None and bool(a.from_float)
+
+
+def supported_types() -> list[str]:
+    return [t.name.decode() for i in range(64) if (t := _traits(i)) is not None and t.dot]
+
+
+def row_size(type_id: int, n: int) -> int:
+    return int(api().se_row_size(type_id, n))
+
+
+def hparams_struct(hp: HParams) -> _HParams:
+    return _HParams(**{name: getattr(hp, name) for name, _ in _HParams._fields_})
+
+
+def isa_name() -> str:
+    """The kernels' SIMD path in use: scalar, avx2 or avx512."""
+    return api().se_isa_name().decode()
+
+
+class Context:
+    """An inference context: KV cache, scratch buffers and a thread pool, allocated once.
+
+    Context(model, n_ctx=2048, n_threads=None, n_threads_batch=None, n_batch=2048, n_ubatch=512)
+      n_threads: threads for single-token decodes (default: the CPU count);
+      n_threads_batch: threads for batches (default: n_threads);
+      n_batch / n_ubatch: a decode is split into batches of n_batch tokens, each evaluated in
+      forward passes of n_ubatch tokens (n_ubatch <= n_batch; clamped to n_ctx).
+
+    decode(tokens, all_logits=False) -> np.ndarray   float32 logits: (n_vocab,) of the last token,
+        or (len(tokens), n_vocab) with all_logits. The (n_vocab,) array is a read-only view of the
+        context's buffer, overwritten by the next decode: copy it to keep it.
+    sample(params=None) -> int   the next token from the last logits (SamplingParams or any object
+        with its attributes; None = greedy).
+    n_past   tokens in the KV cache;  tokens   those tokens (a copy);  logits   last logits (view)
+    reset()   forget everything;  truncate(n)   keep the first n cached tokens;  close().
+
+    A decode that does not fit (n_past + len(tokens) > n_ctx) raises ContextOverflow and changes
+    nothing; a token id outside the vocabulary raises InvalidRequest.
+    """
+
+    def __init__(self, model: Model, n_ctx: int = 2048, n_threads: int | None = None,
+                 n_threads_batch: int | None = None, n_batch: int = 2048, n_ubatch: int = 512) -> None:
+        self._h: int | None = None
+        n_threads = n_threads or os.cpu_count() or 1
+        n_threads_batch = n_threads_batch or n_threads
+        if n_ctx < 1 or n_batch < 1 or n_ubatch < 1 or n_threads < 1 or n_threads_batch < 1:
+            raise InvalidRequest(f"context sizes must be positive (n_ctx={n_ctx}, n_batch={n_batch}, "
+                                 f"n_ubatch={n_ubatch}, threads={n_threads}/{n_threads_batch})")
+        n_ubatch = min(n_ubatch, n_batch, n_ctx)
+        self.model = model
+        self.n_ctx, self.n_batch, self.n_ubatch = n_ctx, n_batch, n_ubatch
+        self.n_threads, self.n_threads_batch = n_threads, n_threads_batch
+        self.n_vocab = model.n_vocab
+        c = api()
+        params = _ContextParams(n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch)
+        h = c.se_context_new(model.handle, ctypes.byref(params))
+        if not h:
+            raise EngineFailure(f"cannot create a context of {n_ctx} positions for {model.path} "
+                                "(out of memory?)", hint="use a smaller ctx_size")
+        self._h = h
+        model._contexts.add(self)
+        # Everything a hot call needs, bound once: functions, the handle, buffer addresses.
+        self._decode_fn = c.se_decode
+        self._sample_fn = c.se_sample
+        self._n_past_fn = c.se_context_n_past
+        self._tok = np.zeros(n_ctx, dtype=np.int32)
+        self._tok_addr = self._tok.ctypes.data
+        buf = (ctypes.c_float * self.n_vocab).from_address(c.se_context_logits(h))
+        self._logits = np.ctypeslib.as_array(buf)
+        self._logits_view = self._logits.view()
+        self._logits_view.flags.writeable = False
+        self._sp = _SamplingParams()
+        self._sp_addr = ctypes.addressof(self._sp)
+        self._sp_key: tuple[Any, ...] | None = None
+
+    # -- decoding ----------------------------------------------------------------------------
+
+    def decode(self, tokens: Any, all_logits: bool = False) -> np.ndarray:
+        """Evaluate tokens (a sequence of ints or an int32 array) after the cached ones."""
+        h = self._h
+        if not h:
+            raise EngineFailure("the context is closed")
+        n = len(tokens)
+        if n == 0:
+            raise InvalidRequest("decode needs at least one token")
+        if n > self.n_ctx:
+            raise ContextOverflow(f"{n} tokens do not fit a context of {self.n_ctx}",
+                                  hint="use a larger ctx_size (-c)", n_ctx=self.n_ctx, n_tokens=n)
+        try:
+            self._tok[:n] = tokens
+        except (OverflowError, ValueError, TypeError) as e:
+            raise InvalidRequest(f"tokens must be integer ids: {e}") from None
+        if all_logits:
+            out = np.empty((n, self.n_vocab), dtype=np.float32)
+            rc = self._decode_fn(h, self._tok_addr, n, out.ctypes.data)
+        else:
+            out = self._logits_view
+            rc = self._decode_fn(h, self._tok_addr, n, None)
+        if rc != OK:
+            self._raise(rc, n)
+        return out
+
+    def _raise(self, rc: int, n: int) -> None:
+        if rc == ERR_CONTEXT_OVERFLOW:
+            n_past = self.n_past
+            raise ContextOverflow(
+                f"{n} more tokens do not fit the context: {n_past} cached + {n} > n_ctx {self.n_ctx}",
+                hint="use a larger ctx_size (-c) or a shorter prompt", n_ctx=self.n_ctx,
+                n_past=n_past, n_tokens=n)
+        if rc == ERR_BAD_TOKEN:
+            bad = [int(t) for t in self._tok[:n] if not 0 <= t < self.n_vocab][:5]
+            raise InvalidRequest(f"token ids {bad} are outside the vocabulary [0, {self.n_vocab})")
+        raise EngineFailure(f"the reference engine failed (code {rc})")
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    def sample(self, params: Any = None) -> int:
+        """The next token id from the last decode's logits: penalties, top-k, top-p, min-p,
+        temperature, then a seeded draw (llama.cpp's order). params=None is greedy. The RNG is
+        seeded from params.seed on the first sample after a reset or when the seed changes."""
+        h = self._h
+        if not h:
+            raise EngineFailure("the context is closed")
+        if params is None:
+            params = _GREEDY
+        key = tuple(getattr(params, f) for f in _SAMPLING_FIELDS)
+        if key != self._sp_key:
+            for f, v in zip(_SAMPLING_FIELDS, key):
+                setattr(self._sp, f, v)
+            self._sp_key = key
+        tok = self._sample_fn(h, self._sp_addr)
+        if tok < 0:
+            raise InvalidRequest("nothing to sample from: decode a prompt first")
+        return tok
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        """How many tokens are in the KV cache."""
+        return int(self._n_past_fn(self._h)) if self._h else 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens in the KV cache, in order."""
+        n = self.n_past
+        if n == 0:
+            return []
+        p = api().se_context_tokens(self._h)
+        return list((ctypes.c_int32 * n).from_address(p))
+
+    @property
+    def logits(self) -> np.ndarray:
+        """The last decoded token's logits (read-only view, overwritten by the next decode)."""
+        return self._logits_view
+
+    def reset(self) -> None:
+        """Empties the KV cache (and re-arms the seed for the next sample)."""
+        if self._h:
+            api().se_context_reset(self._h)
+
+    def truncate(self, n_past: int) -> None:
+        """Keeps only the first n_past cached tokens (to reuse a common prefix)."""
+        if not self._h or api().se_context_truncate(self._h, n_past) != OK:
+            raise InvalidRequest(f"cannot truncate to {n_past}: the cache holds {self.n_past} tokens")
+
+    def close(self) -> None:
+        """Frees the KV cache, buffers and threads. Safe to call twice."""
+        if self._h:
+            api().se_context_free(self._h)
+            self._h = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_GREEDY = SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=0)

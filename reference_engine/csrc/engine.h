@@ -1,0 +1,209 @@
+/* The reference engine's exported API (loaded from Python with ctypes: reference_engine/core.py
+ * mirrors every struct and enum here; change both together).
+ *
+ * A model is a set of tensors that live in memory the caller owns (the memory-mapped GGUF file):
+ * the engine never copies weights. Python validates the file (offsets, sizes against the file
+ * size), then describes the model: se_model_new(hparams), se_model_set_tensor() for each tensor,
+ * se_model_set_layer() for per-layer settings, se_model_finalize(). The C side checks shapes and
+ * types again, so a bad description is an error code, never a crash.
+ *
+ * A context owns everything a forward pass needs, allocated once at creation: the KV cache
+ * (f32, [layer][kv head][position][head dim]), scratch buffers for n_ubatch tokens, the thread
+ * pool and the sampler's state. se_decode evaluates any number of tokens in one call.
+ */
+#ifndef SE_ENGINE_H
+#define SE_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define SE_API __attribute__((visibility("default")))
+
+/* Return codes (negative = error). */
+enum se_status {
+    SE_OK = 0,
+    SE_ERR_CONTEXT_OVERFLOW = -1, /* n_past + tokens would exceed n_ctx; nothing was evaluated */
+    SE_ERR_BAD_TOKEN = -2,        /* a token id outside [0, n_vocab) */
+    SE_ERR_INVALID = -3,          /* a bad argument (shape, type, count, slot, ...) */
+    SE_ERR_NOMEM = -4,
+    SE_ERR_MISSING = -5,          /* finalize: a required tensor was not set */
+};
+
+enum se_arch { SE_ARCH_LLAMA = 1, SE_ARCH_GEMMA3 = 2 };
+
+/* How RoPE pairs the dimensions of a head (llama.cpp's rope modes). NORM rotates adjacent pairs
+ * (2i, 2i+1): llama's GGUF Q/K weights are stored permuted by the converter so that this is
+ * right. NEOX rotates (i, i + n_rot/2): gemma and most newer architectures. */
+enum se_rope_type { SE_ROPE_NORM = 0, SE_ROPE_NEOX = 2 };
+
+typedef struct {
+    int32_t arch;        /* se_arch */
+    int32_t n_vocab;
+    int32_t n_embd;
+    int32_t n_layer;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;    /* per head, for q and k and v */
+    int32_t n_ff;
+    int32_t n_rot;       /* rotated dimensions per head (<= head_dim, even) */
+    int32_t rope_type;   /* se_rope_type */
+    float norm_eps;      /* RMSNorm epsilon */
+    float rope_base;     /* default base for every layer (se_model_set_layer overrides) */
+    float rope_freq_scale; /* linear rope scaling: position * scale (1 = none) */
+    float attn_scale;    /* scores = q.k * attn_scale (llama: 1/sqrt(head_dim)) */
+    float embd_scale;    /* token embeddings are multiplied by this (gemma: sqrt(n_embd); else 1) */
+} se_hparams;
+
+/* Tensor slots. Global ones are set with layer = -1. Optional ones may be left unset. */
+enum se_slot {
+    SE_T_TOKEN_EMBD = 0,  /* [n_embd, n_vocab] any type with to_float */
+    SE_T_OUTPUT_NORM,     /* [n_embd] f32 */
+    SE_T_OUTPUT,          /* [n_embd, n_vocab] optional: tied to token_embd when unset */
+    SE_T_ATTN_NORM,       /* per layer [n_embd] f32 */
+    SE_T_ATTN_Q,          /* [n_embd, n_head*head_dim] */
+    SE_T_ATTN_K,          /* [n_embd, n_head_kv*head_dim] */
+    SE_T_ATTN_V,          /* [n_embd, n_head_kv*head_dim] */
+    SE_T_ATTN_OUTPUT,     /* [n_head*head_dim, n_embd] */
+    SE_T_ATTN_Q_NORM,     /* [head_dim] f32, optional (gemma3) */
+    SE_T_ATTN_K_NORM,     /* [head_dim] f32, optional (gemma3) */
+    SE_T_ATTN_POST_NORM,  /* [n_embd] f32, optional (gemma3) */
+    SE_T_FFN_NORM,        /* [n_embd] f32 */
+    SE_T_FFN_GATE,        /* [n_embd, n_ff] */
+    SE_T_FFN_UP,          /* [n_embd, n_ff] */
+    SE_T_FFN_DOWN,        /* [n_ff, n_embd] */
+    SE_T_FFN_POST_NORM,   /* [n_embd] f32, optional (gemma3) */
+    SE_T_COUNT
+};
+
+typedef struct {
+    int32_t n_ctx;           /* positions in the KV cache */
+    int32_t n_batch;         /* tokens per logical batch (a decode of more is split) */
+    int32_t n_ubatch;        /* tokens per forward pass (scratch buffers are sized for it) */
+    int32_t n_threads;       /* threads for single-token decodes */
+    int32_t n_threads_batch; /* threads for batches of more than one token */
+} se_context_params;
+
+/* Sampling, applied in llama.cpp's order: penalties, top-k, top-p, min-p, temperature, draw. */
+typedef struct {
+    float temp;              /* <= 0: greedy (argmax after penalties) */
+    int32_t top_k;           /* <= 0: off */
+    float top_p;             /* >= 1: off */
+    float min_p;             /* <= 0: off */
+    float repeat_penalty;    /* 1: off */
+    int32_t repeat_last_n;   /* tokens of history the penalties look at (0: off, -1: n_ctx) */
+    float presence_penalty;  /* 0: off */
+    float frequency_penalty; /* 0: off */
+    int64_t seed;            /* the RNG is (re)seeded when this changes or after a reset; -1 = random */
+} se_sampling_params;
+
+typedef struct se_model se_model;
+typedef struct se_context se_context;
+
+SE_API const char *se_version(void);
+
+SE_API se_model *se_model_new(const se_hparams *hp); /* NULL: invalid hparams or no memory */
+SE_API int se_model_set_tensor(se_model *m, int32_t layer, int32_t slot, const void *data,
+                               int32_t type, int64_t ne0, int64_t ne1);
+SE_API int se_model_set_layer(se_model *m, int32_t layer, float rope_base, int32_t sliding_window);
+/* Checks that every required tensor is present. Returns SE_OK or SE_ERR_MISSING; then
+ * *bad_layer / *bad_slot (if not NULL) name the first missing one. */
+SE_API int se_model_finalize(se_model *m, int32_t *bad_layer, int32_t *bad_slot);
+SE_API void se_model_free(se_model *m);
+
+SE_API se_context *se_context_new(const se_model *m, const se_context_params *cp);
+SE_API void se_context_free(se_context *c);
+SE_API float *se_context_logits(se_context *c); /* last token's logits, n_vocab floats */
+SE_API int32_t se_context_n_past(const se_context *c);
+SE_API const int32_t *se_context_tokens(const se_context *c); /* the n_past tokens in the cache */
+SE_API void se_context_reset(se_context *c);
+/* Forgets positions >= n_past (keeps the cached prefix). SE_ERR_INVALID if n_past is out of range. */
+SE_API int se_context_truncate(se_context *c, int32_t n_past);
+
+/* Evaluates n tokens at positions n_past..n_past+n-1. The last token's logits go to
+ * se_context_logits(); if all_logits is not NULL it receives n rows of n_vocab floats, one per
+ * token. Returns SE_OK, or an error before anything was evaluated. */
+SE_API int se_decode(se_context *c, const int32_t *tokens, int32_t n, float *all_logits);
+
+/* Samples the next token from the last logits (which it does not modify). Returns the token id,
+ * or SE_ERR_INVALID if nothing was decoded yet. */
+SE_API int32_t se_sample(se_context *c, const se_sampling_params *sp);
+
+
+#ifdef SE_ENGINE_INTERNAL
+/* Shared by llama.c and sampling.c only. */
+#include "threadpool.h"
+
+typedef struct {
+    const void *data;  /* NULL: absent */
+    int32_t type;      /* se_type */
+    int64_t ne0, ne1;  /* ne0 = row length (elements), ne1 = rows */
+    size_t row_size;   /* bytes per row */
+} se_tensor;
+
+typedef struct {
+    se_tensor t[SE_T_COUNT]; /* indexed by se_slot (the global slots are unused here) */
+    float rope_base;
+    int32_t sliding_window;  /* 0: full attention; else a query at p sees keys (p - w, p] */
+    int32_t rope_idx;        /* which of the context's rope tables this layer uses */
+} se_layer;
+
+#define SE_MAX_ROPE_TABLES 4
+
+struct se_model {
+    se_hparams hp;
+    se_tensor token_embd, output_norm, output; /* output.data == token_embd.data when tied */
+    se_layer *layers;
+    int n_rope;                         /* distinct rope bases */
+    float rope_bases[SE_MAX_ROPE_TABLES];
+    int finalized;
+};
+
+/* One thread's private scratch. */
+typedef struct {
+    float *scores;     /* attention scores, n_ctx */
+    float *norm;       /* normalised rows for small batches, SE_PRIVATE_TOKENS x max width */
+    void *act[3];      /* quantized activations for small batches, one per act type */
+} se_thread_scratch;
+
+typedef struct {
+    int32_t id;
+    float logit;
+} se_cand;
+
+#define SE_PRIVATE_TOKENS 4 /* batches up to this size quantize activations on every thread */
+
+struct se_context {
+    const se_model *m;
+    se_context_params cp;
+    int32_t n_past;
+    int32_t *tokens;         /* the n_past tokens in the cache, for the penalties */
+    float *k_cache, *v_cache;/* [n_layer][n_head_kv][n_ctx][head_dim] */
+    /* activations for one ubatch */
+    float *x;                /* residual stream [n_ubatch][n_embd] */
+    float *xb;               /* normalised rows [n_ubatch][max(n_embd, n_ff)] */
+    float *q;                /* [n_ubatch][n_head*head_dim] */
+    float *att;              /* attention output [n_ubatch][n_head*head_dim] */
+    float *tmp;              /* matmul output before the residual add [n_ubatch][n_embd] */
+    float *hb, *hb2;         /* ffn gate/up [n_ubatch][n_ff] */
+    float *rope;             /* [n_rope][n_ubatch][n_rot/2][2] (cos, sin) */
+    void *act[3];            /* shared quantized activations [n_ubatch] rows of the widest type */
+    size_t act_size;         /* bytes of each act buffer */
+    se_thread_scratch *ts;   /* one per pool thread */
+    float *logits;           /* last token [n_vocab] */
+    se_pool *pool;
+    /* the ubatch being evaluated (read by every pool thread) */
+    const int32_t *ub_tokens;
+    int32_t ub_n;
+    int32_t ub_pos;
+    float *ub_out;           /* logits rows to write, or NULL */
+    int32_t ub_out_first;    /* first token (within the ubatch) whose logits are written */
+    /* sampler */
+    se_cand *cand;           /* [n_vocab] */
+    int32_t *counts;         /* [n_vocab] occurrences in the penalty window, kept all zero */
+    uint64_t rng[2];
+    int64_t rng_seed;
+    int rng_seeded;
+};
+#endif
+
+#endif

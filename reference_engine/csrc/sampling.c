@@ -1,0 +1,177 @@
+/* Sampling the next token from the last logits, in C: at 100 tokens/s a numpy softmax or
+ * argpartition over a 262k vocabulary would cost a large share of each token's time.
+ *
+ * The steps and their order are llama.cpp's default chain: repetition penalties, top-k, top-p,
+ * min-p, temperature, then a draw from the softmax. temp <= 0 is greedy: the argmax after the
+ * penalties. The RNG (xoshiro256**, seeded through splitmix64) is ours, so seeded draws are
+ * reproducible here but differ from llama.cpp's.
+ */
+#define _GNU_SOURCE
+#define SE_ENGINE_INTERNAL
+#include "engine.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <time.h>
+
+static uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+/* xoshiro128-style generator on two words (xoroshiro128**) */
+static uint64_t rng_next(uint64_t s[2]) {
+    uint64_t s0 = s[0], s1 = s[1];
+    uint64_t r = rotl(s0 * 5, 7) * 9;
+    s1 ^= s0;
+    s[0] = rotl(s0, 24) ^ s1 ^ (s1 << 16);
+    s[1] = rotl(s1, 37);
+    return r;
+}
+
+/* uniform in [0, 1) with 53 random bits */
+static double rng_uniform(uint64_t s[2]) { return (double)(rng_next(s) >> 11) * 0x1.0p-53; }
+
+static void rng_seed(se_context *c, int64_t seed) {
+    uint64_t x;
+    if (seed < 0) { /* -1: a different seed every time */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        x = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ (uint64_t)(uintptr_t)c;
+    } else {
+        x = (uint64_t)seed;
+    }
+    c->rng[0] = splitmix64(&x);
+    c->rng[1] = splitmix64(&x);
+    c->rng_seed = seed;
+    c->rng_seeded = 1;
+}
+
+static int32_t argmax(const float *x, int32_t n) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static int cand_desc(const void *a, const void *b) {
+    float x = ((const se_cand *)a)->logit, y = ((const se_cand *)b)->logit;
+    return (x < y) - (x > y);
+}
+
+/* Min-heap on logit over h[0..k): sift element i down. */
+static void sift_down(se_cand *h, int32_t k, int32_t i) {
+    for (;;) {
+        int32_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < k && h[l].logit < h[m].logit) m = l;
+        if (r < k && h[r].logit < h[m].logit) m = r;
+        if (m == i) return;
+        se_cand t = h[i]; h[i] = h[m]; h[m] = t;
+        i = m;
+    }
+}
+
+/* Moves the k largest of cand[0..n) to cand[0..k), sorted by descending logit. */
+static void top_k(se_cand *cand, int32_t n, int32_t k) {
+    if (k < n) {
+        for (int32_t i = k / 2 - 1; i >= 0; i--) sift_down(cand, k, i);
+        for (int32_t i = k; i < n; i++) {
+            if (cand[i].logit > cand[0].logit) {
+                cand[0] = cand[i]; /* i >= k, so nothing unread is overwritten */
+                sift_down(cand, k, 0);
+            }
+        }
+    }
+    qsort(cand, (size_t)k, sizeof *cand, cand_desc);
+}
+
+int32_t se_sample(se_context *c, const se_sampling_params *sp) {
+    if (!c || !sp || c->n_past < 1) return SE_ERR_INVALID;
+    int32_t V = c->m->hp.n_vocab;
+    const float *logits = c->logits;
+    if (!c->rng_seeded || sp->seed != c->rng_seed) rng_seed(c, sp->seed);
+
+    int32_t window = sp->repeat_last_n < 0 ? c->cp.n_ctx : sp->repeat_last_n;
+    if (window > c->n_past) window = c->n_past;
+    int penalize = window > 0 && (sp->repeat_penalty != 1.0f || sp->frequency_penalty != 0.0f ||
+                                  sp->presence_penalty != 0.0f);
+
+    if (sp->temp <= 0 && !penalize) return argmax(logits, V); /* plain greedy: no copy */
+
+    se_cand *cand = c->cand;
+    for (int32_t i = 0; i < V; i++) {
+        cand[i].id = i;
+        cand[i].logit = logits[i];
+    }
+    if (penalize) {
+        const int32_t *hist = c->tokens + (c->n_past - window);
+        for (int32_t i = 0; i < window; i++) c->counts[hist[i]]++;
+        for (int32_t i = 0; i < window; i++) {
+            int32_t tok = hist[i], n = c->counts[tok];
+            if (n == 0) continue; /* already done (a repeated token) */
+            float *l = &cand[tok].logit;
+            *l = *l <= 0 ? *l * sp->repeat_penalty : *l / sp->repeat_penalty;
+            *l -= (float)n * sp->frequency_penalty + sp->presence_penalty;
+            c->counts[tok] = 0; /* leaves counts all zero again for the next call */
+        }
+    }
+    if (sp->temp <= 0) {
+        int32_t best = 0;
+        for (int32_t i = 1; i < V; i++)
+            if (cand[i].logit > cand[best].logit) best = i;
+        return best;
+    }
+
+    /* top-k (sorted descending afterwards, which top-p needs) */
+    int32_t n = V;
+    int sorted = 0;
+    if (sp->top_k > 0 && sp->top_k < V) {
+        n = sp->top_k;
+        top_k(cand, V, n);
+        sorted = 1;
+    }
+    /* top-p: the smallest prefix whose probability reaches p */
+    if (sp->top_p < 1.0f) {
+        if (!sorted) { qsort(cand, (size_t)n, sizeof *cand, cand_desc); sorted = 1; }
+        float mx = cand[0].logit;
+        double sum = 0;
+        for (int32_t i = 0; i < n; i++) sum += exp((double)(cand[i].logit - mx));
+        double cum = 0;
+        int32_t keep = n;
+        for (int32_t i = 0; i < n; i++) {
+            cum += exp((double)(cand[i].logit - mx)) / sum;
+            if (cum >= sp->top_p) { keep = i + 1; break; }
+        }
+        n = keep;
+    }
+    /* min-p: keep logits within log(min_p) of the best one */
+    if (sp->min_p > 0.0f && sp->min_p <= 1.0f) {
+        float mx = cand[0].logit;
+        if (!sorted)
+            for (int32_t i = 1; i < n; i++) if (cand[i].logit > mx) mx = cand[i].logit;
+        float thresh = mx + logf(sp->min_p);
+        int32_t m = 0;
+        for (int32_t i = 0; i < n; i++)
+            if (cand[i].logit >= thresh) cand[m++] = cand[i];
+        n = m > 0 ? m : 1; /* cannot be empty: the best one passes */
+    }
+    /* temperature, then the draw */
+    float mx = cand[0].logit;
+    for (int32_t i = 1; i < n; i++) if (cand[i].logit > mx) mx = cand[i].logit;
+    double sum = 0;
+    for (int32_t i = 0; i < n; i++) {
+        float p = expf((cand[i].logit - mx) / sp->temp);
+        cand[i].logit = p; /* now an unnormalised probability */
+        sum += p;
+    }
+    double u = rng_uniform(c->rng) * sum, cum = 0;
+    for (int32_t i = 0; i < n; i++) {
+        cum += cand[i].logit;
+        if (u < cum) return cand[i].id;
+    }
+    return cand[n - 1].id; /* rounding left u at the very top */
+}

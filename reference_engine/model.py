@@ -1,0 +1,325 @@
+"""Loading a GGUF model for the reference engine: memory-map it, validate it, hand the C core pointers.
+
+    >>> m = Model.load("SmolLM2-135M-Instruct.Q4_1.gguf")
+    >>> m.arch, m.hparams.n_layer, m.n_vocab, m.tensors["blk.0.attn_q.weight"].type_name
+    ('llama', 30, 49152, 'q4_1')
+
+The file is mapped read-only and the weights are used where they lie: nothing is copied, so a
+load costs the header scan (tens of milliseconds) plus page faults as the weights are first read.
+
+A GGUF file is untrusted input. Before the C core sees a pointer, every tensor the architecture
+uses is checked: present (every layer), of the expected shape, of a type the kernels support,
+and with its bytes inside the file. Anything else raises BadModelFile (UnsupportedArchitecture
+for an architecture, tensor type or feature the engine does not implement), naming the file and
+the tensor. The C core checks shapes and types once more (engine.h).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stdengine.errors import BadModelFile, UnsupportedArchitecture
+
+from . import core
+from .core import SLOTS, HParams
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# ggml type ids the reference engine can read (kernels.h); the rest are refused by name.
+_TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 9: "q8_1",
+               12: "q4_K", 13: "q5_K", 14: "q6_K", 15: "q8_K", 30: "bf16"}
+
+# llama's per-layer tensors: GGUF name suffix -> C slot
+_LLAMA_LAYER = {
+    "attn_norm": "ATTN_NORM", "attn_q": "ATTN_Q", "attn_k": "ATTN_K", "attn_v": "ATTN_V",
+    "attn_output": "ATTN_OUTPUT", "ffn_norm": "FFN_NORM", "ffn_gate": "FFN_GATE",
+    "ffn_up": "FFN_UP", "ffn_down": "FFN_DOWN",
+}
+_NORM_SLOTS = {"OUTPUT_NORM", "ATTN_NORM", "ATTN_Q_NORM", "ATTN_K_NORM", "ATTN_POST_NORM",
+               "FFN_NORM", "FFN_POST_NORM"}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of the file. shape is in ggml order: shape[0] is the row length."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_id: int
+    type_name: str
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+
+def _bad(path: Path, what: str) -> BadModelFile:
+    return BadModelFile(f"{path}: {what}", hint="the file is damaged or was not written by a llama.cpp "
+                        "converter; re-download or re-convert it", path=str(path))
+
+
+def _unsupported(path: Path, what: str) -> UnsupportedArchitecture:
+    return UnsupportedArchitecture(f"{path}: {what}", hint="use an engine that supports it "
+                                   "(e.g. llama.cpp), or a model of a supported architecture "
+                                   f"({', '.join(SUPPORTED_ARCHITECTURES)})", path=str(path))
+
+
+class Model:
+    """A GGUF model mapped into memory and described to the C core.
+
+    Attributes: path, arch (general.architecture), metadata (every key/value of the file; arrays
+    longer than 1024 items are summarised as gguf_file.ArrayValue), hparams (core.HParams),
+    tensors (name -> Tensor), n_vocab, n_ctx_train, file_size. Create with Model.load(path).
+    A Model may back several Contexts; close() (or garbage collection) closes them too.
+    """
+
+    def __init__(self) -> None:  # use Model.load
+        self._handle: int | None = None
+        self._map: mmap.mmap | None = None
+        self._buf: np.ndarray | None = None
+        self._contexts: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Model:
+        """Map and validate a GGUF file. Raises BadModelFile / UnsupportedArchitecture."""
+        from stdengine.gguf_file import scan_gguf
+
+        path = Path(path)
+        header = scan_gguf(path)  # the container: magic, version, bounds of every tensor
+        self = cls()
+        self.path = path
+        self.file_size = header.file_size
+        self.metadata: dict[str, Any] = header.metadata
+        if header.byte_order != "<":
+            raise _unsupported(path, "big-endian GGUF files are not supported")
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise _bad(path, "general.architecture is missing")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise _unsupported(path, f"architecture {arch!r} is not supported by the reference engine "
+                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        self.arch = arch
+        self.tensors: dict[str, Tensor] = {
+            t.name: Tensor(t.name, tuple(t.shape), t.type_id, t.type_name, t.offset, t.n_bytes)
+            for t in header.tensors
+        }
+        self.hparams = _llama_hparams(path, self.metadata, self.tensors)
+        self.n_vocab = self.hparams.n_vocab
+        self.n_ctx_train = int(self.metadata.get(f"{arch}.context_length", 0) or 0)
+        plan = _llama_plan(path, self.hparams, self.tensors, self.file_size)
+
+        # Map the file and describe it to the C core.
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if len(self._map) != self.file_size:
+            raise _bad(path, "the file changed size while it was being loaded")
+        self._buf = np.frombuffer(self._map, dtype=np.uint8)
+        base = self._buf.ctypes.data
+        api = core.api()
+        hp = core.hparams_struct(self.hparams)
+        handle = api.se_model_new(ctypes.byref(hp))
+        if not handle:
+            raise _bad(path, f"the hyperparameters are out of the engine's range: {self.hparams}")
+        self._handle = handle
+        for t, layer, slot in plan:
+            rc = api.se_model_set_tensor(handle, layer, SLOTS[slot], base + t.offset, t.type_id,
+                                         t.shape[0], t.shape[1] if len(t.shape) > 1 else 1)
+            if rc != 0:
+                self.close()
+                raise _bad(path, f"tensor {t.name!r} ({t.type_name}, shape {list(t.shape)}) was refused "
+                           "by the engine")
+        bad_layer, bad_slot = ctypes.c_int32(-1), ctypes.c_int32(-1)
+        rc = api.se_model_finalize(handle, ctypes.byref(bad_layer), ctypes.byref(bad_slot))
+        if rc != 0:
+            self.close()
+            slot = {v: k for k, v in SLOTS.items()}.get(bad_slot.value, "?")
+            raise _bad(path, f"tensor slot {slot} of layer {bad_layer.value} is missing or unusable")
+        return self
+
+    @property
+    def handle(self) -> int:
+        """The C se_model* (an int), for core.Context."""
+        if not self._handle:
+            raise BadModelFile("the model is closed", hint="load it again")
+        return self._handle
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """The raw bytes of a tensor, a read-only view into the mapped file (for tests and tools)."""
+        t = self.tensors[name]
+        assert self._buf is not None
+        return self._buf[t.offset:t.offset + t.n_bytes]
+
+    def description(self) -> str:
+        """llama.cpp's model_type line: '<arch> <size label> <file type>'."""
+        size = self.metadata.get("general.size_label", "?")
+        return f"{self.arch} {size} ftype {self.metadata.get('general.file_type', '?')}"
+
+    def close(self) -> None:
+        """Closes every context of this model, frees the C model and unmaps the file."""
+        for ctx in list(self._contexts):
+            ctx.close()
+        if self._handle:
+            core.api().se_model_free(self._handle)
+            self._handle = None
+        self._buf = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view (tensor_bytes) is still alive: unmapped when it goes
+                pass
+            self._map = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Model({str(getattr(self, 'path', '?'))!r}, arch={getattr(self, 'arch', '?')!r})"
+
+
+def _get_int(path: Path, md: dict[str, Any], key: str, default: int | None = None,
+             lo: int = 1, hi: int = 1 << 24) -> int:
+    v = md.get(key, default)
+    if v is None:
+        raise _bad(path, f"metadata key {key!r} is missing")
+    if isinstance(v, list):
+        raise _unsupported(path, f"{key!r} is a per-layer array; the reference engine needs one value")
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise _bad(path, f"metadata key {key!r} is {v!r}, not an integer")
+    if not lo <= v <= hi:
+        raise _bad(path, f"metadata key {key!r} is {v}, outside [{lo}, {hi}]")
+    return v
+
+
+def _get_float(path: Path, md: dict[str, Any], key: str, default: float | None = None) -> float:
+    v = md.get(key, default)
+    if v is None:
+        raise _bad(path, f"metadata key {key!r} is missing")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(path, f"metadata key {key!r} is {v!r}, not a finite number")
+    return float(v)
+
+
+def _llama_hparams(path: Path, md: dict[str, Any], tensors: dict[str, Tensor]) -> HParams:
+    a = "llama"
+    n_layer = _get_int(path, md, f"{a}.block_count", hi=1024)
+    n_embd = _get_int(path, md, f"{a}.embedding_length", hi=1 << 16)
+    n_ff = _get_int(path, md, f"{a}.feed_forward_length", hi=1 << 18)
+    n_head = _get_int(path, md, f"{a}.attention.head_count", hi=1024)
+    n_head_kv = _get_int(path, md, f"{a}.attention.head_count_kv", default=n_head, hi=1024)
+    if n_head % n_head_kv:
+        raise _bad(path, f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+    if f"{a}.attention.key_length" not in md and n_embd % n_head:
+        raise _bad(path, f"embedding_length {n_embd} is not a multiple of head_count {n_head}")
+    head_dim = _get_int(path, md, f"{a}.attention.key_length", default=n_embd // n_head, hi=1024)
+    v_dim = _get_int(path, md, f"{a}.attention.value_length", default=head_dim, hi=1024)
+    if v_dim != head_dim:
+        raise _unsupported(path, f"key_length {head_dim} != value_length {v_dim}")
+    n_rot = _get_int(path, md, f"{a}.rope.dimension_count", default=head_dim, lo=2, hi=head_dim)
+    if n_rot % 2:
+        raise _bad(path, f"rope.dimension_count {n_rot} is odd")
+    eps = _get_float(path, md, f"{a}.attention.layer_norm_rms_epsilon")
+    if not 0 <= eps < 1:
+        raise _bad(path, f"layer_norm_rms_epsilon {eps} is out of range")
+    base = _get_float(path, md, f"{a}.rope.freq_base", default=10000.0)
+    if base <= 0:
+        raise _bad(path, f"rope.freq_base {base} is not positive")
+    scaling = md.get(f"{a}.rope.scaling.type", "none")
+    freq_scale = 1.0
+    if scaling == "linear":
+        factor = _get_float(path, md, f"{a}.rope.scaling.factor", default=1.0)
+        if factor <= 0:
+            raise _bad(path, f"rope.scaling.factor {factor} is not positive")
+        freq_scale = 1.0 / factor
+    elif scaling != "none":
+        raise _unsupported(path, f"rope scaling {scaling!r} is not supported (only none and linear)")
+    emb = tensors.get("token_embd.weight")
+    if emb is None:
+        raise _bad(path, "tensor 'token_embd.weight' is missing")
+    if len(emb.shape) != 2 or emb.shape[0] != n_embd or not 1 <= emb.shape[1] <= 1 << 24:
+        raise _bad(path, f"tensor 'token_embd.weight' has shape {list(emb.shape)}, expected "
+                   f"[{n_embd}, n_vocab]")
+    n_vocab = emb.shape[1]
+    declared = md.get(f"{a}.vocab_size")
+    if declared is not None and declared != n_vocab:
+        raise _bad(path, f"llama.vocab_size is {declared} but token_embd.weight has {n_vocab} rows")
+    toks = md.get("tokenizer.ggml.tokens")
+    if toks is not None and len(toks) != n_vocab:
+        raise _bad(path, f"the vocabulary has {len(toks)} tokens but token_embd.weight has {n_vocab} rows")
+    return HParams(
+        arch=core.ARCH_LLAMA, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+        n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, n_rot=n_rot, rope_type=core.ROPE_NORM,
+        norm_eps=eps, rope_base=base, rope_freq_scale=freq_scale,
+        attn_scale=1.0 / math.sqrt(head_dim), embd_scale=1.0,
+    )
+
+
+def _expected_shape(hp: HParams, slot: str) -> tuple[int, ...]:
+    E, Dq, Dkv = hp.n_embd, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+    return {
+        "TOKEN_EMBD": (E, hp.n_vocab), "OUTPUT": (E, hp.n_vocab), "OUTPUT_NORM": (E,),
+        "ATTN_NORM": (E,), "ATTN_Q": (E, Dq), "ATTN_K": (E, Dkv), "ATTN_V": (E, Dkv),
+        "ATTN_OUTPUT": (Dq, E), "FFN_NORM": (E,), "FFN_GATE": (E, hp.n_ff), "FFN_UP": (E, hp.n_ff),
+        "FFN_DOWN": (hp.n_ff, E),
+    }[slot]
+
+
+def _llama_plan(path: Path, hp: HParams, tensors: dict[str, Tensor],
+                file_size: int) -> list[tuple[Tensor, int, str]]:
+    """(tensor, layer or -1, slot) for every tensor, after checking each one. Raises on the first
+    problem; a tensor the forward pass would not use is refused too (it would be silently wrong)."""
+    want: dict[str, tuple[int, str, bool]] = {  # name -> (layer, slot, required)
+        "token_embd.weight": (-1, "TOKEN_EMBD", True),
+        "output_norm.weight": (-1, "OUTPUT_NORM", True),
+        "output.weight": (-1, "OUTPUT", False),
+    }
+    for il in range(hp.n_layer):
+        for suffix, slot in _LLAMA_LAYER.items():
+            want[f"blk.{il}.{suffix}.weight"] = (il, slot, True)
+    for name in tensors:
+        if name not in want:
+            raise _unsupported(path, f"tensor {name!r} is not used by the reference engine's llama "
+                               "forward pass (a feature it does not implement)")
+    plan = []
+    for name, (layer, slot, required) in want.items():
+        t = tensors.get(name)
+        if t is None:
+            if required:
+                raise _bad(path, f"tensor {name!r} is missing")
+            continue
+        shape = _expected_shape(hp, slot)
+        if t.shape != shape:
+            raise _bad(path, f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+        if t.type_id not in _TYPE_NAMES or not core.type_supported(t.type_id):
+            raise _unsupported(path, f"tensor {name!r} has type {t.type_name}, which the reference "
+                               f"engine does not support (supported: {', '.join(core.supported_types())})")
+        if slot in _NORM_SLOTS and t.type_id != 0:
+            raise _unsupported(path, f"tensor {name!r} is {t.type_name}; norm weights must be f32")
+        if slot == "OUTPUT" or (slot == "TOKEN_EMBD" and "output.weight" not in tensors):
+            if not core.type_has_matmul(t.type_id):
+                raise _unsupported(path, f"tensor {name!r} ({t.type_name}) cannot be used as the output head")
+        elif slot not in _NORM_SLOTS and slot != "TOKEN_EMBD" and not core.type_has_matmul(t.type_id):
+            raise _unsupported(path, f"tensor {name!r} has type {t.type_name}, which has no matmul kernel")
+        n_bytes = core.row_size(t.type_id, shape[0]) * (shape[1] if len(shape) > 1 else 1)
+        if t.n_bytes != n_bytes:
+            raise _bad(path, f"tensor {name!r} should hold {n_bytes} bytes, the file says {t.n_bytes}")
+        if t.offset < 0 or t.offset + n_bytes > file_size:
+            raise _bad(path, f"tensor {name!r} (bytes {t.offset}..{t.offset + n_bytes}) runs past the "
+                       f"end of the file ({file_size} bytes): truncated or corrupt")
+        plan.append((t, layer, slot))
+    return plan
