@@ -45,7 +45,8 @@ def serve(queue_size: int | None, **kwargs: Any) -> None:
     Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
     GET /metrics, GET /props, POST /tokenize, POST /detokenize, and POST /v1/embeddings for
     engines that declare embeddings. The default host is 127.0.0.1 (this machine only).
-    -np N serves N requests at once (the weights are loaded once); --api-key KEY requires
+    -np N serves N requests at once, on contexts that share the loaded weights (an engine
+    that cannot make more contexts serves them in turns); --api-key KEY requires
     `Authorization: Bearer KEY` on every route but /, /health and /v1/models. The sampling flags
     (--temp, --top-k, -n, ...) are the defaults for fields a request leaves out.
     SIGINT or SIGTERM drains the requests in flight, then exits with status 0.

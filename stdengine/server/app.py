@@ -433,7 +433,8 @@ def create_app(state: ServerState) -> FastAPI:
                 raise EngineFailure("the engine ended generate() without a DoneEvent")
             if stream:
                 handed_over = True
-                return StreamingResponse(
+                return ClosingStream(
+                    [gen.cancel, watch.close],
                     stream_body(request, gen, watch, first, reply, t0),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -571,6 +572,23 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.post("/v1/embeddings")(guarded(embeddings))
     return app
+
+
+class ClosingStream(StreamingResponse):
+    """A streamed response that runs its clean-ups however it ends, even when the client leaves
+    before the body starts (then Starlette never enters the body generator, whose own `finally`
+    would not run)."""
+
+    def __init__(self, cleanups: list[Callable[[], None]], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cleanups = cleanups
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for cleanup in self.cleanups:
+                cleanup()
 
 
 def _sse(obj: Any) -> bytes:
