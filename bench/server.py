@@ -28,7 +28,7 @@ from typing import Any
 from stdengine.bench.params import BenchParams
 from stdengine.bench.record import FIXED, cpu_info, finish, utc_now
 
-from stdengine.errors import EngineFailure, EngineUnavailable, UsageError
+from stdengine.errors import EngineFailure, EngineUnavailable, UnsupportedOption, UsageError
 
 # Plain English words; prompts are random sequences of them, fresh for every request.
 WORDS = (
@@ -610,6 +610,13 @@ def run_server_cli(params: BenchParams) -> int:
 
     if not params.url:
         raise UsageError("server mode needs --url", hint="for example: -e openai --url http://127.0.0.1:8080")
+    refused = sorted(params.given - {"url", "api_key", "model"})
+    if refused:
+        raise UnsupportedOption(
+            f"server mode cannot honour {', '.join(refused)}: the server was started with its own settings",
+            hint="remove these flags, or set them where the server is started",
+            options=refused,
+        )
     if params.concurrency:
         if params.output not in ("md", "json", "jsonl"):
             raise UsageError(f"the load test writes md, json or jsonl, not {params.output}")

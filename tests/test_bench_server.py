@@ -148,6 +148,12 @@ def test_unreachable_server_is_a_clear_error():
     assert "cannot reach" in r.stderr and "hint:" in r.stderr and r.stdout == ""
 
 
+def test_server_settings_are_refused_not_ignored():
+    r = bench("-e", "openai", "--url", "http://127.0.0.1:9", "-t", "4", "-fa", "1", "-p", "8")
+    assert r.returncode == 2
+    assert "server mode cannot honour flash_attn, threads" in r.stderr and r.stdout == ""
+
+
 def test_load_metrics_formulas():
     # request a: start 0, first content 0.5, tokens at 0.5, 0.7, 1.0, end 1.1 (3 tokens)
     # request b: start 0.2, first content 0.4, one token, end 0.5; request c failed

@@ -1,0 +1,148 @@
+"""The project's own comparison: the reference engine and llama.cpp side by side, same machine, same run.
+
+    python -m stdengine.bench.compare_llamacpp [--reps N] [--out DIR] [--models A,B] [--threads 1,2]
+                                               [--depths 0,512] [--name NAME]
+
+Runs llama-bench's pp512 and tg128 through infer-bench for both engines on both catalogue models
+(by default at 1 and 2 threads, at depth 0 and 512), and writes under bench/results/:
+
+    NAME.jsonl   the records (infer-bench -o jsonl; `infer-bench compare` reads it)
+    NAME.md      the machine (CPU model, cores, date), the table and the reference/llama.cpp ratios
+    NAME.png     the plot (when matplotlib is installed)
+
+and prints the table and the ratios. NAME defaults to compare-llamacpp-<UTC date>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from stdengine.bench.compare import CompareError, pair_rows, plot, render
+from stdengine.bench.params import BenchParams, physical_cores, with_defaults
+from stdengine.bench.printers import make_printer
+from stdengine.bench.record import cpu_info, stdengine_commit
+from stdengine.bench.runner import run
+
+MODELS = ("smollm2-135m-instruct", "gemma-3-270m")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpu": cpu_info(),
+        "physical_cores": physical_cores(),
+        "logical_cpus": os.cpu_count(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "stdengine_commit": stdengine_commit(),
+    }
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x != ""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m stdengine.bench.compare_llamacpp",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per test (default 5, llama-bench's)")
+    ap.add_argument("--models", default=",".join(MODELS), help="catalogue aliases or paths, comma-separated")
+    ap.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
+    ap.add_argument("--depths", default="0,512", help="depths (default 0,512)")
+    ap.add_argument("-p", "--n-prompt", default="512", help="prompt sizes (default 512)")
+    ap.add_argument("-n", "--n-gen", default="128", help="generation lengths (default 128)")
+    ap.add_argument("--out", default=str(RESULTS), help="output folder (default bench/results)")
+    ap.add_argument("--name", default=None, help="file name stem (default compare-llamacpp-<date>)")
+    ap.add_argument("--progress", action="store_true", help="infer-bench's progress lines on stderr")
+    args = ap.parse_args(argv)
+
+    params = with_defaults(
+        BenchParams(
+            models=args.models.split(","),
+            engines=["llamacpp", "reference"],
+            n_prompt=_ints(args.n_prompt),
+            n_gen=_ints(args.n_gen),
+            n_depth=_ints(args.depths),
+            n_threads=_ints(args.threads),
+            reps=args.reps,
+            given={"threads"},
+        )
+    )
+    desc = machine()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"compare-llamacpp-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M')}"
+    jsonl_path, md_path, png_path = (out_dir / f"{stem}{ext}" for ext in (".jsonl", ".md", ".png"))
+
+    records: list[dict[str, Any]] = []
+    with open(jsonl_path, "w", encoding="utf-8") as f:
+        printer = make_printer("jsonl", f, params)
+        md = io.StringIO()
+        md_printer = make_printer("md", md, params)
+
+        def on_record(rec: dict[str, Any]) -> None:
+            records.append(rec)
+            printer.record(rec)
+            md_printer.record(rec)
+            print(
+                f"  {rec['engine']:<10} {rec['model_type']:<28} t={rec['n_threads']} "
+                f"{'pp' if rec['n_prompt'] else 'tg'}{rec['n_prompt'] or rec['n_gen']} d={rec['n_depth']}: "
+                f"{rec['avg_ts']:.2f} ± {rec['stddev_ts']:.2f} t/s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        from stdengine.bench.cli import _emitter
+        from stdengine.bench.progress import LineProgress
+
+        print(f"machine: {desc['cpu']}, {desc['physical_cores']} cores, {desc['date']}", file=sys.stderr)
+        status = run(params, on_record, _emitter(params), progress=LineProgress() if args.progress else None)
+        md_printer.footer()
+
+    text = [
+        f"# reference vs llama.cpp ({desc['date']})",
+        "",
+        f"- CPU: {desc['cpu']} ({desc['physical_cores']} physical cores, {desc['logical_cpus']} logical CPUs)",
+        f"- OS: {desc['os']}, Python {desc['python']}, stdengine {desc['stdengine_commit']}",
+        f"- command: python -m stdengine.bench.compare_llamacpp {' '.join(argv or sys.argv[1:])}".rstrip(),
+        f"- records: {jsonl_path.name}",
+        "",
+        "## infer-bench",
+        "",
+        md.getvalue().rstrip(),
+        "",
+    ]
+    try:
+        base = [r for r in records if r["engine"] == "llamacpp"]
+        cand = [r for r in records if r["engine"] == "reference"]
+        pairs = pair_rows(base, cand)
+    except CompareError as e:
+        print(f"error: no comparison: {e}", file=sys.stderr)
+        md_path.write_text("\n".join(text) + "\n", encoding="utf-8")
+        return status or 1
+    table = render(pairs)
+    text += ["## reference / llama.cpp (speedup = reference t/s / llama.cpp t/s)", "", table.rstrip(), ""]
+    try:
+        plot(pairs, str(png_path), title=f"reference vs llama.cpp: {desc['cpu']}, {desc['date']}")
+        text += [f"![plot]({png_path.name})", ""]
+    except CompareError as e:
+        print(f"warning: {e}", file=sys.stderr)
+    md_path.write_text("\n".join(text) + "\n", encoding="utf-8")
+    print(table, end="")
+    print(f"wrote {jsonl_path}, {md_path}" + (f", {png_path}" if png_path.exists() else ""), file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
