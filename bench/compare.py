@@ -239,8 +239,17 @@ def render(pairs: list[Pair], fmt: str = "md") -> str:
     return "\n".join(out) + "\n"
 
 
+def _kind(p: Pair) -> str:
+    if p.base["n_gen"] == 0:
+        return "prompt processing (pp)"
+    if p.base["n_prompt"] == 0:
+        return "text generation (tg)"
+    return "prompt + generation (pp+tg)"
+
+
 def plot(pairs: list[Pair], path: str, title: str | None = None) -> None:
-    """Bars per test: base and candidate side by side, with their standard deviations."""
+    """One panel per kind of test (pp, tg, pp+tg); in each, bars per test for base and candidate
+    side by side with their standard deviations, and the speedup above the candidate's bar."""
     try:
         import matplotlib
 
@@ -250,53 +259,63 @@ def plot(pairs: list[Pair], path: str, title: str | None = None) -> None:
         raise CompareError(
             "--plot needs matplotlib: pip install 'stdengine[plot]' (or pip install matplotlib)"
         ) from e
-    labels = [
-        f"{p.base['model_type'].split(' ')[0]}\n{p.test}"
-        + "".join(f"\n{f}={p.base.get(f)}" for f in _varying(pairs))
-        for p in pairs
-    ]
-    xs = list(range(len(pairs)))
-    width = 0.38
+    varying = _varying(pairs)
+    several_models = len({p.base["model_type"] for p in pairs}) > 1
     base_name = "/".join(sorted({p.base["engine"] for p in pairs}))
     cand_name = "/".join(sorted({p.cand["engine"] for p in pairs}))
     if base_name == cand_name:
         base_name, cand_name = f"base ({base_name})", f"candidate ({cand_name})"
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(pairs) + 2), 4.8))
-    ax.bar(
-        [x - width / 2 for x in xs],
-        [p.base["avg_ts"] for p in pairs],
-        width,
-        yerr=[p.base["stddev_ts"] for p in pairs],
-        capsize=3,
-        label=base_name,
+    kinds: dict[str, list[Pair]] = {}
+    for p in pairs:
+        kinds.setdefault(_kind(p), []).append(p)
+    widest = max(len(ps) for ps in kinds.values())
+    fig, axes = plt.subplots(
+        1, len(kinds), figsize=(max(6.0, (1.1 * widest + 1.5) * len(kinds)), 5.0), squeeze=False
     )
-    bars = ax.bar(
-        [x + width / 2 for x in xs],
-        [p.cand["avg_ts"] for p in pairs],
-        width,
-        yerr=[p.cand["stddev_ts"] for p in pairs],
-        capsize=3,
-        label=cand_name,
-    )
-    for bar, p in zip(bars, pairs, strict=False):
-        ax.annotate(
-            f"{p.speedup:.2f}x",
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            textcoords="offset points",
-            xytext=(0, 4),
-            ha="center",
-            fontsize=8,
+    width = 0.38
+    for ax, (kind, ps) in zip(axes[0], kinds.items(), strict=True):
+        xs = list(range(len(ps)))
+        ax.bar(
+            [x - width / 2 for x in xs],
+            [p.base["avg_ts"] for p in ps],
+            width,
+            yerr=[p.base["stddev_ts"] for p in ps],
+            capsize=3,
+            label=base_name,
+            color="tab:blue",
         )
-    ax.set_xticks(xs)
-    ax.set_xticklabels(labels, fontsize=8)
-    ax.set_ylabel("tokens per second (mean ± sd)")
-    ax.set_yscale(
-        "log"
-        if max(p.base["avg_ts"] for p in pairs) > 20 * min(p.base["avg_ts"] for p in pairs)
-        else "linear"
-    )
-    ax.set_title(title or f"{cand_name} vs {base_name}")
-    ax.legend()
+        ax.bar(
+            [x + width / 2 for x in xs],
+            [p.cand["avg_ts"] for p in ps],
+            width,
+            yerr=[p.cand["stddev_ts"] for p in ps],
+            capsize=3,
+            label=cand_name,
+            color="tab:orange",
+        )
+        for x, p in zip(xs, ps, strict=True):
+            top = max(p.base["avg_ts"] + p.base["stddev_ts"], p.cand["avg_ts"] + p.cand["stddev_ts"])
+            ax.annotate(
+                f"{p.speedup:.2f}x",
+                (x, top),
+                textcoords="offset points",
+                xytext=(0, 4),
+                ha="center",
+                fontsize=8,
+            )
+        labels = []
+        for p in ps:
+            lines = [" ".join(p.base["model_type"].split(" ")[:2])] if several_models else []
+            lines.append(p.test)
+            lines += [f"{f}={p.base.get(f)}" for f in varying]
+            labels.append("\n".join(lines))
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_title(kind, fontsize=10)
+        ax.set_ylabel("tokens per second (mean ± sd)")
+        ax.margins(y=0.12)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title or f"{cand_name} vs {base_name} (speedup = {cand_name} / {base_name})", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
