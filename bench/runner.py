@@ -228,6 +228,13 @@ def run(
             from stdengine.errors import EngineUnavailable
 
             raise EngineUnavailable(f"engine '{cls.name}' cannot load here: {reason}")
+    no_decode = [name for name, cls in classes.items() if "logits" not in cls.capabilities]
+    if no_decode:
+        raise UnsupportedOption(
+            f"engine{'s' if len(no_decode) > 1 else ''} {', '.join(no_decode)} cannot decode in-process "
+            "(no 'logits' capability), which llama-bench's measurement needs",
+            hint="benchmark a server alone in server mode: -e openai --url URL (spec/bench-record.md §6)",
+        )
     paths: dict[str, str] = {}
     if any(getattr(cls, "needs_model_file", True) for cls in classes.values()):
         for ref in params.models:

@@ -566,3 +566,19 @@ def test_unknown_engine_and_missing_model_are_clear_errors(counting, capsys):
     assert code == 2 and "unknown engine 'countnig'" in err and "did you mean 'counting'" in err and out == ""
     code, out, err = bench(["-m", "/no/such/model.gguf", "-e", "counting", "-p", "4", "-o", "json"], capsys)
     assert code == 3 and "no such file" in err and out == ""
+
+
+class NoLogitsEngine(CountingEngine):
+    name = "nologits"
+    capabilities = frozenset({"stream"})
+
+
+def test_an_engine_that_cannot_decode_is_refused(counting, capsys):
+    registry.register("nologits", NoLogitsEngine)
+    try:
+        code, out, err = bench(["-m", counting, "-e", "counting,nologits", "-p", "4"], capsys)
+    finally:
+        registry.unregister("nologits")
+    assert (
+        code == 2 and "engine nologits cannot decode in-process" in err and "server mode" in err and out == ""
+    )
