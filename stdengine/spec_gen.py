@@ -23,6 +23,8 @@ from stdengine.options import GROUPS, ConfigFile, Options, env_var, flags, group
 # third-party plugin installed here never changes the generated spec).
 BUILTIN_ENGINES: dict[str, str] = {
     "reference": "stdengine.reference.adapter:ReferenceEngine",
+    "llamacpp": "stdengine.engines.llamacpp:LlamaCppEngine",
+    "openai": "stdengine.engines.openai:OpenAIEngine",
 }
 
 

@@ -73,6 +73,7 @@ class OpenAIEngine(Engine):
     capabilities = frozenset({"stream", "chat_template"})
     needs_model_file = False
     option_map = {
+        "model": "the served model's name, sent as `model` (default: the first id of /v1/models)",
         "url": "base URL of the server (/v1 routes below it); OPENAI_BASE_URL when unset",
         "api_key": "Authorization: Bearer KEY; OPENAI_API_KEY when unset",
         "seed": "seed (-1: not sent)",
