@@ -325,6 +325,7 @@ def _run_group(
         n_ctx = group.n_ctx
     for index, inst in group.tests:
         progress.step(index, total, "starting")
+        test_time = utc_now()
         try:
             samples = measure(
                 engine, inst, params.reps, not params.no_warmup, src, progress, index, total, params.delay
@@ -354,7 +355,7 @@ def _run_group(
             "n_prompt": inst.n_prompt,
             "n_gen": inst.n_gen,
             "n_depth": inst.n_depth,
-            "test_time": utc_now(),
+            "test_time": test_time,
             "engine": cls.name,
             "engine_version": info.version,
             "engine_build": info.build,
