@@ -68,6 +68,43 @@ def test_reference_and_llamacpp_side_by_side(smollm2_path):
     assert recs[2]["engine_version"]
 
 
+@pytest.mark.models
+@pytest.mark.llamacpp
+def test_llamacpp_alone_with_depth_json_on_clean_stdout(gemma3_path):
+    if "llamacpp" not in registry.entries():
+        pytest.skip("engine not registered yet: llamacpp")
+    r = bench(
+        "-m",
+        str(gemma3_path),
+        "-e",
+        "llamacpp",
+        "-p",
+        "8",
+        "-n",
+        "2",
+        "-d",
+        "0,8",
+        "-r",
+        "2",
+        "-t",
+        "2",
+        "-o",
+        "json",
+        "--progress",
+    )
+    assert r.returncode == 0, r.stderr
+    recs = json.loads(r.stdout)  # progress went to stderr; stdout is the json document alone
+    assert [(x["n_prompt"], x["n_gen"], x["n_depth"]) for x in recs] == [
+        (8, 0, 0),
+        (0, 2, 0),
+        (8, 0, 8),
+        (0, 2, 8),
+    ]
+    assert {x["model_type"] for x in recs} == {"gemma3 270M Q4_K - Medium"}
+    assert {x["n_ctx"] >= 16 for x in recs} == {True}
+    assert "infer-bench: benchmark 3/4: depth run 1/2" in r.stderr
+
+
 def _llama_cpp_desc(path: str) -> tuple[str, int, int]:
     llama_cpp = pytest.importorskip("llama_cpp")
     llama_cpp.llama_backend_init()
