@@ -259,7 +259,7 @@ def run(
                 f"warning: engine '{cls.name}' cannot honour {describe_refusal(e, values)}; "
                 f"skipping {n} test{'s' if n != 1 else ''} with these settings"
             )
-            for _ in group.tests:
+            for _ in range(n * ((0 if params.no_warmup else 1) + params.reps)):
                 progress.advance()
             continue
         events.engine, events.model = cls.name, model_path
