@@ -7,6 +7,7 @@ the thread pool and sampling.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from stdengine.adapter import (
     now_ms,
 )
 from stdengine.errors import ContextOverflow, InvalidRequest
-from stdengine.generation import StopMatcher, Utf8Stream, render_chat_template
+from stdengine.generation import StopMatcher, render_chat_template
 
 if TYPE_CHECKING:
     import numpy as np
@@ -95,6 +96,7 @@ class ReferenceEngine(Engine):
         self.events = events
         self.tokens: list[int] = []  # what the KV cache holds, to reuse a common prefix
         self.template = options.chat_template or model.metadata.get("tokenizer.chat_template")
+        self.n_params = sum(math.prod(t.shape) for t in model.tensors.values())
 
     @classmethod
     def load(cls, options: Options, events: Emitter) -> ReferenceEngine:
@@ -105,22 +107,23 @@ class ReferenceEngine(Engine):
         assert options.model is not None
         t0 = now_ms()
         model = Model.load(options.model)
-        tokenizer = Tokenizer.from_gguf(model.reader)
+        tokenizer = Tokenizer.from_gguf(options.model)
         threads = options.threads or physical_cores()
-        n_ctx = options.ctx_size or model.context_length
+        n_ctx = options.ctx_size or model.n_ctx_train
         ctx = Context(model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=options.threads_batch or threads,
                       n_batch=options.batch_size, n_ubatch=options.ubatch_size)
-        events.info("model.loaded", path=options.model, architecture=model.architecture,
-                    n_params=model.n_params, n_ctx=n_ctx, threads=threads, load_ms=round(now_ms() - t0, 1))
-        return cls(model, tokenizer, ctx, options, events)
+        engine = cls(model, tokenizer, ctx, options, events)
+        events.info("model.loaded", path=options.model, architecture=model.arch, n_params=engine.n_params,
+                    n_ctx=n_ctx, threads=threads, load_ms=round(now_ms() - t0, 1))
+        return engine
 
     # --- adapter surface -----------------------------------------------------------------
     def info(self) -> EngineInfo:
-        from stdengine.reference.kernels import isa_name
+        from stdengine.reference.core import isa_name
 
         return EngineInfo(name=self.name, version=__version__, build=f"isa={isa_name()}", backend="CPU",
-                          model={"path": self.options.model, "architecture": self.model.architecture,
-                                 "n_params": self.model.n_params, "n_vocab": self.tokenizer.n_vocab})
+                          model={"path": self.options.model, "architecture": self.model.arch,
+                                 "n_params": self.n_params, "n_vocab": self.tokenizer.n_vocab})
 
     def n_ctx(self) -> int:
         return int(self.ctx.n_ctx)
@@ -149,12 +152,14 @@ class ReferenceEngine(Engine):
             raise InvalidRequest("this model has no chat template", hint="pass one with --chat-template")
         return render_chat_template(
             self.template, messages,
-            bos_token=self.tokenizer.token_text(self.tokenizer.bos_id) if self.tokenizer.bos_id is not None else "",
-            eos_token=self.tokenizer.token_text(self.tokenizer.eos_id) if self.tokenizer.eos_id is not None else "",
+            bos_token=self._token_text(self.tokenizer.bos_id),
+            eos_token=self._token_text(self.tokenizer.eos_id),
             add_generation_prompt=add_generation_prompt,
         )
 
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+        from stdengine.reference.tokenizer import StreamDecoder
+
         s = request.sampling
         if request.messages is not None:
             text = self.apply_chat_template(request.messages)
@@ -173,24 +178,20 @@ class ReferenceEngine(Engine):
         t0 = now_ms()
         logits_ready = self._prefill(prompt)
         t1 = now_ms()
-        self.ctx.set_sampler(temp=s.temp, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                             repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
-                             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                             seed=s.seed)
         stops = StopMatcher(s.stop)
-        utf8 = Utf8Stream()
+        utf8 = StreamDecoder(self.tokenizer)
         eog = self.tokenizer.eog_ids
         n_gen = 0
         finish: FinishReason = "length"
         matched: str | None = None
         assert logits_ready
         while s.n_predict < 0 or n_gen < s.n_predict:
-            tok = int(self.ctx.sample())
+            tok = self.ctx.sample(s)
             if tok in eog:
                 finish = "stop"
                 break
             n_gen += 1
-            text, matched = stops.feed(utf8.feed(self.tokenizer.token_to_piece(tok)))
+            text, matched = stops.feed(utf8.push(tok))
             yield TokenEvent(tok, text)
             if matched is not None:
                 finish = "stop"
@@ -217,6 +218,9 @@ class ReferenceEngine(Engine):
         self.ctx.close()
 
     # --- internals -----------------------------------------------------------------------
+    def _token_text(self, token_id: int | None) -> str:
+        return self.tokenizer.tokens[token_id] if token_id is not None else ""
+
     def _check_fits(self, n: int) -> None:
         if n > self.n_ctx():
             raise ContextOverflow(

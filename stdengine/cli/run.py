@@ -102,8 +102,9 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
         events.info("generation.done", finish_reason=done.finish_reason, summary=summary_line(done),
                     timings=done.timings.to_dict())
         if as_json:
+            info = engine.info()
             click.echo(json.dumps({
-                "engine": engine.info().name, "model": options.model, "text": "".join(pieces),
+                "engine": info.name, "model": info.model.get("path", options.model), "text": "".join(pieces),
                 "finish_reason": done.finish_reason, "stop": done.stop,
                 "usage": {"prompt_tokens": done.usage.prompt_tokens,
                           "completion_tokens": done.usage.completion_tokens,
