@@ -125,3 +125,36 @@ def matmul(t: int | str, w, k: int, x: np.ndarray, r0: int = 0, r1: int | None =
     y = np.full((x.shape[0], rows), np.nan, dtype=np.float32)
     _core().se_matmul(type_id(t), w.ctypes.data, k, act.ctypes.data, x.shape[0], y.ctypes.data, rows, r0, r1)
     return y
+
+
+def throughput(t: int | str, rows: int, k: int, n_tok: int = 1, seconds: float = 0.5, copies: int = 1) -> dict:
+    """Rough single-thread speed of se_matmul on random weights: GB/s of weights and GMAC/s.
+
+    For debugging only (a ctypes call costs a few microseconds; benchmarks belong to bench/).
+    copies > 1 cycles through that many distinct matrices, to read them from DRAM, not cache.
+    """
+    import time
+
+    tr, c = traits(t), _core()
+    rng = np.random.default_rng(0)
+    mats = []
+    for _ in range(copies):
+        raw = rng.integers(0, 256, size=(rows, k // tr.blck, tr.size), dtype=np.uint8)
+        if tr.blck > 1:  # modest fp16 scales where the block starts with them (q6_K ends with d)
+            offs = [tr.size - 2] if type_id(t) == TYPES["q6_k"] else [0, 2]
+            for off in offs:
+                raw[:, :, off:off + 2] = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(rows, -1, 2)
+        else:
+            raw = np.full((rows, k), 0.01, dtype={4: np.float32, 2: np.float16}[tr.size]).view(np.uint8)
+        mats.append(np.ascontiguousarray(raw).reshape(-1))
+    act = quantize(tr.act_type, rng.standard_normal((n_tok, k)).astype(np.float32))
+    y = np.empty((n_tok, rows), dtype=np.float32)
+    args = [(type_id(t), m.ctypes.data, k, act.ctypes.data, n_tok, y.ctypes.data, rows, 0, rows) for m in mats]
+    calls, t0 = 0, time.perf_counter()
+    while (dt := time.perf_counter() - t0) < seconds:
+        for a in args:
+            c.se_matmul(*a)
+        calls += len(args)
+    per_call = dt / calls
+    return {"isa": isa(), "us_per_call": per_call * 1e6, "GB/s": rows * row_size(t, k) / per_call / 1e9,
+            "GMAC/s": rows * k * n_tok / per_call / 1e9}
