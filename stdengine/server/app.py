@@ -258,15 +258,16 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
-            exc.status_code, "invalid_request_error"
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        if exc.status_code == 404:
+            message = f"no route {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(
+            error_body(exc.status_code, kind, message), status_code=exc.status_code, headers=exc.headers
         )
-        message = (
-            f"no route {request.method} {request.url.path}"
-            if exc.status_code in (404, 405)
-            else str(exc.detail)
-        )
-        return JSONResponse(error_body(exc.status_code, kind, message), status_code=exc.status_code)
 
     def guarded(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """Every error a route raises becomes the OpenAI envelope (never a crash or a bare 500)."""
