@@ -429,6 +429,7 @@ def create_app(state: ServerState) -> FastAPI:
             # Errors that come before any token (a prompt over the context, an empty prompt) are
             # a plain HTTP error, also for a streamed request: nothing has been sent yet.
             if isinstance(first, BaseException):
+                await gen.finish()  # the worker has ended: let it give the slot back first
                 raise as_infer_error(first)
             if first is END:
                 raise EngineFailure("the engine ended generate() without a DoneEvent")
@@ -444,6 +445,7 @@ def create_app(state: ServerState) -> FastAPI:
             item = first
             while True:
                 if isinstance(item, BaseException):
+                    await gen.finish()
                     raise as_infer_error(item)
                 if item is END:
                     raise EngineFailure("the engine ended generate() without a DoneEvent")
@@ -494,6 +496,7 @@ def create_app(state: ServerState) -> FastAPI:
                         else EngineFailure("the engine ended generate() without a DoneEvent")
                     )
                     note_error(request, err, state)
+                    await watch.guard(gen.finish())
                     yield _sse(error_parts(err)[1])
                     yield b"data: [DONE]\n\n"
                     return
