@@ -43,7 +43,16 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "stdengine_commit": stdengine_commit(),
+        "load_average_at_start": _loadavg(),
     }
+
+
+def _loadavg() -> str:
+    """The 1, 5 and 15 minute load averages: other work on the machine skews the figures."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def _ints(text: str) -> list[int]:
@@ -115,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- CPU: {desc['cpu']} ({desc['physical_cores']} physical cores, {desc['logical_cpus']} logical CPUs)",
         f"- OS: {desc['os']}, Python {desc['python']}, stdengine {desc['stdengine_commit']}",
+        f"- load average (1, 5, 15 min): {desc['load_average_at_start']} at the start, {_loadavg()} at the end"
+        f" (with {desc['physical_cores']} cores, other work on the machine competes with the engines)",
         f"- command: python -m stdengine.bench.compare_llamacpp {' '.join(argv or sys.argv[1:])}".rstrip(),
         f"- records: {jsonl_path.name}",
         "",
