@@ -214,6 +214,15 @@ class ReferenceEngine(Engine):
                             predicted_ms=t2 - t1),
         )
 
+    def new_context(self) -> ReferenceEngine:
+        """Another context (KV cache, thread pool, sampler) on the same mapped weights."""
+        from stdengine.reference.core import Context
+
+        c = self.ctx
+        ctx = Context(self.model, n_ctx=c.n_ctx, n_threads=c.n_threads, n_threads_batch=c.n_threads_batch,
+                      n_batch=c.n_batch, n_ubatch=c.n_ubatch)
+        return ReferenceEngine(self.model, self.tokenizer, ctx, self.options, self.events)
+
     def close(self) -> None:
         self.ctx.close()
 
