@@ -4,7 +4,8 @@
                                                [--depths 0,512] [--name NAME]
 
 Runs llama-bench's pp512 and tg128 through infer-bench for both engines on both catalogue models
-(by default at 1 and 2 threads, at depth 0 and 512), and writes under bench/results/:
+(by default at 1 and 2 threads, at depth 0 and 512; the engines take turns per model and thread
+count, so that both meet the machine in the same state), and writes under bench/results/:
 
     NAME.jsonl   the records (infer-bench -o jsonl; `infer-bench compare` reads it)
     NAME.md      the machine (CPU model, cores, date), the table and the reference/llama.cpp ratios
@@ -20,6 +21,7 @@ import io
 import os
 import platform
 import sys
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -116,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         from stdengine.bench.progress import LineProgress
 
         print(f"machine: {desc['cpu']}, {desc['physical_cores']} cores, {desc['date']}", file=sys.stderr)
-        status = run(params, on_record, _emitter(params), progress=LineProgress() if args.progress else None)
+        # The engines take turns per (model, threads), so that both see the machine in the same state.
+        status = 0
+        for model in params.models:
+            for threads in params.n_threads:
+                part = replace(params, models=[model], n_threads=[threads])
+                progress = LineProgress() if args.progress else None
+                status = run(part, on_record, _emitter(params), progress=progress) or status
         md_printer.footer()
 
     text = [
