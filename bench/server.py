@@ -325,6 +325,8 @@ def _one_test(
         if progress:
             progress.step(index, total, what)
 
+    if params.delay:
+        time.sleep(params.delay)
     if not params.no_warmup:
         step("warmup run")
         if request(prompts.words(8), 2) is None:
@@ -617,6 +619,8 @@ def run_server_cli(params: BenchParams) -> int:
             hint="remove these flags, or set them where the server is started",
             options=refused,
         )
+    if params.output_err != "none":
+        raise UsageError("server mode writes its results to stdout only (-o); -oe is not supported there")
     if params.concurrency:
         if params.output not in ("md", "json", "jsonl"):
             raise UsageError(f"the load test writes md, json or jsonl, not {params.output}")
