@@ -128,21 +128,21 @@ static inline uint32_t le32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-static void unpack_nibbles(const uint8_t *qs, int bias, int q[32]) {
+static void unpack_nibbles(const uint8_t *qs, int bias, int8_t q[32]) {
     for (int j = 0; j < 16; j++) {
-        q[j] = (qs[j] & 15) - bias;
-        q[j + 16] = (qs[j] >> 4) - bias;
+        q[j] = (int8_t)((qs[j] & 15) - bias);
+        q[j + 16] = (int8_t)((qs[j] >> 4) - bias);
     }
 }
-static void unpack_q5(const uint8_t *qs, const uint8_t *qh, int bias, int q[32]) {
+static void unpack_q5(const uint8_t *qs, const uint8_t *qh, int bias, int8_t q[32]) {
     uint32_t h = le32(qh);
     for (int j = 0; j < 16; j++) {
-        q[j] = ((qs[j] & 15) | ((h >> j) & 1) << 4) - bias;
-        q[j + 16] = ((qs[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - bias;
+        q[j] = (int8_t)(((qs[j] & 15) | ((h >> j) & 1) << 4) - bias);
+        q[j + 16] = (int8_t)(((qs[j] >> 4) | ((h >> (j + 16)) & 1) << 4) - bias);
     }
 }
 
-static inline int isum32(const int q[32], const int8_t *a) {
+static inline int isum32(const int8_t q[32], const int8_t *a) {
     int s = 0;
     for (int j = 0; j < 32; j++) s += q[j] * a[j];
     return s;
@@ -151,7 +151,7 @@ static inline int isum32(const int q[32], const int8_t *a) {
 static void q4_0_to_float(const void *src, float *y, int64_t n) {
     const se_blk_q4_0 *b = src;
     for (int64_t i = 0; i < n / SE_QK; i++, y += SE_QK) {
-        int q[32]; float d = F16(b[i].d);
+        int8_t q[32]; float d = F16(b[i].d);
         unpack_nibbles(b[i].qs, 8, q);
         for (int j = 0; j < 32; j++) y[j] = q[j] * d;
     }
@@ -159,7 +159,7 @@ static void q4_0_to_float(const void *src, float *y, int64_t n) {
 static void q4_1_to_float(const void *src, float *y, int64_t n) {
     const se_blk_q4_1 *b = src;
     for (int64_t i = 0; i < n / SE_QK; i++, y += SE_QK) {
-        int q[32]; float d = F16(b[i].d), m = F16(b[i].m);
+        int8_t q[32]; float d = F16(b[i].d), m = F16(b[i].m);
         unpack_nibbles(b[i].qs, 0, q);
         for (int j = 0; j < 32; j++) y[j] = q[j] * d + m;
     }
@@ -167,7 +167,7 @@ static void q4_1_to_float(const void *src, float *y, int64_t n) {
 static void q5_0_to_float(const void *src, float *y, int64_t n) {
     const se_blk_q5_0 *b = src;
     for (int64_t i = 0; i < n / SE_QK; i++, y += SE_QK) {
-        int q[32]; float d = F16(b[i].d);
+        int8_t q[32]; float d = F16(b[i].d);
         unpack_q5(b[i].qs, b[i].qh, 16, q);
         for (int j = 0; j < 32; j++) y[j] = q[j] * d;
     }
@@ -175,7 +175,7 @@ static void q5_0_to_float(const void *src, float *y, int64_t n) {
 static void q5_1_to_float(const void *src, float *y, int64_t n) {
     const se_blk_q5_1 *b = src;
     for (int64_t i = 0; i < n / SE_QK; i++, y += SE_QK) {
-        int q[32]; float d = F16(b[i].d), m = F16(b[i].m);
+        int8_t q[32]; float d = F16(b[i].d), m = F16(b[i].m);
         unpack_q5(b[i].qs, b[i].qh, 0, q);
         for (int j = 0; j < 32; j++) y[j] = q[j] * d + m;
     }
@@ -195,6 +195,14 @@ static void q8_1_to_float(const void *src, float *y, int64_t n) {
     }
 }
 
+/* roundf (halfway cases away from zero) for |v| < 2^31, written so that it vectorises: the
+ * fraction v - trunc(v) is exact in float. */
+static inline int round_away(float v) {
+    int i = (int)v;
+    float f = v - (float)i;
+    return i + (f >= 0.5f) - (f <= -0.5f);
+}
+
 /* ggml's reference rounding: d = amax/127 stored as fp16, q = roundf(x/d) with the f32 d. */
 static float quantize_block_q8(const float *x, int8_t *qs, int *sum) {
     float amax = 0;
@@ -202,7 +210,7 @@ static float quantize_block_q8(const float *x, int8_t *qs, int *sum) {
     float d = amax / 127, id = d ? 1 / d : 0;
     int s = 0;
     for (int j = 0; j < 32; j++) {
-        qs[j] = (int8_t)roundf(x[j] * id);
+        qs[j] = (int8_t)round_away(x[j] * id);
         s += qs[j];
     }
     *sum = s;
@@ -229,7 +237,7 @@ static float dot_q4_0(int64_t n, const void *w, const void *a) {
     const se_blk_q4_0 *x = w; const se_blk_q8_0 *y = a;
     float sum = 0;
     for (int64_t i = 0; i < n / SE_QK; i++) {
-        int q[32];
+        int8_t q[32];
         unpack_nibbles(x[i].qs, 8, q);
         sum += F16(x[i].d) * F16(y[i].d) * (float)isum32(q, y[i].qs);
     }
@@ -240,7 +248,7 @@ static float dot_q4_1(int64_t n, const void *w, const void *a) {
     const se_blk_q4_1 *x = w; const se_blk_q8_1 *y = a;
     float sum = 0;
     for (int64_t i = 0; i < n / SE_QK; i++) {
-        int q[32];
+        int8_t q[32];
         unpack_nibbles(x[i].qs, 0, q);
         sum += F16(x[i].d) * F16(y[i].d) * (float)isum32(q, y[i].qs) + F16(x[i].m) * F16(y[i].s);
     }
@@ -250,7 +258,7 @@ static float dot_q5_0(int64_t n, const void *w, const void *a) {
     const se_blk_q5_0 *x = w; const se_blk_q8_0 *y = a;
     float sum = 0;
     for (int64_t i = 0; i < n / SE_QK; i++) {
-        int q[32];
+        int8_t q[32];
         unpack_q5(x[i].qs, x[i].qh, 16, q);
         sum += F16(x[i].d) * F16(y[i].d) * (float)isum32(q, y[i].qs);
     }
@@ -260,7 +268,7 @@ static float dot_q5_1(int64_t n, const void *w, const void *a) {
     const se_blk_q5_1 *x = w; const se_blk_q8_1 *y = a;
     float sum = 0;
     for (int64_t i = 0; i < n / SE_QK; i++) {
-        int q[32];
+        int8_t q[32];
         unpack_q5(x[i].qs, x[i].qh, 0, q);
         sum += F16(x[i].d) * F16(y[i].d) * (float)isum32(q, y[i].qs) + F16(x[i].m) * F16(y[i].s);
     }
