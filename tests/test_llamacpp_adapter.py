@@ -282,7 +282,7 @@ def infer(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[s
 def test_cli_run_on_both_models(smollm2_path, gemma3_path):
     for path in (smollm2_path, gemma3_path):
         r = infer(
-            *"run -e llamacpp -n 8 --temp 0 --top-k 5 -t 2 --json -p".split(),
+            *"run -e llamacpp -n 4 -c 512 --temp 0 --top-k 5 -t 2 --json -p".split(),
             "Name a color.",
             "-m",
             str(path),
