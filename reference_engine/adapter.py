@@ -8,7 +8,6 @@ the thread pool and sampling.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,32 +25,13 @@ from stdengine.adapter import (
     now_ms,
 )
 from stdengine.errors import ContextOverflow, InvalidRequest
-from stdengine.generation import StopMatcher, render_chat_template
+from stdengine.generation import StopMatcher, choose_chat_template, render_chat_template
 
 if TYPE_CHECKING:
     import numpy as np
 
     from stdengine.events import Emitter
     from stdengine.options import Options
-
-
-def physical_cores() -> int:
-    """Physical cores (llama.cpp's default thread count), falling back to logical CPUs."""
-    try:
-        cores = set()
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            phys = core = None
-            for line in f:
-                if line.startswith("physical id"):
-                    phys = line.split(":")[1].strip()
-                elif line.startswith("core id"):
-                    core = line.split(":")[1].strip()
-                    cores.add((phys, core))
-        if cores:
-            return len(cores)
-    except OSError:
-        pass
-    return os.cpu_count() or 1
 
 
 class ReferenceEngine(Engine):
@@ -95,7 +75,7 @@ class ReferenceEngine(Engine):
         self.options = options
         self.events = events
         self.tokens: list[int] = []  # what the KV cache holds, to reuse a common prefix
-        self.template = options.chat_template or model.metadata.get("tokenizer.chat_template")
+        self.template, self.template_source = choose_chat_template(options.chat_template, model.metadata)
         self.n_params = sum(math.prod(t.shape) for t in model.tensors.values())
 
     @classmethod
@@ -103,6 +83,8 @@ class ReferenceEngine(Engine):
         from stdengine.reference.core import Context
         from stdengine.reference.model import Model
         from stdengine.reference.tokenizer import Tokenizer
+
+        from stdengine.engines import physical_cores
 
         assert options.model is not None
         t0 = now_ms()

@@ -114,6 +114,52 @@ def render_chat_template(
         raise InvalidRequest(f"the model's chat template failed to render: {e}") from e
 
 
+# Built-in chat templates, selectable by name with --chat-template NAME. Each is our own Jinja
+# rendering of a published turn format (the format is a fact; the template text is ours).
+BUILTIN_TEMPLATES: dict[str, str] = {
+    "chatml": (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    # Gemma: no system role (a system message is prepended to the first user turn), and the
+    # assistant's role is called "model".
+    "gemma": (
+        "{{ bos_token }}"
+        "{% set system = messages[0].content + '\n\n' if messages and messages[0].role == 'system' else '' %}"
+        "{% for m in messages if m.role != 'system' %}"
+        "<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+        "{{ system if loop.first else '' }}{{ m.content | trim }}<end_of_turn>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    ),
+}
+
+# The template to use for an architecture whose GGUF file carries none (llama.cpp guesses the
+# same way from the model): Gemma 3 files are often converted without tokenizer.chat_template.
+ARCH_DEFAULT_TEMPLATES: dict[str, str] = {"gemma3": "gemma", "gemma2": "gemma", "gemma": "gemma"}
+
+
+def choose_chat_template(option: str | None, metadata: dict[str, Any]) -> tuple[str | None, str]:
+    """The chat template for a run and where it came from: --chat-template (a built-in name or
+    Jinja text), else the GGUF's tokenizer.chat_template, else the architecture's built-in one."""
+    if option:
+        if option in BUILTIN_TEMPLATES:
+            return BUILTIN_TEMPLATES[option], f"built-in '{option}'"
+        if "{" not in option:
+            raise InvalidRequest(
+                f"--chat-template {option!r} is neither Jinja text nor a built-in template",
+                hint=f"built-in templates: {', '.join(BUILTIN_TEMPLATES)}",
+            )
+        return option, "--chat-template"
+    from_file = metadata.get("tokenizer.chat_template")
+    if isinstance(from_file, str) and from_file:
+        return from_file, "model file"
+    name = ARCH_DEFAULT_TEMPLATES.get(str(metadata.get("general.architecture")))
+    if name:
+        return BUILTIN_TEMPLATES[name], f"built-in '{name}' (the model file has none)"
+    return None, "none"
+
+
 def jsonable(value: Any) -> Any:
     """Best-effort conversion of dataclass-ish values for event fields."""
     if hasattr(value, "to_dict"):

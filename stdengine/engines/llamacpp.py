@@ -32,7 +32,7 @@ from stdengine.adapter import (
     now_ms,
 )
 from stdengine.errors import BadModelFile, ContextOverflow, EngineFailure, InvalidRequest, UnsupportedOption
-from stdengine.generation import StopMatcher, Utf8Stream, render_chat_template
+from stdengine.generation import StopMatcher, Utf8Stream, choose_chat_template, render_chat_template
 
 if TYPE_CHECKING:
     from stdengine.events import Emitter
@@ -158,7 +158,10 @@ class LlamaCppEngine(Engine):
         self.bos_id = None if bos == LLAMA_TOKEN_NULL else bos
         self.eos_id = None if eos == LLAMA_TOKEN_NULL else eos
         self.add_bos = bool(lib.llama_vocab_get_add_bos(self.vocab))
-        self.template = options.chat_template or self.meta("tokenizer.chat_template")
+        self.template, self.template_source = choose_chat_template(options.chat_template, {
+            "tokenizer.chat_template": self.meta("tokenizer.chat_template"),
+            "general.architecture": self.meta("general.architecture"),
+        })
         if lib.llama_supports_gpu_offload():
             # the instance can offload; the class cannot know that without importing llama_cpp
             self.capabilities = self.capabilities | {"gpu"}  # type: ignore[misc]
