@@ -222,4 +222,3 @@ class ExactModel:
         """Next-token logits after every token, (T, n_vocab), float64."""
         out_w = self.w("output.weight") if self.has("output.weight") else self.w("token_embd.weight")
         return self.hidden(tokens) @ out_w.T
-

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from stdengine.conformance import corpus
 from stdengine.conformance.metrics import CONFIDENT_MARGIN, distance, log_softmax, top_k_record
 
@@ -47,8 +46,9 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def render_template(template: str, messages: list[dict[str, str]], bos: str, eos: str,
-                    add_generation_prompt: bool) -> str:
+def render_template(
+    template: str, messages: list[dict[str, str]], bos: str, eos: str, add_generation_prompt: bool
+) -> str:
     """Render a chat template the way HF transformers does (trim_blocks, lstrip_blocks)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -57,15 +57,23 @@ def render_template(template: str, messages: list[dict[str, str]], bos: str, eos
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, bos_token=bos, eos_token=eos,
-                                            add_generation_prompt=add_generation_prompt)
+    return env.from_string(template).render(
+        messages=messages, bos_token=bos, eos_token=eos, add_generation_prompt=add_generation_prompt
+    )
 
 
 def _llama(path: Path) -> Any:
     import llama_cpp
 
-    return llama_cpp.Llama(str(path), n_ctx=2048, n_batch=512, logits_all=True, n_threads=os.cpu_count() or 1,
-                           verbose=False, seed=0)
+    return llama_cpp.Llama(
+        str(path),
+        n_ctx=2048,
+        n_batch=512,
+        logits_all=True,
+        n_threads=os.cpu_count() or 1,
+        verbose=False,
+        seed=0,
+    )
 
 
 def _llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
@@ -98,17 +106,22 @@ def _greedy(llm: Any, ids: list[int], n: int, stop_ids: set[int]) -> list[int]:
 def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
     import gguf
     import llama_cpp
-
     from stdengine.conformance.exact import ExactModel
 
     t0 = time.time()
     reader = gguf.GGUFReader(str(path))
     arch = str(reader.fields["general.architecture"].contents())
-    template = str(reader.fields["tokenizer.chat_template"].contents()) if "tokenizer.chat_template" in reader.fields else None
+    template = (
+        str(reader.fields["tokenizer.chat_template"].contents())
+        if "tokenizer.chat_template" in reader.fields
+        else None
+    )
     llm = _llama(path)
 
     def tok(text: str, add_special: bool, parse_special: bool) -> list[int]:
-        return [int(i) for i in llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)]
+        return [
+            int(i) for i in llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+        ]
 
     def piece(i: int) -> str:
         return bytes(llm.detokenize([i], special=True)).decode("utf-8", errors="replace")
@@ -119,8 +132,15 @@ def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
     for name, text in texts.items():
         for add_special, parse_special in ((True, True), (False, False)):
             ids = tok(text, add_special, parse_special)
-            cases.append({"name": name, "text": text, "add_special": add_special,
-                          "parse_special": parse_special, "ids": ids})
+            cases.append(
+                {
+                    "name": name,
+                    "text": text,
+                    "add_special": add_special,
+                    "parse_special": parse_special,
+                    "ids": ids,
+                }
+            )
     log(f"tokenizer: {len(cases)} cases")
 
     # --- logits ---------------------------------------------------------------------------------
@@ -132,12 +152,13 @@ def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
         t1 = time.time()
         ref = log_softmax(exact.logits(ids))
         top_ids, top_lps, tails = top_k_record(ref, TOP_K)
-        ltexts.append({"name": name, "ids": ids, "top_ids": top_ids, "top_logprobs": top_lps,
-                       "tail_logprob": tails})
+        ltexts.append(
+            {"name": name, "ids": ids, "top_ids": top_ids, "top_logprobs": top_lps, "tail_logprob": tails}
+        )
         llama_logits.append(_llama_logits(llm, ids))
         log(f"logits: text {name}: {len(ids)} positions, exact reference {time.time() - t1:.1f}s")
     dist = distance(ltexts, llama_logits)
-    per_text = {t["name"]: distance([t], [lg]).to_dict() for t, lg in zip(ltexts, llama_logits)}
+    per_text = {t["name"]: distance([t], [lg]).to_dict() for t, lg in zip(ltexts, llama_logits, strict=True)}
     log(f"llama.cpp distance: {dist.to_dict()}")
 
     # --- chat -----------------------------------------------------------------------------------
@@ -153,10 +174,18 @@ def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
         for name, messages in corpus.CONVERSATIONS.items():
             for agp in (True, False):
                 text = render_template(template, messages, bos, eos, agp)
-                theirs = Jinja2ChatFormatter(template, eos_token=eos, bos_token=bos,
-                                             add_generation_prompt=agp)(messages=messages).prompt  # type: ignore[arg-type]
-                chat["cases"].append({"name": name, "messages": messages, "add_generation_prompt": agp,
-                                      "text": text, "llama_cpp_python_agrees": theirs == text})
+                theirs = Jinja2ChatFormatter(
+                    template, eos_token=eos, bos_token=bos, add_generation_prompt=agp
+                )(messages=messages).prompt
+                chat["cases"].append(
+                    {
+                        "name": name,
+                        "messages": messages,
+                        "add_generation_prompt": agp,
+                        "text": text,
+                        "llama_cpp_python_agrees": theirs == text,
+                    }
+                )
         log(f"chat: {len(chat['cases'])} renderings")
 
     # --- end of generation ----------------------------------------------------------------------
@@ -195,8 +224,10 @@ def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
         },
         "chat": chat,
         "eog": {"ids": eog, "case": eog_case},
-        "completion": {"prompt": corpus.COMPLETION_PROMPT,
-                       "llama_cpp_greedy": _greedy(llm, completion_ids, 32, set(eog))},
+        "completion": {
+            "prompt": corpus.COMPLETION_PROMPT,
+            "llama_cpp_greedy": _greedy(llm, completion_ids, 32, set(eog)),
+        },
     }
 
 
@@ -215,8 +246,11 @@ def write_golden(data: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stdengine.conformance.golden", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m stdengine.conformance.golden",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--model", required=True, help="catalogue alias (pulled if needed)")
     ap.add_argument("--path", help="use this GGUF file instead of resolving the alias")
     ap.add_argument("--out", help="output file (default conformance/golden/ALIAS.json.gz)")

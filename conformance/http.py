@@ -41,8 +41,15 @@ def root(url: str) -> str:
     return u[:-3] if u.endswith("/v1") else u
 
 
-def request(ctx: Context, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
-            api_key: str | None = None) -> Reply:
+def request(
+    ctx: Context,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
+    api_key: str | None = None,
+) -> Reply:
     assert ctx.url is not None
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(root(ctx.url) + path, data=data, method=method)
@@ -64,30 +71,51 @@ def model_id(ctx: Context) -> str:
             return str(r.json()["data"][0]["id"])
         except Exception:
             return ctx.model or "default"
-    return ctx.memo("http.model", find)  # type: ignore[no-any-return]
+
+    return ctx.memo("http.model", find)
 
 
 def chat_body(ctx: Context, **extra: Any) -> dict[str, Any]:
-    return {"model": model_id(ctx), "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+    return {
+        "model": model_id(ctx),
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        **extra,
+    }
 
 
 def completion_body(ctx: Context, **extra: Any) -> dict[str, Any]:
-    return {"model": model_id(ctx), "prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0,
-            **extra}
+    return {
+        "model": model_id(ctx),
+        "prompt": "Once upon a time",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        **extra,
+    }
 
 
 def _usage_ok(out: Outcome, usage: Any, where: str) -> None:
-    ok = (isinstance(usage, dict) and all(isinstance(usage.get(k), int)
-                                          for k in ("prompt_tokens", "completion_tokens", "total_tokens"))
-          and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"])
-    out.expect(ok, f"{where}: usage has prompt/completion/total tokens that add up" if ok
-               else f"{where}: bad usage {usage!r}")
+    ok = (
+        isinstance(usage, dict)
+        and all(isinstance(usage.get(k), int) for k in ("prompt_tokens", "completion_tokens", "total_tokens"))
+        and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    )
+    out.expect(
+        ok,
+        f"{where}: usage has prompt/completion/total tokens that add up"
+        if ok
+        else f"{where}: bad usage {usage!r}",
+    )
 
 
 def _status(out: Outcome, r: Reply, want: int, what: str) -> bool:
-    return out.expect(r.status == want, f"{what}: HTTP {r.status}" if r.status == want
-                      else f"{what}: HTTP {r.status} (want {want}): {r.body[:200]!r}")
+    return out.expect(
+        r.status == want,
+        f"{what}: HTTP {r.status}"
+        if r.status == want
+        else f"{what}: HTTP {r.status} (want {want}): {r.body[:200]!r}",
+    )
 
 
 # --- checks -------------------------------------------------------------------------------------
@@ -97,11 +125,15 @@ def models(ctx: Context, out: Outcome) -> None:
         return
     body = r.json()
     data = body.get("data")
-    out.expect(body.get("object") == "list" and isinstance(data, list) and len(data) > 0,
-               "a list object with at least one model")
+    out.expect(
+        body.get("object") == "list" and isinstance(data, list) and len(data) > 0,
+        "a list object with at least one model",
+    )
     if data:
-        out.expect(all(isinstance(m.get("id"), str) and m.get("object") == "model" for m in data),
-                   "each model has an id and object 'model'")
+        out.expect(
+            all(isinstance(m.get("id"), str) and m.get("object") == "model" for m in data),
+            "each model has an id and object 'model'",
+        )
 
 
 def chat(ctx: Context, out: Outcome) -> None:
@@ -113,8 +145,10 @@ def chat(ctx: Context, out: Outcome) -> None:
     out.expect(isinstance(b.get("id"), str) and isinstance(b.get("created"), int), "id and created")
     ch = (b.get("choices") or [{}])[0]
     msg = ch.get("message") or {}
-    out.expect(msg.get("role") == "assistant" and isinstance(msg.get("content"), str),
-               "choices[0].message is an assistant message with content")
+    out.expect(
+        msg.get("role") == "assistant" and isinstance(msg.get("content"), str),
+        "choices[0].message is an assistant message with content",
+    )
     out.expect(ch.get("finish_reason") in ("stop", "length"), f"finish_reason {ch.get('finish_reason')!r}")
     _usage_ok(out, b.get("usage"), "chat")
     if isinstance(b.get("usage"), dict):
@@ -133,8 +167,9 @@ def completions(ctx: Context, out: Outcome) -> None:
     _usage_ok(out, b.get("usage"), "completions")
 
 
-def _stream(route: str, chunk_object: str, body: Callable[[Context], dict[str, Any]],
-            usage: bool) -> Callable[[Context, Outcome], None]:
+def _stream(
+    route: str, chunk_object: str, body: Callable[[Context], dict[str, Any]], usage: bool
+) -> Callable[[Context, Outcome], None]:
     def check(ctx: Context, out: Outcome) -> None:
         extra: dict[str, Any] = {"stream": True}
         if usage:
@@ -154,9 +189,16 @@ def _stream(route: str, chunk_object: str, body: Callable[[Context], dict[str, A
                 out.add("fail", f"a data line is not JSON: {e[:80]!r}")
         out.expect(len(chunks) >= 2, f"{len(chunks)} chunks")
         out.expect(all(c.get("object") == chunk_object for c in chunks), f"every chunk is a {chunk_object}")
-        finishes = [ch.get("finish_reason") for c in chunks for ch in c.get("choices") or [] if ch.get("finish_reason")]
-        out.expect(len(finishes) == 1 and finishes[0] in ("stop", "length"),
-                   f"exactly one finish_reason ({finishes})")
+        finishes = [
+            ch.get("finish_reason")
+            for c in chunks
+            for ch in c.get("choices") or []
+            if ch.get("finish_reason")
+        ]
+        out.expect(
+            len(finishes) == 1 and finishes[0] in ("stop", "length"),
+            f"exactly one finish_reason ({finishes})",
+        )
         if usage:
             # OpenAI: the last chunk before [DONE] carries usage and empty choices
             last = chunks[-1] if chunks else {}
@@ -165,20 +207,29 @@ def _stream(route: str, chunk_object: str, body: Callable[[Context], dict[str, A
             early = [c for c in chunks[:-1] if c.get("usage")]
             out.expect(not early, "no usage before the final chunk", otherwise="warn")
         else:
-            out.expect(not any(c.get("usage") for c in chunks),
-                       "no usage without stream_options.include_usage", otherwise="warn")
+            out.expect(
+                not any(c.get("usage") for c in chunks),
+                "no usage without stream_options.include_usage",
+                otherwise="warn",
+            )
+
     return check
 
 
 def _envelope(out: Outcome, r: Reply, statuses: tuple[int, ...], what: str) -> None:
-    out.expect(r.status in statuses, f"{what}: HTTP {r.status}" + ("" if r.status in statuses else f" (want {statuses})"))
+    out.expect(
+        r.status in statuses,
+        f"{what}: HTTP {r.status}" + ("" if r.status in statuses else f" (want {statuses})"),
+    )
     try:
         err = r.json().get("error")
     except Exception:
         err = None
     ok = isinstance(err, dict) and isinstance(err.get("message"), str) and isinstance(err.get("type"), str)
-    out.expect(ok, f"{what}: OpenAI error envelope" if ok
-               else f"{what}: not an OpenAI error envelope: {r.body[:160]!r}")
+    out.expect(
+        ok,
+        f"{what}: OpenAI error envelope" if ok else f"{what}: not an OpenAI error envelope: {r.body[:160]!r}",
+    )
 
 
 def bad_json(ctx: Context, out: Outcome) -> None:
@@ -206,8 +257,12 @@ def concurrent(n: int) -> Callable[[Context, Outcome], None]:
 
         def one(i: int) -> None:
             try:
-                replies[i] = request(ctx, "POST", "/v1/chat/completions",
-                                     chat_body(ctx, messages=[{"role": "user", "content": f"Count to {i + 2}."}]))
+                replies[i] = request(
+                    ctx,
+                    "POST",
+                    "/v1/chat/completions",
+                    chat_body(ctx, messages=[{"role": "user", "content": f"Count to {i + 2}."}]),
+                )
             except BaseException as e:
                 replies[i] = e
 
@@ -218,11 +273,16 @@ def concurrent(n: int) -> Callable[[Context, Outcome], None]:
             t.join(TIMEOUT_S * 2)
         good = 0
         for i, r in enumerate(replies):
-            if isinstance(r, Reply) and r.status == 200 and (r.json().get("choices") or [{}])[0].get("message"):
+            if (
+                isinstance(r, Reply)
+                and r.status == 200
+                and (r.json().get("choices") or [{}])[0].get("message")
+            ):
                 good += 1
             else:
                 out.add("fail", f"request {i}: {r.status if isinstance(r, Reply) else r!r}")
         out.expect(good == n, f"{good}/{n} concurrent requests answered")
+
     return check
 
 
@@ -237,12 +297,24 @@ def plan_http(ctx: Context) -> list[Check]:
     add("http.models", "core", models, "GET /v1/models lists the model")
     add("http.chat", "core", chat, "chat completion shape and usage")
     add("http.completions", "core", completions, "text completion shape and usage")
-    add("http.chat.stream", "core", _stream("/v1/chat/completions", "chat.completion.chunk", chat_body, False),
-        "chat streaming chunks and [DONE]")
-    add("http.completions.stream", "core", _stream("/v1/completions", "text_completion", completion_body, False),
-        "completion streaming chunks and [DONE]")
-    add("http.chat.stream.usage", "core", _stream("/v1/chat/completions", "chat.completion.chunk", chat_body, True),
-        "stream_options.include_usage gives a final usage chunk")
+    add(
+        "http.chat.stream",
+        "core",
+        _stream("/v1/chat/completions", "chat.completion.chunk", chat_body, False),
+        "chat streaming chunks and [DONE]",
+    )
+    add(
+        "http.completions.stream",
+        "core",
+        _stream("/v1/completions", "text_completion", completion_body, False),
+        "completion streaming chunks and [DONE]",
+    )
+    add(
+        "http.chat.stream.usage",
+        "core",
+        _stream("/v1/chat/completions", "chat.completion.chunk", chat_body, True),
+        "stream_options.include_usage gives a final usage chunk",
+    )
     add("http.errors.bad_json", "core", bad_json, "malformed JSON: 400 and the OpenAI error envelope")
     add("http.errors.bad_param", "core", bad_param, "bad parameters: 400 and the OpenAI error envelope")
     add("http.errors.auth", "core", auth, "a wrong API key: 401 and the OpenAI error envelope")

@@ -47,12 +47,13 @@ def top_k_record(ref_logprobs: np.ndarray, k: int) -> tuple[list[list[int]], lis
     return ids_out, lps_out, tails
 
 
-def restricted_kl(top_ids: list[list[int]], top_lps: list[list[float]], tail_lps: list[float],
-                  engine_logits: np.ndarray) -> np.ndarray:
+def restricted_kl(
+    top_ids: list[list[int]], top_lps: list[list[float]], tail_lps: list[float], engine_logits: np.ndarray
+) -> np.ndarray:
     """Restricted KL(reference || engine) at each position; engine_logits is (T, n_vocab)."""
     lq = log_softmax(engine_logits)
     out = np.empty(len(top_ids), dtype=np.float64)
-    for t, (ids, lps, tail) in enumerate(zip(top_ids, top_lps, tail_lps)):
+    for t, (ids, lps, tail) in enumerate(zip(top_ids, top_lps, tail_lps, strict=True)):
         lp = np.asarray(lps, dtype=np.float64)
         p = np.exp(lp)
         lq_top = lq[t, ids]
@@ -82,7 +83,7 @@ class Distance:
 def distance(texts: list[dict[str, Any]], engine_logits: list[np.ndarray]) -> Distance:
     """The engine's distance from the reference over every scored position of every text."""
     kls, agree, conf = [], 0, 0
-    for text, logits in zip(texts, engine_logits):
+    for text, logits in zip(texts, engine_logits, strict=True):
         kls.append(restricted_kl(text["top_ids"], text["top_logprobs"], text["tail_logprob"], logits))
         mask = confident_mask(text["top_logprobs"])
         top1 = np.array([ids[0] for ids in text["top_ids"]])

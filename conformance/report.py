@@ -30,13 +30,26 @@ def machine() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    return {"os": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+    return {
+        "os": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+    }
 
 
-def bundle_meta(engine_info: dict[str, Any] | None, adapter: str | None, model: str | None,
-                golden_note: str, url: str | None, level: str, only: str | None) -> dict[str, Any]:
-    from stdengine import __version__
+def bundle_meta(
+    engine_info: dict[str, Any] | None,
+    adapter: str | None,
+    model: str | None,
+    golden_note: str,
+    url: str | None,
+    level: str,
+    only: str | None,
+) -> dict[str, Any]:
     from stdengine.conformance.runner import SUITE_VERSION
+
+    from stdengine import __version__
 
     return {
         "suite_version": SUITE_VERSION,
@@ -61,31 +74,44 @@ def groups(results: Sequence[Result]) -> dict[str, str]:
 
 
 def to_json(results: Sequence[Result], meta: dict[str, Any]) -> dict[str, Any]:
-    return {**meta, "summary": counts(list(results)), "groups": groups(results),
-            "exit_status": exit_status(list(results)), "results": [r.to_dict() for r in results]}
+    return {
+        **meta,
+        "summary": counts(list(results)),
+        "groups": groups(results),
+        "exit_status": exit_status(list(results)),
+        "results": [r.to_dict() for r in results],
+    }
 
 
 def junit(results: Sequence[Result], meta: dict[str, Any]) -> str:
     c = counts(list(results))
     name = f"stdengine conformance: {meta.get('adapter')} / {meta.get('model')}"
     total_s = sum(r.duration_ms for r in results) / 1e3
-    lines = ['<?xml version="1.0" encoding="UTF-8"?>',
-             f'<testsuites name={quoteattr(name)} tests="{len(results)}" failures="{c["fail"]}" '
-             f'skipped="{c["skip"] + c["not_supported"]}" time="{total_s:.3f}">']
+    lines = [
+        '<?xml version="1.0" encoding="UTF-8"?>',
+        f'<testsuites name={quoteattr(name)} tests="{len(results)}" failures="{c["fail"]}" '
+        f'skipped="{c["skip"] + c["not_supported"]}" time="{total_s:.3f}">',
+    ]
     by: dict[str, list[Result]] = {}
     for r in results:
         by.setdefault(r.id.split(":", 1)[0].split(".", 1)[0], []).append(r)
     for group, rs in by.items():
         gc = counts(rs)
-        lines.append(f'  <testsuite name={quoteattr(group)} tests="{len(rs)}" failures="{gc["fail"]}" '
-                     f'skipped="{gc["skip"] + gc["not_supported"]}" time="{sum(r.duration_ms for r in rs) / 1e3:.3f}">')
+        lines.append(
+            f'  <testsuite name={quoteattr(group)} tests="{len(rs)}" failures="{gc["fail"]}" '
+            f'skipped="{gc["skip"] + gc["not_supported"]}" time="{sum(r.duration_ms for r in rs) / 1e3:.3f}">'
+        )
         for r in rs:
-            lines.append(f'    <testcase classname={quoteattr(group + "." + r.level)} name={quoteattr(r.id)} '
-                         f'time="{r.duration_ms / 1e3:.3f}">')
+            lines.append(
+                f"    <testcase classname={quoteattr(group + '.' + r.level)} name={quoteattr(r.id)} "
+                f'time="{r.duration_ms / 1e3:.3f}">'
+            )
             if r.status == "fail":
-                lines.append(f'      <failure message={quoteattr(r.message)}>{escape(json.dumps(r.details, default=str)[:4000])}</failure>')
+                lines.append(
+                    f"      <failure message={quoteattr(r.message)}>{escape(json.dumps(r.details, default=str)[:4000])}</failure>"
+                )
             elif r.status in ("skip", "not_supported"):
-                lines.append(f'      <skipped message={quoteattr(r.status + ": " + r.message)}/>')
+                lines.append(f"      <skipped message={quoteattr(r.status + ': ' + r.message)}/>")
             elif r.status == "warn":
                 lines.append(f"      <system-out>{escape('WARN: ' + r.message)}</system-out>")
             lines.append("    </testcase>")
@@ -98,13 +124,18 @@ def summary_md(results: Sequence[Result], meta: dict[str, Any]) -> str:
     c = counts(list(results))
     eng = meta.get("engine") or {}
     verdict = "PASS: no core check failed" if exit_status(list(results)) == 0 else "FAIL: a core check failed"
-    out = [f"# Conformance: {meta.get('adapter')} on {meta.get('model')}", "",
-           f"- engine: {eng.get('name', meta.get('adapter'))} {eng.get('version', '')}".rstrip(),
-           f"- model: {meta.get('model')} ({meta.get('golden')})",
-           f"- level: {meta.get('level')}" + (f", only `{meta['only']}`" if meta.get("only") else ""),
-           f"- date: {meta.get('date')}, suite {meta.get('suite_version')}, stdengine {meta.get('stdengine')}",
-           f"- **{verdict}** — " + ", ".join(f"{n} {s}" for s, n in c.items() if n), "",
-           "| group | status |", "|---|---|"]
+    out = [
+        f"# Conformance: {meta.get('adapter')} on {meta.get('model')}",
+        "",
+        f"- engine: {eng.get('name', meta.get('adapter'))} {eng.get('version', '')}".rstrip(),
+        f"- model: {meta.get('model')} ({meta.get('golden')})",
+        f"- level: {meta.get('level')}" + (f", only `{meta['only']}`" if meta.get("only") else ""),
+        f"- date: {meta.get('date')}, suite {meta.get('suite_version')}, stdengine {meta.get('stdengine')}",
+        f"- **{verdict}** — " + ", ".join(f"{n} {s}" for s, n in c.items() if n),
+        "",
+        "| group | status |",
+        "|---|---|",
+    ]
     out += [f"| {g} | {s} |" for g, s in groups(results).items()]
     out += ["", "| check | level | status | message |", "|---|---|---|---|"]
     order = {lvl: i for i, lvl in enumerate(LEVELS)}
@@ -122,29 +153,35 @@ def _yaml_value(v: Any) -> str:
 def engine_yaml(meta: dict[str, Any]) -> str:
     eng = meta.get("engine") or {}
     model_meta = eng.get("model") or {}
-    lines = ["# what was tested (stdengine conformance)",
-             f"engine: {_yaml_value(eng.get('name', meta.get('adapter')))}",
-             f"version: {_yaml_value(eng.get('version'))}",
-             f"build: {_yaml_value(eng.get('build'))}",
-             f"backend: {_yaml_value(eng.get('backend'))}",
-             f"adapter: {_yaml_value(meta.get('adapter'))}",
-             f"model: {_yaml_value(meta.get('model'))}",
-             f"golden: {_yaml_value(meta.get('golden'))}",
-             f"url: {_yaml_value(meta.get('url'))}",
-             "model_info:" if model_meta else "model_info: {}"]
+    lines = [
+        "# what was tested (stdengine conformance)",
+        f"engine: {_yaml_value(eng.get('name', meta.get('adapter')))}",
+        f"version: {_yaml_value(eng.get('version'))}",
+        f"build: {_yaml_value(eng.get('build'))}",
+        f"backend: {_yaml_value(eng.get('backend'))}",
+        f"adapter: {_yaml_value(meta.get('adapter'))}",
+        f"model: {_yaml_value(meta.get('model'))}",
+        f"golden: {_yaml_value(meta.get('golden'))}",
+        f"url: {_yaml_value(meta.get('url'))}",
+        "model_info:" if model_meta else "model_info: {}",
+    ]
     lines += [f"  {k}: {_yaml_value(v)}" for k, v in model_meta.items()]
     lines.append("machine:")
     lines += [f"  {k}: {_yaml_value(v)}" for k, v in (meta.get("machine") or {}).items()]
-    lines += [f"suite_version: {_yaml_value(meta.get('suite_version'))}",
-              f"stdengine: {_yaml_value(meta.get('stdengine'))}",
-              f"date: {_yaml_value(meta.get('date'))}"]
+    lines += [
+        f"suite_version: {_yaml_value(meta.get('suite_version'))}",
+        f"stdengine: {_yaml_value(meta.get('stdengine'))}",
+        f"date: {_yaml_value(meta.get('date'))}",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def write_bundle(directory: str | Path, results: Sequence[Result], meta: dict[str, Any]) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "results.json").write_text(json.dumps(to_json(results, meta), indent=2, default=str) + "\n", encoding="utf-8")
+    (d / "results.json").write_text(
+        json.dumps(to_json(results, meta), indent=2, default=str) + "\n", encoding="utf-8"
+    )
     (d / "junit.xml").write_text(junit(results, meta), encoding="utf-8")
     (d / "summary.md").write_text(summary_md(results, meta), encoding="utf-8")
     (d / "ENGINE.yaml").write_text(engine_yaml(meta), encoding="utf-8")

@@ -36,8 +36,10 @@ def find_golden(model_ref: str | None, model_path: Path | None) -> tuple[dict[st
             # a remote engine: no file to hash, trust the alias
             return data, f"golden data {p.name} (by name; the served file cannot be verified)"
         if sha is not None and p.name == f"{model_ref}.json.gz":
-            return None, (f"the golden data {p.name} was made from a file with SHA256 {data.get('sha256')}, "
-                          f"this file's is {sha}")
+            return None, (
+                f"the golden data {p.name} was made from a file with SHA256 {data.get('sha256')}, "
+                f"this file's is {sha}"
+            )
     known = ", ".join(p.name.removesuffix(".json.gz") for p in sorted(GOLDEN_DIR.glob("*.json.gz")))
     return None, f"no golden data for this model (golden data exists for: {known})"
 
@@ -46,9 +48,13 @@ def plan(ctx: Context) -> list[Check]:
     return (checks.plan(ctx) if ctx.engine is not None else []) + http.plan_http(ctx)
 
 
-def run_suite(ctx: Context, level: str = "core", only: str | None = None,
-              on_start: Callable[[list[Check]], None] | None = None,
-              on_result: Callable[[Check, Result], None] | None = None) -> list[Result]:
+def run_suite(
+    ctx: Context,
+    level: str = "core",
+    only: str | None = None,
+    on_start: Callable[[list[Check]], None] | None = None,
+    on_result: Callable[[Check, Result], None] | None = None,
+) -> list[Result]:
     selected = select(plan(ctx), level, only)
     if on_start is not None:
         on_start(selected)

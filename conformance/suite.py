@@ -95,8 +95,14 @@ class Result:
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "level": self.level, "status": self.status, "message": self.message,
-                "duration_ms": round(self.duration_ms, 1), "details": self.details}
+        return {
+            "id": self.id,
+            "level": self.level,
+            "status": self.status,
+            "message": self.message,
+            "duration_ms": round(self.duration_ms, 1),
+            "details": self.details,
+        }
 
 
 @dataclass
@@ -181,7 +187,7 @@ def exit_status(results: list[Result]) -> int:
 
 
 def counts(results: list[Result]) -> dict[str, int]:
-    c = {s: 0 for s in STATUSES}
+    c: dict[str, int] = {s: 0 for s in STATUSES}
     for r in results:
         c[r.status] += 1
     return c

@@ -1,0 +1,399 @@
+"""The conformance suite's own tests: the machinery (statuses, selection, metrics, report bundle),
+the exact reference on a tiny synthetic model, and the HTTP checks against small stdlib servers.
+No catalogue model is needed here; tests/test_conformance_engines.py runs real engines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import xml.etree.ElementTree as ET
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from stdengine.conformance import golden as golden_mod
+from stdengine.conformance import http as http_checks
+from stdengine.conformance import metrics
+from stdengine.conformance.report import write_bundle
+from stdengine.conformance.runner import find_golden, run_suite
+from stdengine.conformance.suite import Check, Context, Outcome, Result, exit_status, run_check, select, worst
+
+GOLDEN = Path(golden_mod.GOLDEN_DIR)
+
+
+# --- statuses and selection -------------------------------------------------------------------
+def test_worst_wins():
+    assert worst(["pass", "warn", "pass"]) == "warn"
+    assert worst(["pass", "fail", "warn"]) == "fail"
+    assert worst(["pass", "skip", "not_supported"]) == "pass"  # skips never hide a pass or a fail
+    assert worst(["skip", "not_supported"]) == "skip"
+    o = Outcome()
+    o.expect(True, "a")
+    o.expect(False, "b", otherwise="warn")
+    assert o.status == "warn" and o.message() == "b"
+
+
+def _check(id: str, level: str = "core", needs: frozenset[str] = frozenset(), fn: Any = None) -> Check:
+    return Check(id, level, fn or (lambda ctx, out: out.add("pass", "ok")), needs)  # type: ignore[arg-type]
+
+
+def test_select_by_level_and_pattern():
+    cs = [_check("tokenizer.ids:case=a"), _check("generation.seed", "optional"), _check("x.y", "ext")]
+    assert [c.id for c in select(cs, "core")] == ["tokenizer.ids:case=a"]
+    assert len(select(cs, "optional")) == 2 and len(select(cs, "all")) == 3
+    assert [c.id for c in select(cs, "all", "gen*")] == ["generation.seed"]
+    assert [c.id for c in select(cs, "all", "case=a")] == ["tokenizer.ids:case=a"]  # bare word: anywhere
+
+
+def test_missing_capability_is_not_supported_and_errors_fail():
+    class E:
+        capabilities = frozenset({"tokenize"})
+
+    ctx = Context(engine=E())
+    r = run_check(_check("logits.kl:text=all", needs=frozenset({"logits"})), ctx)
+    assert r.status == "not_supported" and "logits" in r.message
+
+    def boom(ctx: Context, out: Outcome) -> None:
+        raise RuntimeError("engine crashed")
+
+    r = run_check(_check("generation.eog", fn=boom), ctx)
+    assert r.status == "fail" and "engine crashed" in r.message
+
+    def not_impl(ctx: Context, out: Outcome) -> None:
+        raise NotImplementedError
+
+    assert run_check(_check("errors.empty_prompt", fn=not_impl), ctx).status == "not_supported"
+    assert (
+        run_check(
+            _check("chat.template:conv=single,gen=1", fn=lambda c, o: c.need_golden("chat")), ctx
+        ).status
+        == "skip"
+    )
+
+
+def test_exit_status_counts_only_core_failures():
+    def res(level: str, status: str) -> Result:
+        return Result("a.b", level, status, "", 0.0)  # type: ignore[arg-type]
+
+    assert exit_status([res("core", "pass"), res("optional", "fail"), res("core", "warn")]) == 0
+    assert exit_status([res("core", "fail")]) == 1
+
+
+# --- metrics ------------------------------------------------------------------------------------
+def _golden_text_from(ref_logits: np.ndarray, k: int = 5) -> dict[str, Any]:
+    ids, lps, tails = metrics.top_k_record(metrics.log_softmax(ref_logits), k)
+    return {"name": "t", "ids": [], "top_ids": ids, "top_logprobs": lps, "tail_logprob": tails}
+
+
+def test_restricted_kl_is_zero_for_the_reference_and_a_lower_bound_of_full_kl():
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(20, 50)) * 3
+    text = _golden_text_from(ref)
+    same = metrics.restricted_kl(text["top_ids"], text["top_logprobs"], text["tail_logprob"], ref)
+    assert np.all(np.abs(same) < 1e-5)
+    other = ref + rng.normal(size=ref.shape)
+    kl_r = metrics.restricted_kl(text["top_ids"], text["top_logprobs"], text["tail_logprob"], other)
+    lp, lq = metrics.log_softmax(ref), metrics.log_softmax(other)
+    kl_full = (np.exp(lp) * (lp - lq)).sum(-1)
+    assert np.all(kl_r <= kl_full + 1e-5) and kl_r.mean() > 0.01
+
+
+def test_distance_counts_confident_top1_misses():
+    ref = np.zeros((3, 10))
+    ref[0, 1] = 5.0  # confident
+    ref[1, 2] = 5.0  # confident
+    ref[2, 3] = 0.2  # near tie: not confident
+    text = _golden_text_from(ref)
+    eng = ref.copy()
+    eng[1, 7] = 9.0  # the engine picks another token at a confident position
+    eng[2, 4] = 1.0  # and at the near tie (not counted)
+    d = metrics.distance([text], [eng])
+    assert d.n_confident == 2 and d.top1_misses == 1 and d.top1_agreement == 0.5
+
+
+def test_bounds():
+    assert metrics.kl_bound(0.002) == pytest.approx(0.007)
+    assert metrics.kl_bound(0.02) == pytest.approx(0.04)
+    assert metrics.top1_miss_bound(0.0) == pytest.approx(0.01)
+
+
+# --- golden data --------------------------------------------------------------------------------
+@pytest.mark.parametrize("alias", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_committed_golden_data(alias):
+    path = GOLDEN / f"{alias}.json.gz"
+    assert path.stat().st_size < 1_000_000
+    g = golden_mod.load_golden(path)
+    assert g["format"] == golden_mod.FORMAT and len(g["sha256"]) == 64
+    texts = g["logits"]["texts"]
+    assert sum(len(t["top_ids"]) for t in texts) >= 300
+    long = next(t for t in texts if t["name"] == "long")
+    assert len(long["ids"]) > 600  # longer than Gemma's 512-token window
+    for t in texts:
+        assert len(t["top_ids"]) == len(t["ids"]) and len(t["top_ids"][0]) == g["logits"]["k"]
+        assert all(lps == sorted(lps, reverse=True) for lps in t["top_logprobs"][:20])
+    ll = g["logits"]["llama_cpp"]["all"]
+    assert 0 < ll["kl_mean"] < 0.05 and ll["n_confident"] > 100
+    assert g["eog"]["case"] and g["eog"]["case"]["llama_cpp_greedy"][-1] in g["eog"]["ids"]
+    assert all(c["llama_cpp_python_agrees"] for c in g["chat"]["cases"])
+    assert "made" in g and g["made"]["command"].endswith(alias)
+
+
+def test_golden_found_by_alias_and_refused_for_another_file(tmp_path):
+    g, note = find_golden("smollm2-135m-instruct", None)  # a remote engine: trusted by name
+    assert g is not None and "by name" in note
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF not the model")
+    g, note = find_golden("smollm2-135m-instruct", other)
+    assert g is None and "SHA256" in note
+    g, note = find_golden("no-such-model", other)
+    assert g is None and "no golden data" in note
+
+
+# --- the exact reference on a tiny synthetic model ----------------------------------------------
+def _independent_llama(path: Path, tokens: list[int]) -> np.ndarray:
+    """A second, deliberately different implementation: token by token with a KV cache, complex
+    numbers for the rotation. Same math as exact.py, none of its code."""
+    import gguf
+    from gguf.quants import dequantize
+
+    r = gguf.GGUFReader(str(path))
+    f = {k: v.contents() for k, v in r.fields.items() if not k.startswith("tokenizer.")}
+    W = {
+        t.name: dequantize(t.data, t.tensor_type)
+        .astype(np.float64)
+        .reshape(tuple(reversed([int(n) for n in t.shape])))
+        for t in r.tensors
+    }
+    n_layer, n_head, n_kv = (
+        f["llama.block_count"],
+        f["llama.attention.head_count"],
+        f["llama.attention.head_count_kv"],
+    )
+    d = f["llama.embedding_length"] // n_head
+    eps, base = f["llama.attention.layer_norm_rms_epsilon"], f["llama.rope.freq_base"]
+
+    def norm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x * w / math.sqrt(float(np.dot(x, x)) / len(x) + eps)
+
+    def rot(v: np.ndarray, pos: int) -> np.ndarray:
+        c = v[0::2] + 1j * v[1::2]  # adjacent pairs as complex numbers
+        c = c * np.exp(1j * pos * base ** (-np.arange(d // 2) * 2 / d))
+        out = np.empty_like(v)
+        out[0::2], out[1::2] = c.real, c.imag
+        return out
+
+    K: list[list[list[np.ndarray]]] = [[] for _ in range(n_layer)]
+    V: list[list[list[np.ndarray]]] = [[] for _ in range(n_layer)]
+    rows = []
+    for pos, tok in enumerate(tokens):
+        x = W["token_embd.weight"][tok].copy()
+        for il in range(n_layer):
+            p = f"blk.{il}."
+            h = norm(x, W[p + "attn_norm.weight"])
+            q = (W[p + "attn_q.weight"] @ h).reshape(n_head, d)
+            k = (W[p + "attn_k.weight"] @ h).reshape(n_kv, d)
+            v = (W[p + "attn_v.weight"] @ h).reshape(n_kv, d)
+            K[il].append([rot(k[j], pos) for j in range(n_kv)])
+            V[il].append([v[j] for j in range(n_kv)])
+            heads = []
+            for hh in range(n_head):
+                j = hh * n_kv // n_head
+                qr = rot(q[hh], pos)
+                s = np.array([qr @ K[il][t][j] for t in range(pos + 1)]) / math.sqrt(d)
+                a = np.exp(s - s.max())
+                a /= a.sum()
+                heads.append(sum(a[t] * V[il][t][j] for t in range(pos + 1)))
+            x = x + W[p + "attn_output.weight"] @ np.concatenate(heads)
+            m = norm(x, W[p + "ffn_norm.weight"])
+            g = W[p + "ffn_gate.weight"] @ m
+            x = x + W[p + "ffn_down.weight"] @ ((g / (1 + np.exp(-g))) * (W[p + "ffn_up.weight"] @ m))
+        rows.append(W["output.weight"] @ norm(x, W["output_norm.weight"]))
+    return np.array(rows)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from gguf_factory import write_llama_gguf
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_llama_gguf(path, weight_type="Q8_0", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2)
+    return path
+
+
+TINY_TOKENS = [1, 5, 9, 17, 33, 4, 60, 12, 8, 40, 41, 42]
+
+
+def test_exact_reference_matches_an_independent_computation(tiny_llama):
+    from stdengine.conformance.exact import ExactModel
+
+    exact = ExactModel(tiny_llama).logits(TINY_TOKENS)
+    independent = _independent_llama(tiny_llama, TINY_TOKENS)
+    assert exact.shape == independent.shape == (len(TINY_TOKENS), 64)
+    np.testing.assert_allclose(exact, independent, rtol=1e-9, atol=1e-9)
+
+
+def test_exact_reference_matches_llama_cpp_on_the_tiny_model(tiny_llama):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from stdengine.conformance.exact import ExactModel
+
+    exact = ExactModel(tiny_llama).logits(TINY_TOKENS)
+    llm = llama_cpp.Llama(str(tiny_llama), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(TINY_TOKENS)
+    theirs = np.array(llm.scores[: len(TINY_TOKENS)], dtype=np.float64)
+    lp, lq = metrics.log_softmax(exact), metrics.log_softmax(theirs)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    # llama.cpp quantizes activations to 8 bits for Q8_0 dots and keeps an f16 KV cache
+    assert kl.max() < 1e-3, kl
+    # ...but a RoPE or mask error would not be this close: shuffle positions and it is far
+    scrambled = ExactModel(tiny_llama).logits(TINY_TOKENS[::-1])[::-1]
+    lr = metrics.log_softmax(scrambled)
+    assert (np.exp(lp) * (lp - lr)).sum(-1).max() > 10 * kl.max()
+
+
+# --- report bundle ------------------------------------------------------------------------------
+def test_report_bundle(tmp_path):
+    from stdengine.conformance.report import bundle_meta
+
+    results = [
+        Result("tokenizer.ids:case=a", "core", "pass", "ok", 1.0),
+        Result("logits.kl:text=all", "core", "fail", "mean KL 0.5 <&> bound", 2.0, {"x": 1}),
+        Result("generation.seed", "optional", "warn", "seed ignored", 3.0),
+        Result("chat.template:conv=single,gen=1", "core", "not_supported", "no chat_template", 0.0),
+    ]
+    meta = bundle_meta(
+        {"name": "toy", "version": "1", "model": {"arch": "llama"}}, "toy", "m", "golden m", None, "all", None
+    )
+    d = write_bundle(tmp_path / "rep", results, meta)
+    data = json.loads((d / "results.json").read_text())
+    assert data["exit_status"] == 1 and data["summary"]["fail"] == 1 and data["groups"]["logits"] == "fail"
+    assert [r["id"] for r in data["results"]] == [r.id for r in results]
+    root = ET.parse(d / "junit.xml").getroot()
+    assert root.get("tests") == "4" and root.get("failures") == "1" and root.get("skipped") == "1"
+    assert root.find(".//testcase[@name='logits.kl:text=all']/failure") is not None
+    summary = (d / "summary.md").read_text()
+    assert "FAIL" in summary and "`logits.kl:text=all`" in summary
+    yaml_text = (d / "ENGINE.yaml").read_text()
+    assert 'engine: "toy"' in yaml_text and "machine:" in yaml_text and 'model: "m"' in yaml_text
+
+
+# --- HTTP checks against small stdlib servers ---------------------------------------------------
+class _Handler(BaseHTTPRequestHandler):
+    broken = False
+    key = "sekrit"
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def _send(self, status: int, body: Any, ctype: str = "application/json") -> None:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _error(self, status: int, message: str) -> None:
+        if self.broken:  # the framework's default instead of the OpenAI envelope
+            self._send(422 if status == 400 else status, {"detail": message})
+        else:
+            self._send(
+                status, {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+            )
+
+    def do_GET(self) -> None:
+        self._send(200, {"object": "list", "data": [{"id": "toy", "object": "model"}]})
+
+    def do_POST(self) -> None:
+        raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.headers.get("Authorization") != f"Bearer {self.key}":
+            return self._error(401, "bad key")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return self._error(400, "bad json")
+        if not isinstance(body.get("temperature", 0), (int, float)):
+            return self._error(400, "bad temperature")
+        chat = self.path.endswith("/chat/completions")
+        if chat and "messages" not in body:
+            return self._error(400, "no messages")
+        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        if not body.get("stream"):
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": "hi there"}, "finish_reason": "stop"}
+                if chat
+                else {"index": 0, "text": "hi there", "finish_reason": "stop"}
+            )
+            return self._send(
+                200,
+                {
+                    "id": "x",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": 1,
+                    "model": "toy",
+                    "choices": [choice],
+                    "usage": usage,
+                },
+            )
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        chunks = []
+        for i, word in enumerate(["hi", " there"]):
+            delta = {"delta": {"content": word}} if chat else {"text": word}
+            chunks.append(
+                {
+                    "id": "x",
+                    "object": obj,
+                    "created": 1,
+                    "choices": [{"index": 0, **delta, "finish_reason": "stop" if i == 1 else None}],
+                }
+            )
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({"id": "x", "object": obj, "created": 1, "choices": [], "usage": usage})
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
+        if not self.broken:
+            text += "data: [DONE]\n\n"
+        self._send(200, text.encode(), "text/event-stream")
+
+
+def _serve(broken: bool):
+    handler = type("H", (_Handler,), {"broken": broken})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_http_checks(broken):
+    server = _serve(broken)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        results = run_suite(Context(url=url, api_key="sekrit", model="toy"), level="all")
+    finally:
+        server.shutdown()
+    status = {r.id: r.status for r in results}
+    assert set(status) == {c.id for c in http_checks.plan_http(Context(url=url))}
+    if not broken:
+        assert all(s == "pass" for s in status.values()), [r.to_dict() for r in results if r.status != "pass"]
+    else:
+        failing = {i for i, s in status.items() if s == "fail"}
+        assert failing == {
+            "http.chat.stream",
+            "http.completions.stream",
+            "http.chat.stream.usage",
+            "http.errors.bad_json",
+            "http.errors.bad_param",
+            "http.errors.auth",
+        }
+
+
+def test_http_auth_check_skips_without_a_key():
+    server = _serve(False)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        results = run_suite(Context(url=url), level="all", only="http.errors.auth")
+    finally:
+        server.shutdown()
+    assert [r.status for r in results] == ["skip"]
