@@ -556,6 +556,7 @@ void se_quantize_rows(int act_type, const float *x, int64_t k, int n_tok, void *
 /* For prompts, rows are taken in groups of ROW_BLOCK so that the group's weights stay in L1
  * while every group of 4 tokens passes over them. */
 #define ROW_BLOCK 16
+#define PREFETCH_BYTES 16384
 
 void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
                float *y, int64_t ldy, int64_t r0, int64_t r1) {
@@ -571,9 +572,17 @@ void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
         return;
     }
     if (n_tok == 1) {
+        /* Weights stream from DRAM once per token: ask for the rows PREFETCH_BYTES ahead, since
+         * the hardware prefetcher alone leaves the core waiting on memory half of the time. */
+        const int64_t ahead = (int64_t)(PREFETCH_BYTES / wrow) + 1;
         int64_t r = r0;
-        for (; r + kt->tg_rows <= r1; r += kt->tg_rows)
+        for (; r + kt->tg_rows <= r1; r += kt->tg_rows) {
+            if (r + ahead + kt->tg_rows <= r1) {
+                const char *p = w + wrow * (size_t)(r + ahead);
+                for (size_t o = 0; o < wrow * (size_t)kt->tg_rows; o += 64) __builtin_prefetch(p + o);
+            }
             kt->tile(k, w + wrow * (size_t)r, wrow, kt->tg_rows, a, arow, 1, y + r);
+        }
         for (; r < r1; r++) y[r] = kt->dot(k, w + wrow * (size_t)r, a);
         return;
     }
