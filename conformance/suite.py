@@ -47,8 +47,9 @@ class Outcome:
         self.items.append((status, message))
 
     def expect(self, ok: bool, message: str, *, otherwise: Status = "fail") -> bool:
-        """Record a pass when ok, else `otherwise` (fail by default) with the message."""
-        self.items.append(("pass" if ok else otherwise, message))
+        """Record a pass when ok, else `otherwise` (fail by default). The message states what
+        must hold; a failed one is marked so that it does not read like a pass."""
+        self.items.append(("pass", message) if ok else (otherwise, f"NOT MET: {message}"))
         return ok
 
     @property

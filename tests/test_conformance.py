@@ -34,7 +34,7 @@ def test_worst_wins():
     o = Outcome()
     o.expect(True, "a")
     o.expect(False, "b", otherwise="warn")
-    assert o.status == "warn" and o.message() == "b"
+    assert o.status == "warn" and o.message() == "NOT MET: b"
 
 
 def _check(id: str, level: str = "core", needs: frozenset[str] = frozenset(), fn: Any = None) -> Check:
@@ -252,6 +252,102 @@ def test_exact_reference_matches_llama_cpp_on_the_tiny_model(tiny_llama):
     scrambled = ExactModel(tiny_llama).logits(TINY_TOKENS[::-1])[::-1]
     lr = metrics.log_softmax(scrambled)
     assert (np.exp(lp) * (lp - lr)).sum(-1).max() > 10 * kl.max()
+
+
+def _write_tiny_gemma3(
+    path: Path,
+    n_layer: int = 6,
+    n_embd: int = 64,
+    n_head: int = 2,
+    head_dim: int = 32,
+    n_ff: int = 128,
+    window: int = 4,
+) -> None:
+    """A tiny gemma3 GGUF: 5 local (sliding window 4) layers and 1 global, random Q8_0 weights."""
+    import gguf
+
+    rng = np.random.default_rng(1)
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"t{i}" for i in range(60)]
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(128)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(1)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(window)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types([3] * 4 + [1] * 60)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+
+    def mat(rows: int, cols: int, scale: float = 0.1) -> None:
+        return gguf.quants.quantize(
+            (rng.standard_normal((rows, cols)) * scale).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+        )
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    Q8 = gguf.GGMLQuantizationType.Q8_0
+    w.add_tensor("token_embd.weight", mat(len(tokens), n_embd, 0.05), raw_dtype=Q8)
+    w.add_tensor("output_norm.weight", norm(n_embd))
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        for name, shape in (
+            ("attn_q", (n_head * head_dim, n_embd)),
+            ("attn_k", (head_dim, n_embd)),
+            ("attn_v", (head_dim, n_embd)),
+            ("attn_output", (n_embd, n_head * head_dim)),
+            ("ffn_gate", (n_ff, n_embd)),
+            ("ffn_up", (n_ff, n_embd)),
+            ("ffn_down", (n_embd, n_ff)),
+        ):
+            w.add_tensor(p + name + ".weight", mat(*shape), raw_dtype=Q8)
+        for name, n in (
+            ("attn_norm", n_embd),
+            ("attn_q_norm", head_dim),
+            ("attn_k_norm", head_dim),
+            ("post_attention_norm", n_embd),
+            ("ffn_norm", n_embd),
+            ("post_ffw_norm", n_embd),
+        ):
+            w.add_tensor(p + name + ".weight", norm(n))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_exact_gemma3_matches_llama_cpp_on_a_tiny_model(tmp_path):
+    """The gemma3 path (embedding scale, q/k norms, NEOX RoPE, post norms, GELU, sliding window on
+    local layers with their own RoPE base) against llama.cpp on a file where the window is 4."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from stdengine.conformance.exact import ExactModel
+
+    path = tmp_path / "tiny-gemma3.gguf"
+    _write_tiny_gemma3(path)
+    tokens = [2, 10, 20, 30, 40, 50, 11, 21, 31, 41, 51, 12, 22, 32]
+    model = ExactModel(path)
+    assert [model.is_local(il) for il in range(6)] == [True] * 5 + [False]
+    exact = model.logits(tokens)
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(tokens)
+    theirs = np.array(llm.scores[: len(tokens)], dtype=np.float64)
+    lp, lq = metrics.log_softmax(exact), metrics.log_softmax(theirs)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    assert kl.max() < 2e-3, kl
+    # without the window (every layer global) positions past it are far from llama.cpp
+    model.hp.window = 0
+    lw = metrics.log_softmax(model.logits(tokens))
+    kl_nowin = (np.exp(lw) * (lw - lq)).sum(-1)
+    assert kl_nowin[6:].max() > 10 * kl.max()
 
 
 # --- report bundle ------------------------------------------------------------------------------

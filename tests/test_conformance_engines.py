@@ -60,7 +60,8 @@ def validating(base: type) -> type:
 def run(
     cls: type, path: Any, golden: dict[str, Any], only: str | None = None, level: str = "core"
 ) -> dict[str, Any]:
-    engine = cls.load(Options(model=str(path), ctx_size=N_CTX, threads=2), null_emitter())
+    # one thread: no spin-waiting thread pool fighting other processes for the CI machine's 2 cores
+    engine = cls.load(Options(model=str(path), ctx_size=N_CTX, threads=1), null_emitter())
     try:
         ctx = Context(engine=engine, golden=golden, golden_note="test", model=ALIAS, model_path=path)
         results = run_suite(ctx, level=level, only=only)
@@ -88,7 +89,7 @@ def test_ignoring_stop_strings_fails_the_stop_checks(llamacpp_cls, smollm2_path,
             s = dataclasses.replace(request.sampling, stop=[])
             return super().generate(dataclasses.replace(request, sampling=s))
 
-    results = run(IgnoresStop, smollm2_path, golden, only="generation.*")
+    results = run(IgnoresStop, smollm2_path, golden, only="generation.stop*")
     assert failing(results) == {"generation.stop:strings=1", "generation.stop:strings=3"}
 
 
@@ -119,7 +120,7 @@ def test_rope_error_fails_the_logits_checks(llamacpp_cls, smollm2_path, golden):
             lib = engine.lib
             cp = lib.llama_context_default_params()
             cp.n_ctx, cp.n_batch, cp.n_ubatch = options.ctx_size, options.batch_size, options.ubatch_size
-            cp.n_threads = cp.n_threads_batch = 2
+            cp.n_threads = cp.n_threads_batch = 1
             cp.rope_freq_base = 10000.0
             lib.llama_free(engine.ctx)
             engine.ctx = lib.llama_init_from_model(engine.model, cp)
@@ -163,7 +164,7 @@ def test_silent_truncation_fails_the_overflow_check(llamacpp_cls, smollm2_path, 
                     )
             return super().generate(request)
 
-    results = run(Truncates, smollm2_path, golden, only="errors.*")
+    results = run(Truncates, smollm2_path, golden, only="errors.context_overflow*")
     assert failing(results) == {"errors.context_overflow:api=generate"}
 
 
@@ -193,20 +194,21 @@ def test_undeclared_capabilities_are_not_supported(llamacpp_cls, smollm2_path, g
     class NoLogits(validating(llamacpp_cls)):  # type: ignore[misc]
         capabilities = frozenset({"stream", "tokenize"})
 
-    results = run(NoLogits, smollm2_path, golden, only="*", level="all")
+    # checks that need an undeclared capability never run, so this is quick
+    results = {}
+    for pattern in (
+        "logits.*",
+        "batch.*",
+        "chat.*",
+        "generation.seed",
+        "generation.greedy.logits",
+        "errors.context_overflow:api=decode",
+        "tokenizer.ids:case=plain",
+    ):
+        results.update(run(NoLogits, smollm2_path, golden, only=pattern, level="all"))
+    assert len(results) > 15
     for i, r in results.items():
-        if i.startswith(
-            (
-                "logits.",
-                "batch.",
-                "chat.",
-                "generation.seed",
-                "generation.greedy.logits",
-                "errors.context_overflow:api=decode",
-            )
-        ):
-            assert r.status == "not_supported", (i, r.status)
-    assert not failing(results)
+        assert r.status == ("pass" if i.startswith("tokenizer.") else "not_supported"), (i, r.status)
 
 
 # --- the command --------------------------------------------------------------------------------
