@@ -7,6 +7,7 @@ float64 by numpy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -35,9 +36,22 @@ ACT = {T.F32: T.F32, T.F16: T.F32, T.BF16: T.F32, T.Q4_0: T.Q8_0, T.Q4_1: T.Q8_1
        T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0, T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K}
 
 
+@contextlib.contextmanager
+def using_isa(name: str):
+    """Run on the named path, then go back to the one in use before (INFER_REF_ISA's choice
+    when CI forces one, so that later tests in the process keep it)."""
+    before = K.isa()
+    try:
+        assert K.set_isa(name) and K.isa() == name
+        yield name
+    finally:
+        K.set_isa(before)
+
+
 def _available_isas() -> list[str]:
+    before = K.isa()
     ok = [name for name in K.ISAS if K.set_isa(name)]
-    K.set_isa(None)
+    K.set_isa(before)
     return ok
 
 
@@ -48,9 +62,8 @@ ISAS = _available_isas()
 def isa(request):
     if request.param not in ISAS:
         pytest.skip(f"this CPU cannot run the {request.param} path")
-    assert K.set_isa(request.param) and K.isa() == request.param
-    yield request.param
-    K.set_isa(None)
+    with using_isa(request.param):
+        yield request.param
 
 
 def block(t) -> int:
@@ -302,12 +315,9 @@ def test_isas_agree(t):
     w = weights(t, 8, k, rng, sources(t)[-1])
     x = rng.standard_normal((5, k)).astype(np.float32)
     res = {}
-    try:
-        for name in ISAS:
-            K.set_isa(name)
+    for name in ISAS:
+        with using_isa(name):
             res[name] = K.matmul(t, w, k, x)
-    finally:
-        K.set_isa(None)
     wd = gg_dequantize(w, t).astype(np.float64).reshape(8, k)
     ad = deq_act(ACT[t], K.quantize(ACT[t], x), k)
     tol = 1e-5 * (np.abs(ad) @ np.abs(wd).T) + 1e-30
@@ -361,11 +371,10 @@ def _check_model_tensors(path, isa_names):
         want = x.astype(np.float64) @ wd.T
         tol = act_error_bound(ACT[qt], x, wd) + float_error_bound(ACT[qt], x, wd)
         for name in isa_names:
-            K.set_isa(name)
-            for n_tok in (1, 3):
-                got = K.matmul(qt, raw, k, x[:n_tok])
-                assert (np.abs(got - want[:n_tok]) <= tol[:n_tok]).all(), f"{t.name} {qt.name} {name}"
-    K.set_isa(None)
+            with using_isa(name):
+                for n_tok in (1, 3):
+                    got = K.matmul(qt, raw, k, x[:n_tok])
+                    assert (np.abs(got - want[:n_tok]) <= tol[:n_tok]).all(), f"{t.name} {qt.name} {name}"
     return sorted(q.name for q in seen)
 
 
@@ -377,3 +386,9 @@ def test_smollm2_tensors(smollm2_path):
 @pytest.mark.models
 def test_gemma3_tensors(gemma3_path):
     assert set(_check_model_tensors(gemma3_path, ISAS)) >= {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+
+
+def test_tests_leave_the_forced_path():
+    """After the per-ISA tests, the process is back on INFER_REF_ISA's path (CI's forced scalar run)."""
+    forced = os.environ.get("INFER_REF_ISA")
+    assert K.isa() == (forced if forced in ISAS else ISAS[-1])
