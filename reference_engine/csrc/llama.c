@@ -24,13 +24,13 @@
 #define SE_ENGINE_INTERNAL
 #include "engine.h"
 #include "kernels.h"
+#include "blocks.h"
 
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define SPLIT_ALIGN 16 /* matmul row ranges start on multiples of this (room for row-interleaved kernels) */
 
 const char *se_version(void) { return "0.1.0"; }
 
@@ -47,7 +47,7 @@ static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 se_model *se_model_new(const se_hparams *hp) {
     pthread_once(&kernels_once, kernels_init_once);
     if (!hp) return NULL;
-    if (hp->arch != SE_ARCH_LLAMA) return NULL; /* gemma3's forward is not written yet */
+    if (hp->arch != SE_ARCH_LLAMA && hp->arch != SE_ARCH_GEMMA3) return NULL;
     /* Sanity bounds: a hostile header must not make us allocate or index wildly. */
     if (hp->n_vocab < 1 || hp->n_vocab > (1 << 24)) return NULL;
     if (hp->n_embd < 1 || hp->n_embd > (1 << 16)) return NULL;
@@ -165,11 +165,21 @@ int se_model_finalize(se_model *m, int32_t *bad_layer, int32_t *bad_slot) {
     static const int required[] = { SE_T_ATTN_NORM, SE_T_ATTN_Q, SE_T_ATTN_K, SE_T_ATTN_V,
                                     SE_T_ATTN_OUTPUT, SE_T_FFN_NORM, SE_T_FFN_GATE, SE_T_FFN_UP,
                                     SE_T_FFN_DOWN };
+    /* gemma3 also normalises q and k per head and the output of each block (gemma3.c) */
+    static const int required_gemma3[] = { SE_T_ATTN_Q_NORM, SE_T_ATTN_K_NORM, SE_T_ATTN_POST_NORM,
+                                           SE_T_FFN_POST_NORM };
     for (int il = 0; il < m->hp.n_layer; il++) {
         for (size_t i = 0; i < sizeof required / sizeof required[0]; i++) {
             if (!m->layers[il].t[required[i]].data) {
                 *bad_layer = il;
                 *bad_slot = required[i];
+                return SE_ERR_MISSING;
+            }
+        }
+        for (size_t i = 0; m->hp.arch == SE_ARCH_GEMMA3 && i < sizeof required_gemma3 / sizeof required_gemma3[0]; i++) {
+            if (!m->layers[il].t[required_gemma3[i]].data) {
+                *bad_layer = il;
+                *bad_slot = required_gemma3[i];
                 return SE_ERR_MISSING;
             }
         }
@@ -316,28 +326,21 @@ int se_context_truncate(se_context *c, int32_t n_past) {
  */
 
 /* [*r0, *r1): this thread's share of n items, boundaries on multiples of align */
-static void split(int64_t n, int ith, int nth, int64_t align, int64_t *r0, int64_t *r1) {
+void se_split(int64_t n, int ith, int nth, int64_t align, int64_t *r0, int64_t *r1) {
     int64_t blocks = (n + align - 1) / align;
     *r0 = min64(n, blocks * ith / nth * align);
     *r1 = min64(n, blocks * (ith + 1) / nth * align);
 }
 
 /* y = x / rms(x) * w (llama.cpp accumulates the sum of squares in double; so do we) */
-static void rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps) {
+void se_rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps) {
     double ss = 0;
     for (int64_t i = 0; i < n; i++) ss += (double)(x[i] * x[i]);
     float scale = 1.0f / sqrtf((float)(ss / (double)n) + eps);
     for (int64_t i = 0; i < n; i++) y[i] = x[i] * scale * w[i];
 }
 
-/* Activations for one matmul group: one buffer per distinct act type of its weights. */
-typedef struct {
-    int n;
-    int type[3];
-    const void *ptr[3];
-} acts_t;
-
-static const void *act_for(const acts_t *a, int wtype) {
+static const void *act_for(const se_acts *a, int wtype) {
     int at = se_traits(wtype)->act_type;
     for (int j = 0; j < a->n; j++)
         if (a->type[j] == at) return a->ptr[j];
@@ -348,8 +351,8 @@ static const void *act_for(const acts_t *a, int wtype) {
  * (row stride k), RMS-normalised by norm_w first if it is not NULL. Small batches: every thread
  * does all of it into its own buffers (no barrier). Large batches: each thread does its share
  * of the tokens into the shared buffers, then a barrier. */
-static void prep_acts(se_context *c, int ith, int nth, const float *src, int64_t k, int n_tok,
-                      const float *norm_w, const se_tensor *const *w, int nw, acts_t *out) {
+void se_prep_acts(se_context *c, int ith, int nth, const float *src, int64_t k, int n_tok,
+                  const float *norm_w, const se_tensor *const *w, int nw, se_acts *out) {
     out->n = 0;
     for (int i = 0; i < nw; i++) {
         int at = se_traits(w[i]->type)->act_type;
@@ -361,11 +364,11 @@ static void prep_acts(se_context *c, int ith, int nth, const float *src, int64_t
     int priv = n_tok <= SE_PRIVATE_TOKENS; /* (with one thread the barrier below is free) */
     se_thread_scratch *ts = &c->ts[ith];
     int64_t t0 = 0, t1 = n_tok;
-    if (!priv) split(n_tok, ith, nth, 1, &t0, &t1);
+    if (!priv) se_split(n_tok, ith, nth, 1, &t0, &t1);
     const float *rows = src;
     if (norm_w) {
         float *dst = priv ? ts->norm : c->xb;
-        for (int64_t t = t0; t < t1; t++) rmsnorm(dst + t * k, src + t * k, norm_w, k, eps);
+        for (int64_t t = t0; t < t1; t++) se_rmsnorm(dst + t * k, src + t * k, norm_w, k, eps);
         rows = dst;
     }
     for (int j = 0; j < out->n; j++) {
@@ -383,8 +386,8 @@ static void prep_acts(se_context *c, int ith, int nth, const float *src, int64_t
 }
 
 /* y rows [r0, r1) = W x for every token, through the kernels */
-static void matmul(const se_tensor *W, const acts_t *a, int n_tok, float *y, int64_t ldy,
-                   int64_t r0, int64_t r1) {
+void se_matmul_rows(const se_tensor *W, const se_acts *a, int n_tok, float *y, int64_t ldy,
+                    int64_t r0, int64_t r1) {
     if (r1 <= r0) return;
     se_matmul(W->type, W->data, W->ne0, act_for(a, W->type), n_tok, y, ldy, r0, r1);
 }
@@ -434,11 +437,11 @@ static float *kv_row(const se_context *c, float *cache, int il, int h, int64_t p
 }
 
 /* Token embeddings and rope tables for this thread's share of the ubatch, then a barrier. */
-static void forward_prologue(se_context *c, int ith, int nth) {
+void se_forward_prologue(se_context *c, int ith, int nth) {
     const se_model *m = c->m;
     const se_hparams *hp = &m->hp;
     int64_t t0, t1;
-    split(c->ub_n, ith, nth, 1, &t0, &t1);
+    se_split(c->ub_n, ith, nth, 1, &t0, &t1);
     se_to_float_fn to_float = se_traits(m->token_embd.type)->to_float;
     for (int64_t t = t0; t < t1; t++) {
         float *x = c->x + t * hp->n_embd;
@@ -456,23 +459,23 @@ static void forward_prologue(se_context *c, int ith, int nth) {
 /* Q, K and V projections of layer il, split across threads by whole heads, so that each thread
  * can finish its heads at once: Q heads are roped in place; K heads are written straight into the
  * cache at their positions and roped there; V heads go straight into the cache. Then a barrier. */
-static void forward_qkv(se_context *c, int il, const acts_t *a, int ith, int nth) {
+void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
     const se_hparams *hp = &c->m->hp;
     const se_layer *L = &c->m->layers[il];
     int H = hp->n_head, HKV = hp->n_head_kv, hd = hp->head_dim, n = c->ub_n;
     int64_t Dq = (int64_t)H * hd;
     int64_t u0, u1;
-    split(H + 2 * HKV, ith, nth, 1, &u0, &u1);
+    se_split(H + 2 * HKV, ith, nth, 1, &u0, &u1);
     /* Q heads [u0, min(u1, H)) in one call */
     int64_t q0 = u0, q1 = min64(u1, H);
     if (q1 > q0) {
-        matmul(&L->t[SE_T_ATTN_Q], a, n, c->q, Dq, q0 * hd, q1 * hd);
+        se_matmul_rows(&L->t[SE_T_ATTN_Q], a, n, c->q, Dq, q0 * hd, q1 * hd);
         const float *qn = L->t[SE_T_ATTN_Q_NORM].data;
         for (int t = 0; t < n; t++) {
             const float *cs = rope_row(c, L->rope_idx, t);
             for (int64_t h = q0; h < q1; h++) {
                 float *q = c->q + t * Dq + h * hd;
-                if (qn) rmsnorm(q, q, qn, hd, hp->norm_eps);
+                if (qn) se_rmsnorm(q, q, qn, hd, hp->norm_eps);
                 rope_apply(q, cs, hp->n_rot, hp->rope_type);
             }
         }
@@ -486,12 +489,12 @@ static void forward_qkv(se_context *c, int il, const acts_t *a, int ith, int nth
         /* rows [h*hd, (h+1)*hd) of W, addressed as rows [0, hd) of the sub-matrix */
         se_tensor sub = *W;
         sub.data = (const char *)W->data + (size_t)h * hd * W->row_size;
-        matmul(&sub, a, n, dst, hd, 0, hd);
+        se_matmul_rows(&sub, a, n, dst, hd, 0, hd);
         if (is_k) {
             const float *kn = L->t[SE_T_ATTN_K_NORM].data;
             for (int t = 0; t < n; t++) {
                 float *k = dst + (size_t)t * hd;
-                if (kn) rmsnorm(k, k, kn, hd, hp->norm_eps);
+                if (kn) se_rmsnorm(k, k, kn, hd, hp->norm_eps);
                 rope_apply(k, rope_row(c, L->rope_idx, t), hp->n_rot, hp->rope_type);
             }
         }
@@ -532,7 +535,7 @@ static void attend(const float *q, const float *kc, const float *vc, int hd, int
 
 /* Attention of every (token, head) of the ubatch, dealt round-robin to the threads (later tokens
  * see more keys, so contiguous shares would be unequal). Then a barrier. */
-static void forward_attention(se_context *c, int il, int ith, int nth) {
+void se_forward_attention(se_context *c, int il, int ith, int nth) {
     const se_hparams *hp = &c->m->hp;
     const se_layer *L = &c->m->layers[il];
     int H = hp->n_head, hd = hp->head_dim, group = hp->n_head / hp->n_head_kv;
@@ -551,11 +554,11 @@ static void forward_attention(se_context *c, int il, int ith, int nth) {
 }
 
 /* x += W act for this thread's rows of W (all tokens), then a barrier. */
-static void forward_residual_matmul(se_context *c, const se_tensor *W, const acts_t *a, int ith,
+static void forward_residual_matmul(se_context *c, const se_tensor *W, const se_acts *a, int ith,
                                     int nth) {
     int64_t E = c->m->hp.n_embd, r0, r1;
-    split(W->ne1, ith, nth, SPLIT_ALIGN, &r0, &r1);
-    matmul(W, a, c->ub_n, c->tmp, E, r0, r1);
+    se_split(W->ne1, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    se_matmul_rows(W, a, c->ub_n, c->tmp, E, r0, r1);
     for (int t = 0; t < c->ub_n; t++) {
         float *x = c->x + t * E;
         const float *y = c->tmp + t * E;
@@ -567,11 +570,11 @@ static void forward_residual_matmul(se_context *c, const se_tensor *W, const act
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
 /* hb = silu(gate act) * (up act) for this thread's rows of the ffn, then a barrier. */
-static void forward_swiglu(se_context *c, const se_layer *L, const acts_t *a, int ith, int nth) {
+static void forward_swiglu(se_context *c, const se_layer *L, const se_acts *a, int ith, int nth) {
     int64_t F = c->m->hp.n_ff, r0, r1;
-    split(F, ith, nth, SPLIT_ALIGN, &r0, &r1);
-    matmul(&L->t[SE_T_FFN_GATE], a, c->ub_n, c->hb, F, r0, r1);
-    matmul(&L->t[SE_T_FFN_UP], a, c->ub_n, c->hb2, F, r0, r1);
+    se_split(F, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    se_matmul_rows(&L->t[SE_T_FFN_GATE], a, c->ub_n, c->hb, F, r0, r1);
+    se_matmul_rows(&L->t[SE_T_FFN_UP], a, c->ub_n, c->hb2, F, r0, r1);
     for (int t = 0; t < c->ub_n; t++) {
         float *g = c->hb + t * F;
         const float *u = c->hb2 + t * F;
@@ -581,7 +584,7 @@ static void forward_swiglu(se_context *c, const se_layer *L, const acts_t *a, in
 }
 
 /* Final norm and the output head for the tokens whose logits are wanted. */
-static void forward_output(se_context *c, int ith, int nth) {
+void se_forward_output(se_context *c, int ith, int nth) {
     const se_model *m = c->m;
     int64_t E = m->hp.n_embd, V = m->hp.n_vocab;
     int first, n_out;
@@ -589,11 +592,11 @@ static void forward_output(se_context *c, int ith, int nth) {
     if (c->ub_out) { first = 0; n_out = c->ub_n; out = c->ub_out; }
     else { first = c->ub_n - 1; n_out = 1; out = c->logits; }
     const se_tensor *w[1] = { &m->output };
-    acts_t a;
-    prep_acts(c, ith, nth, c->x + first * E, E, n_out, m->output_norm.data, w, 1, &a);
+    se_acts a;
+    se_prep_acts(c, ith, nth, c->x + first * E, E, n_out, m->output_norm.data, w, 1, &a);
     int64_t r0, r1;
-    split(V, ith, nth, SPLIT_ALIGN, &r0, &r1);
-    matmul(&m->output, &a, n_out, out, V, r0, r1);
+    se_split(V, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    se_matmul_rows(&m->output, &a, n_out, out, V, r0, r1);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -605,28 +608,28 @@ static void llama_forward(void *arg, int ith, int nth) {
     const se_hparams *hp = &m->hp;
     int n = c->ub_n;
     int64_t E = hp->n_embd, Dq = (int64_t)hp->n_head * hp->head_dim;
-    acts_t a;
+    se_acts a;
 
-    forward_prologue(c, ith, nth);
+    se_forward_prologue(c, ith, nth);
     for (int il = 0; il < hp->n_layer; il++) {
         const se_layer *L = &m->layers[il];
         /* attention block */
         const se_tensor *qkv[3] = { &L->t[SE_T_ATTN_Q], &L->t[SE_T_ATTN_K], &L->t[SE_T_ATTN_V] };
-        prep_acts(c, ith, nth, c->x, E, n, L->t[SE_T_ATTN_NORM].data, qkv, 3, &a);
-        forward_qkv(c, il, &a, ith, nth);
-        forward_attention(c, il, ith, nth);
+        se_prep_acts(c, ith, nth, c->x, E, n, L->t[SE_T_ATTN_NORM].data, qkv, 3, &a);
+        se_forward_qkv(c, il, &a, ith, nth);
+        se_forward_attention(c, il, ith, nth);
         const se_tensor *wo[1] = { &L->t[SE_T_ATTN_OUTPUT] };
-        prep_acts(c, ith, nth, c->att, Dq, n, NULL, wo, 1, &a);
+        se_prep_acts(c, ith, nth, c->att, Dq, n, NULL, wo, 1, &a);
         forward_residual_matmul(c, wo[0], &a, ith, nth);
         /* feed-forward block */
         const se_tensor *gu[2] = { &L->t[SE_T_FFN_GATE], &L->t[SE_T_FFN_UP] };
-        prep_acts(c, ith, nth, c->x, E, n, L->t[SE_T_FFN_NORM].data, gu, 2, &a);
+        se_prep_acts(c, ith, nth, c->x, E, n, L->t[SE_T_FFN_NORM].data, gu, 2, &a);
         forward_swiglu(c, L, &a, ith, nth);
         const se_tensor *wd[1] = { &L->t[SE_T_FFN_DOWN] };
-        prep_acts(c, ith, nth, c->hb, hp->n_ff, n, NULL, wd, 1, &a);
+        se_prep_acts(c, ith, nth, c->hb, hp->n_ff, n, NULL, wd, 1, &a);
         forward_residual_matmul(c, wd[0], &a, ith, nth);
     }
-    if (c->ub_out || c->ub_out_first >= 0) forward_output(c, ith, nth);
+    if (c->ub_out || c->ub_out_first >= 0) se_forward_output(c, ith, nth);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -639,7 +642,7 @@ int se_decode(se_context *c, const int32_t *tokens, int32_t n, float *all_logits
     if ((int64_t)c->n_past + n > c->cp.n_ctx) return SE_ERR_CONTEXT_OVERFLOW;
     for (int32_t i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= hp->n_vocab) return SE_ERR_BAD_TOKEN;
-    se_pool_fn forward = llama_forward;
+    se_pool_fn forward = hp->arch == SE_ARCH_GEMMA3 ? se_gemma3_forward : llama_forward;
     int32_t done = 0;
     while (done < n) {
         /* a logical batch of n_batch tokens, evaluated in ubatches of n_ubatch */
