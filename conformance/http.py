@@ -64,6 +64,20 @@ def request(
         return Reply(e.code, e.read(), dict(e.headers or {}))
 
 
+def probe(url: str, timeout_s: float = 10.0) -> None:
+    """Raise EngineUnavailable when nothing answers HTTP at url (any HTTP status is an answer)."""
+    from stdengine.errors import EngineUnavailable
+
+    try:
+        urllib.request.urlopen(root(url) + "/v1/models", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return
+    except (OSError, ValueError) as e:
+        raise EngineUnavailable(
+            f"no server answers at {url}: {e}", hint="start the server first, or check --url"
+        ) from e
+
+
 def model_id(ctx: Context) -> str:
     def find() -> str:
         r = request(ctx, "GET", "/v1/models")

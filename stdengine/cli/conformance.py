@@ -100,6 +100,10 @@ def conformance(level: str, only: str | None, report: str | None, list_only: boo
             click.echo(f"{c.id}\t{c.level}\t{c.description}")
         return
 
+    if options.url:
+        from stdengine.conformance.http import probe
+
+        probe(options.url)
     info = engine.info().to_dict() if engine is not None else {"name": "(http)", "version": None}
     adapter = options.engine if not http_only else "http"
     meta = rep.bundle_meta(info, adapter, model_ref, note, options.url, level, only)
