@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 import xml.etree.ElementTree as ET
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -377,6 +378,9 @@ def test_report_bundle(tmp_path):
 
 
 # --- HTTP checks against small stdlib servers ---------------------------------------------------
+_busy = threading.Lock()
+
+
 class _Handler(BaseHTTPRequestHandler):
     broken = False
     key = "sekrit"
@@ -401,7 +405,8 @@ class _Handler(BaseHTTPRequestHandler):
             )
 
     def do_GET(self) -> None:
-        self._send(200, {"object": "list", "data": [{"id": "toy", "object": "model"}]})
+        models = [{"id": "toy", "object": "model"}]
+        self._send(200, {"data": models} if self.broken else {"object": "list", "data": models})
 
     def do_POST(self) -> None:
         raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -417,6 +422,14 @@ class _Handler(BaseHTTPRequestHandler):
         if chat and "messages" not in body:
             return self._error(400, "no messages")
         usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        if self.broken and chat:
+            # one request at a time: a second concurrent one is turned away
+            if not _busy.acquire(blocking=False):
+                return self._send(503, {"error": {"message": "busy", "type": "server_error"}})
+            try:
+                time.sleep(0.3)
+            finally:
+                _busy.release()
         if not body.get("stream"):
             choice = (
                 {"index": 0, "message": {"role": "assistant", "content": "hi there"}, "finish_reason": "stop"}
@@ -427,7 +440,9 @@ class _Handler(BaseHTTPRequestHandler):
                 200,
                 {
                     "id": "x",
-                    "object": "chat.completion" if chat else "text_completion",
+                    "object": ("chat.completions" if self.broken else "chat.completion")
+                    if chat
+                    else "text_completion",
                     "created": 1,
                     "model": "toy",
                     "choices": [choice],
@@ -476,6 +491,9 @@ def test_http_checks(broken):
     else:
         failing = {i for i, s in status.items() if s == "fail"}
         assert failing == {
+            "http.models",
+            "http.chat",
+            "http.concurrent:n=4",
             "http.chat.stream",
             "http.completions.stream",
             "http.chat.stream.usage",

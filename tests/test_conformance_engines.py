@@ -190,6 +190,76 @@ def test_max_tokens_off_by_one_and_unvalidated_options_fail(llamacpp_cls, smollm
     }
 
 
+def test_ignored_temperature_zero_fails_the_greedy_checks(llamacpp_cls, smollm2_path, golden):
+    class SamplesAtTempZero(validating(llamacpp_cls)):  # type: ignore[misc]
+        """Treats temp 0 as 'use the default sampler' instead of greedy."""
+
+        def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+            s = request.sampling
+            if s.temp <= 0:
+                s = dataclasses.replace(s, temp=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=-1)
+            return super().generate(dataclasses.replace(request, sampling=s))
+
+    results = run(SamplesAtTempZero, smollm2_path, golden, only="generation.greedy.*")
+    assert failing(results) >= {
+        "generation.greedy.top_k1",
+        "generation.greedy.temp0",
+        "generation.greedy.logits",
+    }
+
+
+def test_unknown_end_of_generation_tokens_fail_the_eog_check(llamacpp_cls, smollm2_path, golden):
+    class NoEog(validating(llamacpp_cls)):  # type: ignore[misc]
+        """Does not know its end-of-generation tokens: generates through them."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            real = self.lib
+
+            class Lib:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(real, name)
+
+                @staticmethod
+                def llama_vocab_is_eog(vocab: Any, token: int) -> bool:
+                    return False
+
+            self.lib = Lib()
+
+    results = run(NoEog, smollm2_path, golden, only="generation.eog")
+    assert failing(results) == {"generation.eog"}
+
+
+def test_accepting_an_empty_prompt_fails(llamacpp_cls, smollm2_path, golden):
+    class AcceptsEmpty(validating(llamacpp_cls)):  # type: ignore[misc]
+        def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+            if request.prompt == "":
+                request = dataclasses.replace(request, prompt=" ")
+            return super().generate(request)
+
+    results = run(AcceptsEmpty, smollm2_path, golden, only="errors.empty_prompt")
+    assert failing(results) == {"errors.empty_prompt"}
+
+
+def test_wrong_chat_rendering_and_ignored_seed_fail(llamacpp_cls, smollm2_path, golden):
+    class Sloppy(validating(llamacpp_cls)):  # type: ignore[misc]
+        """Renders the template without trim_blocks (a stray newline) and ignores seeds."""
+
+        def apply_chat_template(
+            self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        ) -> str:
+            return super().apply_chat_template(messages, add_generation_prompt) + "\n"
+
+        def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+            s = dataclasses.replace(request.sampling, seed=-1)
+            return super().generate(dataclasses.replace(request, sampling=s))
+
+    results = run(Sloppy, smollm2_path, golden, only="chat.*")
+    assert failing(results) == set(results) and len(results) == 6
+    results = run(Sloppy, smollm2_path, golden, only="generation.seed", level="optional")
+    assert failing(results) == {"generation.seed"}
+
+
 def test_undeclared_capabilities_are_not_supported(llamacpp_cls, smollm2_path, golden):
     class NoLogits(validating(llamacpp_cls)):  # type: ignore[misc]
         capabilities = frozenset({"stream", "tokenize"})
