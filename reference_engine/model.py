@@ -21,7 +21,7 @@ import math
 import mmap
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from stdengine.errors import BadModelFile, UnsupportedArchitecture
 from . import core
 from .core import SLOTS, HParams
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
 # ggml type ids the reference engine can read (kernels.h); the rest are refused by name.
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 9: "q8_1",
@@ -43,6 +43,11 @@ _LLAMA_LAYER = {
     "attn_norm": "ATTN_NORM", "attn_q": "ATTN_Q", "attn_k": "ATTN_K", "attn_v": "ATTN_V",
     "attn_output": "ATTN_OUTPUT", "ffn_norm": "FFN_NORM", "ffn_gate": "FFN_GATE",
     "ffn_up": "FFN_UP", "ffn_down": "FFN_DOWN",
+}
+# gemma3's: llama's plus a per-head norm of q and k and a norm of each block's output
+_GEMMA3_LAYER = _LLAMA_LAYER | {
+    "attn_q_norm": "ATTN_Q_NORM", "attn_k_norm": "ATTN_K_NORM",
+    "post_attention_norm": "ATTN_POST_NORM", "post_ffw_norm": "FFN_POST_NORM",
 }
 _NORM_SLOTS = {"OUTPUT_NORM", "ATTN_NORM", "ATTN_Q_NORM", "ATTN_K_NORM", "ATTN_POST_NORM",
                "FFN_NORM", "FFN_POST_NORM"}
@@ -80,6 +85,17 @@ class Model:
     A Model may back several Contexts; close() (or garbage collection) closes them too.
     """
 
+    # set by load() (declared here so that type checkers know them)
+    path: Path
+    arch: str
+    file_size: int
+    metadata: dict[str, Any]
+    tensors: dict[str, Tensor]
+    hparams: HParams
+    layers: list[tuple[float, int]]
+    n_vocab: int
+    n_ctx_train: int
+
     def __init__(self) -> None:  # use Model.load
         self._handle: int | None = None
         self._map: mmap.mmap | None = None
@@ -96,7 +112,7 @@ class Model:
         self = cls()
         self.path = path
         self.file_size = header.file_size
-        self.metadata: dict[str, Any] = header.metadata
+        self.metadata = header.metadata
         if header.byte_order != "<":
             raise _unsupported(path, "big-endian GGUF files are not supported")
         arch = self.metadata.get("general.architecture")
@@ -106,14 +122,21 @@ class Model:
             raise _unsupported(path, f"architecture {arch!r} is not supported by the reference engine "
                                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         self.arch = arch
-        self.tensors: dict[str, Tensor] = {
+        self.tensors = {
             t.name: Tensor(t.name, tuple(t.shape), t.type_id, t.type_name, t.offset, t.n_bytes)
             for t in header.tensors
         }
-        self.hparams = _llama_hparams(path, self.metadata, self.tensors)
+        # per layer (rope base, sliding window; 0 = full attention): gemma3 mixes local and global layers
+        if arch == "gemma3":
+            self.hparams, self.layers = _gemma3_hparams(path, self.metadata, self.tensors)
+            layer_map = _GEMMA3_LAYER
+        else:
+            self.hparams = _llama_hparams(path, self.metadata, self.tensors)
+            self.layers = [(self.hparams.rope_base, 0)] * self.hparams.n_layer
+            layer_map = _LLAMA_LAYER
         self.n_vocab = self.hparams.n_vocab
         self.n_ctx_train = int(self.metadata.get(f"{arch}.context_length", 0) or 0)
-        plan = _llama_plan(path, self.hparams, self.tensors, self.file_size)
+        plan = _llama_plan(path, self.hparams, self.tensors, self.file_size, layer_map, arch)
 
         # Map the file and describe it to the C core.
         with open(path, "rb") as f:
@@ -135,6 +158,10 @@ class Model:
                 self.close()
                 raise _bad(path, f"tensor {t.name!r} ({t.type_name}, shape {list(t.shape)}) was refused "
                            "by the engine")
+        for il, (rope_base, window) in enumerate(self.layers):
+            if api.se_model_set_layer(handle, il, rope_base, window) != 0:
+                self.close()
+                raise _bad(path, f"layer {il}: rope base {rope_base} / sliding window {window} refused")
         bad_layer, bad_slot = ctypes.c_int32(-1), ctypes.c_int32(-1)
         rc = api.se_model_finalize(handle, ctypes.byref(bad_layer), ctypes.byref(bad_slot))
         if rc != 0:
@@ -215,8 +242,8 @@ def _get_float(path: Path, md: dict[str, Any], key: str, default: float | None =
     return float(v)
 
 
-def _llama_hparams(path: Path, md: dict[str, Any], tensors: dict[str, Tensor]) -> HParams:
-    a = "llama"
+def _llama_hparams(path: Path, md: dict[str, Any], tensors: dict[str, Tensor], a: str = "llama") -> HParams:
+    """llama's hyperparameters; the keys are read under the prefix a (gemma3 shares them)."""
     n_layer = _get_int(path, md, f"{a}.block_count", hi=1024)
     n_embd = _get_int(path, md, f"{a}.embedding_length", hi=1 << 16)
     n_ff = _get_int(path, md, f"{a}.feed_forward_length", hi=1 << 18)
@@ -257,7 +284,7 @@ def _llama_hparams(path: Path, md: dict[str, Any], tensors: dict[str, Tensor]) -
     n_vocab = emb.shape[1]
     declared = md.get(f"{a}.vocab_size")
     if declared is not None and declared != n_vocab:
-        raise _bad(path, f"llama.vocab_size is {declared} but token_embd.weight has {n_vocab} rows")
+        raise _bad(path, f"{a}.vocab_size is {declared} but token_embd.weight has {n_vocab} rows")
     toks = md.get("tokenizer.ggml.tokens")
     if toks is not None and len(toks) != n_vocab:
         raise _bad(path, f"the vocabulary has {len(toks)} tokens but token_embd.weight has {n_vocab} rows")
@@ -269,18 +296,48 @@ def _llama_hparams(path: Path, md: dict[str, Any], tensors: dict[str, Tensor]) -
     )
 
 
+def _gemma3_hparams(path: Path, md: dict[str, Any],
+                    tensors: dict[str, Tensor]) -> tuple[HParams, list[tuple[float, int]]]:
+    """gemma3's hyperparameters and per-layer (rope base, sliding window), as llama.cpp decides them
+    (spec/reference-engine.md): the keys it shares with llama, NEOX RoPE, embeddings times
+    sqrt(n_embd), attention scale 1/sqrt(key_length), and every `pattern`-th layer global (full
+    attention, rope.freq_base) while the others are local (window, rope.freq_base_swa)."""
+    a = "gemma3"
+    hp = _llama_hparams(path, md, tensors, a)
+    for key in (f"{a}.final_logit_softcapping", f"{a}.attn_logit_softcapping"):
+        if md.get(key):
+            raise _unsupported(path, f"{key} is set; the reference engine does not implement soft-capping")
+    if md.get(f"{a}.rope.scaling.type", "none") != "none":
+        raise _unsupported(path, "rope scaling on a gemma3 model is not supported")
+    window = _get_int(path, md, f"{a}.attention.sliding_window", default=0, lo=0)
+    pattern = _get_int(path, md, f"{a}.attention.sliding_window_pattern", default=6, hi=1024)
+    base_local = _get_float(path, md, f"{a}.rope.freq_base_swa", default=10000.0)
+    if base_local <= 0:
+        raise _bad(path, f"rope.freq_base_swa {base_local} is not positive")
+    # llama.cpp scales queries by 1/sqrt(n_embd / n_head) for the 62-layer (27B) model only
+    head_scale = hp.n_embd // hp.n_head if hp.n_layer == 62 else hp.head_dim
+    hp = replace(hp, arch=core.ARCH_GEMMA3, rope_type=core.ROPE_NEOX, attn_scale=1.0 / math.sqrt(head_scale),
+                 embd_scale=math.sqrt(hp.n_embd))
+    layers = []
+    for il in range(hp.n_layer):
+        local = window > 0 and il % pattern < pattern - 1
+        layers.append((base_local, window) if local else (hp.rope_base, 0))
+    return hp, layers
+
+
 def _expected_shape(hp: HParams, slot: str) -> tuple[int, ...]:
     E, Dq, Dkv = hp.n_embd, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
     return {
         "TOKEN_EMBD": (E, hp.n_vocab), "OUTPUT": (E, hp.n_vocab), "OUTPUT_NORM": (E,),
         "ATTN_NORM": (E,), "ATTN_Q": (E, Dq), "ATTN_K": (E, Dkv), "ATTN_V": (E, Dkv),
         "ATTN_OUTPUT": (Dq, E), "FFN_NORM": (E,), "FFN_GATE": (E, hp.n_ff), "FFN_UP": (E, hp.n_ff),
-        "FFN_DOWN": (hp.n_ff, E),
+        "FFN_DOWN": (hp.n_ff, E), "ATTN_Q_NORM": (hp.head_dim,), "ATTN_K_NORM": (hp.head_dim,),
+        "ATTN_POST_NORM": (E,), "FFN_POST_NORM": (E,),
     }[slot]
 
 
-def _llama_plan(path: Path, hp: HParams, tensors: dict[str, Tensor],
-                file_size: int) -> list[tuple[Tensor, int, str]]:
+def _llama_plan(path: Path, hp: HParams, tensors: dict[str, Tensor], file_size: int,
+                layer_map: dict[str, str] = _LLAMA_LAYER, arch: str = "llama") -> list[tuple[Tensor, int, str]]:
     """(tensor, layer or -1, slot) for every tensor, after checking each one. Raises on the first
     problem; a tensor the forward pass would not use is refused too (it would be silently wrong)."""
     want: dict[str, tuple[int, str, bool]] = {  # name -> (layer, slot, required)
@@ -289,11 +346,11 @@ def _llama_plan(path: Path, hp: HParams, tensors: dict[str, Tensor],
         "output.weight": (-1, "OUTPUT", False),
     }
     for il in range(hp.n_layer):
-        for suffix, slot in _LLAMA_LAYER.items():
+        for suffix, slot in layer_map.items():
             want[f"blk.{il}.{suffix}.weight"] = (il, slot, True)
     for name in tensors:
         if name not in want:
-            raise _unsupported(path, f"tensor {name!r} is not used by the reference engine's llama "
+            raise _unsupported(path, f"tensor {name!r} is not used by the reference engine's {arch} "
                                "forward pass (a feature it does not implement)")
     plan = []
     for name, (layer, slot, required) in want.items():
