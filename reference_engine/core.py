@@ -284,7 +284,7 @@ class Context:
             params = _GREEDY
         key = tuple(getattr(params, f) for f in _SAMPLING_FIELDS)
         if key != self._sp_key:
-            for f, v in zip(_SAMPLING_FIELDS, key):
+            for f, v in zip(_SAMPLING_FIELDS, key, strict=True):
                 setattr(self._sp, f, v)
             self._sp_key = key
         tok = self._sample_fn(h, self._sp_addr)

@@ -11,21 +11,19 @@ Two kinds of evidence, neither taken from the code under test:
 from __future__ import annotations
 
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
+from stdengine.reference.core import Context, SamplingParams
+from stdengine.reference.model import Model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # until the package is installed
-
-from reference_engine.core import Context, SamplingParams  # noqa: E402
-from reference_engine.model import Model  # noqa: E402
-from stdengine.errors import (  # noqa: E402
+from stdengine.errors import (
     BadModelFile,
     ContextOverflow,
+    EngineFailure,
     InvalidRequest,
     UnsupportedArchitecture,
 )
@@ -259,7 +257,7 @@ def test_model_close_closes_contexts(tmp_path):
     ctx = Context(m, n_ctx=16)
     ctx.decode([1, 2])
     m.close()
-    with pytest.raises(Exception):
+    with pytest.raises(EngineFailure):
         ctx.decode([3])
     ctx.close()  # twice is fine
 
@@ -562,7 +560,8 @@ def test_smollm2_greedy_matches_llamacpp(smol, llamacpp_ref):
             got.append(tok)
             ctx.decode([tok])
         same += got == want
-        print("same" if got == want else f"differs at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}")
+        first_diff = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        print("same" if first_diff is None else f"differs at {first_diff}")
     ctx.close()
     assert same >= 4, f"only {same} of {len(PROMPTS)} greedy continuations match llama.cpp"
 
