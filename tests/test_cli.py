@@ -47,15 +47,6 @@ def test_misspelt_config_key_is_one_clear_line(tmp_path):
     assert "did you mean 'temp'" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_unsupported_verbs_exit_9(tmp_path):
-    for verb in ("conformance",):  # serve is built (tests/test_server*.py)
-        r = infer(verb, cwd=str(tmp_path))
-        assert r.returncode == 9 and "not built yet" in r.stderr
-    r = subprocess.run([sys.executable, "-c", "from stdengine.bench.cli import main; main(['-m', 'x'])"],
-                       capture_output=True, text=True)
-    assert r.returncode == 9
-
-
 def test_option_the_engine_cannot_honour_is_refused(tmp_path):
     r = infer("run", "-ngl", "10", "-p", "hi", cwd=str(tmp_path))
     assert r.returncode == 2, r.stderr
