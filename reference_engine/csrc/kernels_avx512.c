@@ -1,9 +1,9 @@
 /* AVX-512 (F/BW/VL/DQ + VNNI) dot products. Only this file is compiled for these ISAs (by the
  * pragma below), so the library still builds with portable flags; kernels.c chooses it at run time.
  *
- * Integer products use vpdpbusd (u8 x s8 -> s32, no saturation). Weights that are unsigned
- * (q4_1, q5_1, the K-quants' q) go in the u8 operand directly; signed ones (q4_0, q5_0, q8_0) use
- * |w| and move w's sign onto the activation. Each kernel is a tile of weight rows x activation
+ * Integer products use vpdpbusd (u8 x s8 -> s32, no saturation). Weights go in the u8 operand:
+ * unsigned ones (q4_1, q5_1, the K-quants' q) as they are, signed ones (q4_0, q5_0, q8_0) plus
+ * an offset that is taken back through the activations' sums. Each kernel is a tile of weight rows x activation
  * rows: 4 x 1 for generation (rows share the activation loads), 2 x 4 for prompts (a weight
  * block is unpacked once for 4 tokens).
  */
@@ -37,25 +37,30 @@ INLINE __m512i nibbles2(const uint8_t *p0, const uint8_t *p1) {
 
 /* ---------------------------------------------------------------- legacy 32-blocks */
 
-/* 64 quants of two blocks: 0..15 / 0..31 for the _1 types, signed for the others. */
+/* 64 quants of two blocks as unsigned bytes; the weight is the byte minus offset(type). */
 INLINE __m512i unpack2(int type, const uint8_t *b0, const uint8_t *b1) {
     switch (type) {
     case SE_Q4_0:
-        return _mm512_sub_epi8(nibbles2(b0 + 2, b1 + 2), _mm512_set1_epi8(8));
+        return nibbles2(b0 + 2, b1 + 2);
     case SE_Q4_1:
         return nibbles2(b0 + 4, b1 + 4);
-    case SE_Q5_0: { /* q - 16: subtract 16 where the fifth bit is clear */
-        __mmask64 hi = (__mmask64)ld32(b0 + 2) | (__mmask64)ld32(b1 + 2) << 32;
-        __m512i q = nibbles2(b0 + 6, b1 + 6);
-        return _mm512_mask_sub_epi8(q, ~hi, q, _mm512_set1_epi8(16));
-    }
-    case SE_Q5_1: {
-        __mmask64 hi = (__mmask64)ld32(b0 + 4) | (__mmask64)ld32(b1 + 4) << 32;
-        __m512i q = nibbles2(b0 + 8, b1 + 8);
+    case SE_Q5_0: case SE_Q5_1: { /* the fifth bits of both blocks make one 64-bit mask */
+        const int qh = type == SE_Q5_0 ? 2 : 4;
+        __mmask64 hi = (__mmask64)ld32(b0 + qh) | (__mmask64)ld32(b1 + qh) << 32;
+        __m512i q = nibbles2(b0 + qh + 4, b1 + qh + 4);
         return _mm512_mask_add_epi8(q, hi, q, _mm512_set1_epi8(16));
     }
-    default: /* SE_Q8_0 */
-        return load2x32(b0 + 2, b1 + 2);
+    default: /* SE_Q8_0: int8 + 128 */
+        return _mm512_xor_si512(load2x32(b0 + 2, b1 + 2), _mm512_set1_epi8((char)0x80));
+    }
+}
+
+static int offset(int type) {
+    switch (type) {
+    case SE_Q4_0: return 8;
+    case SE_Q5_0: return 16;
+    case SE_Q8_0: return 128;
+    default: return 0;
     }
 }
 
@@ -79,7 +84,9 @@ INLINE __m256 scales4(const uint8_t *b, int size, int cnt) {
 }
 
 /* nr weight rows (stride wr) x nc activation rows (stride as) -> out[r * nc + c]; nr * nc <= 8.
- * Four blocks per step (two vpdpbusd of two blocks each), so that the fp16 scales of both
+ * Weights go into vpdpbusd's u8 operand as stored plus an offset (8, 16 or 128 for the signed
+ * types); the offset's share, offset * sum(a), starts each accumulation, so it is computed once
+ * per activation block rather than once per row. Four blocks per step (two vpdpbusd of two blocks each), so that the fp16 scales of both
  * operands convert in one instruction each. A short last step re-reads the row's last block
  * and gives the extra copies a zero scale. Several rows per call (token generation) share the
  * activation loads and spread the final reductions; several tokens (prompts) share the unpacking. */
@@ -102,18 +109,11 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
         const int cnt = nb - i < 4 ? (int)(nb - i) : 4;
         const __mmask8 valid = (__mmask8)((1u << (2 * cnt)) - 1);
         __m512i q0[4], q1[4];
-        __mmask64 neg0[4], neg1[4];
         __m256 wd[4];
         for (int r = 0; r < nr; r++) {
             const uint8_t *x = w + r * wr + i * ws, *xl = x + (cnt - 1) * ws;
             q0[r] = unpack2(type, x, cnt > 1 ? x + ws : xl);
             q1[r] = unpack2(type, cnt > 2 ? x + 2 * ws : xl, cnt > 3 ? x + 3 * ws : xl);
-            if (!is1) { /* |w| goes in the u8 operand; w's sign moves to the activations */
-                neg0[r] = _mm512_movepi8_mask(q0[r]);
-                neg1[r] = _mm512_movepi8_mask(q1[r]);
-                q0[r] = _mm512_abs_epi8(q0[r]);
-                q1[r] = _mm512_abs_epi8(q1[r]);
-            }
             wd[r] = scales4(x, ws, cnt); /* [d0, m0, d1, m1, ...] */
         }
         for (int c = 0; c < nc; c++) {
@@ -121,10 +121,16 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
             const __m512i a0 = load2x32(y + aq, (cnt > 1 ? y + asz : yl) + aq);
             const __m512i a1 = load2x32((cnt > 2 ? y + 2 * asz : yl) + aq, (cnt > 3 ? y + 3 * asz : yl) + aq);
             const __m256 ad = _mm256_maskz_mov_ps(valid, scales4(y, asz, cnt));
+            __m512i base0 = zero, base1 = zero; /* -offset * sum(a), 4 quants per lane */
+            if (offset(type)) {
+                const __m512i off = _mm512_set1_epi8((char)offset(type));
+                base0 = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, off, a0));
+                base1 = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, off, a1));
+            }
             for (int r = 0; r < nr; r++) {
                 const int k = r * nc + c;
-                __m512i p0 = _mm512_dpbusd_epi32(zero, q0[r], is1 ? a0 : _mm512_mask_sub_epi8(a0, neg0[r], zero, a0));
-                __m512i p1 = _mm512_dpbusd_epi32(zero, q1[r], is1 ? a1 : _mm512_mask_sub_epi8(a1, neg1[r], zero, a1));
+                const __m512i p0 = _mm512_dpbusd_epi32(base0, q0[r], a0);
+                const __m512i p1 = _mm512_dpbusd_epi32(base1, q1[r], a1);
                 /* [d0*da0, m0*s0, d1*da1, m1*s1, ...], zero for the padding blocks */
                 __m256 s = _mm256_mul_ps(wd[r], ad);
                 __m512 s512 = _mm512_castps256_ps512(s);
