@@ -25,7 +25,7 @@ from stdengine.adapter import (
     now_ms,
 )
 from stdengine.errors import ContextOverflow, InvalidRequest
-from stdengine.generation import StopMatcher, choose_chat_template, render_chat_template
+from stdengine.generation import StopMatcher, choose_chat_template, render_chat_template, request_tokens
 
 if TYPE_CHECKING:
     import numpy as np
@@ -143,18 +143,7 @@ class ReferenceEngine(Engine):
         from stdengine.reference.tokenizer import StreamDecoder
 
         s = request.sampling
-        if request.messages is not None:
-            text = self.apply_chat_template(request.messages)
-            # the template writes BOS itself when the model wants one
-            prompt = self.tokenize(text, add_special=False, parse_special=True)
-            if self.tokenizer.add_bos and self.tokenizer.bos_id is not None and prompt[:1] != [self.tokenizer.bos_id]:
-                prompt = [self.tokenizer.bos_id, *prompt]
-        else:
-            if not request.prompt:
-                raise InvalidRequest("the prompt is empty", hint="give the model some text to complete")
-            prompt = self.tokenize(request.prompt, add_special=True, parse_special=True)
-        if not prompt:
-            raise InvalidRequest("the prompt is empty after tokenization")
+        prompt = request_tokens(self, request, self.tokenizer.bos_id, self.tokenizer.add_bos)
         self._check_fits(len(prompt) + 1)
 
         t0 = now_ms()

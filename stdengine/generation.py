@@ -13,6 +13,50 @@ from typing import Any
 from stdengine.errors import InvalidRequest
 
 
+def validate_sampling(s: Any) -> None:
+    """Refuse sampling values outside their meaning (the same ranges as the canonical options),
+    so a request from any source (CLI, server, Python) is checked the same way."""
+    problems = []
+    if s.temp < 0:
+        problems.append(f"temp={s.temp} (must be >= 0)")
+    if s.top_k < 0:
+        problems.append(f"top_k={s.top_k} (must be >= 0; 0 turns it off)")
+    if not 0.0 <= s.top_p <= 1.0:
+        problems.append(f"top_p={s.top_p} (must be in [0, 1])")
+    if not 0.0 <= s.min_p <= 1.0:
+        problems.append(f"min_p={s.min_p} (must be in [0, 1])")
+    if s.repeat_penalty < 0:
+        problems.append(f"repeat_penalty={s.repeat_penalty} (must be >= 0)")
+    if s.repeat_last_n < -1:
+        problems.append(f"repeat_last_n={s.repeat_last_n} (must be >= -1)")
+    if s.n_predict < -1:
+        problems.append(f"n_predict={s.n_predict} (must be >= -1; -1 means no limit)")
+    if any(not isinstance(x, str) for x in s.stop):
+        problems.append("stop must be a list of strings")
+    if problems:
+        raise InvalidRequest("invalid sampling parameters: " + "; ".join(problems),
+                             hint="see spec/options.md for each option's range")
+
+
+def request_tokens(engine: Any, request: Any, bos_id: int | None, add_bos: bool) -> list[int]:
+    """The prompt tokens of a GenerateRequest for an engine that tokenizes in-process: the chat
+    template's text (with BOS added once when the model wants one and the template did not write
+    it), or the raw prompt with the model's special tokens. Checks the sampling values too."""
+    validate_sampling(request.sampling)
+    if request.messages is not None:
+        text = engine.apply_chat_template(request.messages)
+        prompt = engine.tokenize(text, add_special=False, parse_special=True)
+        if add_bos and bos_id is not None and prompt[:1] != [bos_id]:
+            prompt = [bos_id, *prompt]
+    else:
+        if not request.prompt:
+            raise InvalidRequest("the prompt is empty", hint="give the model some text to complete")
+        prompt = engine.tokenize(request.prompt, add_special=True, parse_special=True)
+    if not prompt:
+        raise InvalidRequest("the prompt is empty after tokenization")
+    return list(prompt)
+
+
 class StopMatcher:
     """Finds stop strings in streamed text, holding back text that may still become one."""
 

@@ -116,7 +116,8 @@ SE_API float *se_context_logits(se_context *c); /* last token's logits, n_vocab 
 SE_API int32_t se_context_n_past(const se_context *c);
 SE_API const int32_t *se_context_tokens(const se_context *c); /* the n_past tokens in the cache */
 SE_API void se_context_reset(se_context *c);
-/* Forgets positions >= n_past (keeps the cached prefix). SE_ERR_INVALID if n_past is out of range. */
+/* Forgets positions >= n_past (keeps the cached prefix) and re-arms the seed, so a continuation
+ * sampled with the same seed replays. SE_ERR_INVALID if n_past is out of range. */
 SE_API int se_context_truncate(se_context *c, int32_t n_past);
 
 /* Evaluates n tokens at positions n_past..n_past+n-1. The last token's logits go to

@@ -318,6 +318,7 @@ void se_context_reset(se_context *c) {
 int se_context_truncate(se_context *c, int32_t n_past) {
     if (n_past < 0 || n_past > c->n_past) return SE_ERR_INVALID;
     c->n_past = n_past; /* positions past n_past are simply overwritten by later decodes */
+    c->rng_seeded = 0;  /* a truncated context starts a new continuation: the seed replays too */
     return SE_OK;
 }
 

@@ -32,7 +32,13 @@ from stdengine.adapter import (
     now_ms,
 )
 from stdengine.errors import BadModelFile, ContextOverflow, EngineFailure, InvalidRequest, UnsupportedOption
-from stdengine.generation import StopMatcher, Utf8Stream, choose_chat_template, render_chat_template
+from stdengine.generation import (
+    StopMatcher,
+    Utf8Stream,
+    choose_chat_template,
+    render_chat_template,
+    request_tokens,
+)
 
 if TYPE_CHECKING:
     from stdengine.events import Emitter
@@ -335,18 +341,7 @@ class LlamaCppEngine(Engine):
 
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         s = request.sampling
-        if request.messages is not None:
-            text = self.apply_chat_template(request.messages)
-            # the template writes BOS itself when the model wants one (as the reference engine does)
-            prompt = self.tokenize(text, add_special=False, parse_special=True)
-            if self.add_bos and self.bos_id is not None and prompt[:1] != [self.bos_id]:
-                prompt = [self.bos_id, *prompt]
-        else:
-            if not request.prompt:
-                raise InvalidRequest("the prompt is empty", hint="give the model some text to complete")
-            prompt = self.tokenize(request.prompt, add_special=True, parse_special=True)
-        if not prompt:
-            raise InvalidRequest("the prompt is empty after tokenization")
+        prompt = request_tokens(self, request, self.bos_id, self.add_bos)
         self._check_fits(len(prompt) + 1)
 
         t0 = now_ms()

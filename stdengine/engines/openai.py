@@ -44,7 +44,7 @@ from stdengine.errors import (
     UnsupportedOption,
     UsageError,
 )
-from stdengine.generation import StopMatcher, render_chat_template
+from stdengine.generation import StopMatcher, render_chat_template, validate_sampling
 
 if TYPE_CHECKING:
     import httpx
@@ -308,6 +308,7 @@ class OpenAIEngine(Engine):
 
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         s = request.sampling
+        validate_sampling(s)
         body: dict[str, Any] = {
             "model": self.model,
             "stream": True,
