@@ -54,7 +54,14 @@ void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
 int se_set_isa(const char *isa);
 
 #ifdef SE_KERNELS_INTERNAL
-/* Shared by kernels*.c only: ggml's block layouts (little-endian, fp16 stored as raw bits). */
+/* Shared by kernels*.c only.
+ *
+ * Adding a type: its block struct below, its to_float and scalar dot in kernels.c and one row of
+ * scalar_traits (which also names its act_type); that is enough for se_matmul, on every path.
+ * SIMD is optional: a dot and a tile in kernels_avx2.c / kernels_avx512.c, one entry in their
+ * table, and tests/test_kernels.py runs it against gguf on every path by adding the type there.
+ *
+ * ggml's block layouts (little-endian, fp16 stored as raw bits): */
 #define SE_QK 32    /* elements per block of the legacy types */
 #define SE_QK_K 256 /* elements per super-block of the K-quants */
 
