@@ -98,12 +98,11 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
     const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
     const __m512i hi = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
     const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[8], acc2[8]; /* two chains, so the fmadd latency is not the limit */
-    __m256 accm[8];
-    for (int k = 0; k < nr * nc; k++) {
-        acc[k] = acc2[k] = _mm512_setzero_ps();
-        accm[k] = _mm256_setzero_ps();
-    }
+    /* One accumulator per output, so that a 2 x 4 tile fits in 32 registers. Every output takes
+     * the same operations in the same order whatever the tile, so a token's results do not
+     * depend on the batch around it. */
+    __m512 acc[8];
+    for (int k = 0; k < nr * nc; k++) acc[k] = _mm512_setzero_ps();
 
     for (int64_t i = 0; i < nb; i += 4) {
         const int cnt = nb - i < 4 ? (int)(nb - i) : 4;
@@ -135,19 +134,13 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
                 __m256 s = _mm256_mul_ps(wd[r], ad);
                 __m512 s512 = _mm512_castps256_ps512(s);
                 acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(lo, s512), acc[k]);
-                acc2[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(hi, s512), acc2[k]);
-                if (is1) accm[k] = _mm256_add_ps(accm[k], s);
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(hi, s512), acc[k]);
+                if (is1) /* the min terms m*s (odd lanes of s) join the sum as they are */
+                    acc[k] = _mm512_mask_add_ps(acc[k], 0xAA, acc[k], s512);
             }
         }
     }
-    for (int k = 0; k < nr * nc; k++) {
-        out[k] = _mm512_reduce_add_ps(_mm512_add_ps(acc[k], acc2[k]));
-        if (is1) {
-            float m[8];
-            _mm256_storeu_ps(m, accm[k]);
-            out[k] += (m[1] + m[3]) + (m[5] + m[7]);
-        }
-    }
+    for (int k = 0; k < nr * nc; k++) out[k] = _mm512_reduce_add_ps(acc[k]);
 }
 
 /* ---------------------------------------------------------------- K-quants */
