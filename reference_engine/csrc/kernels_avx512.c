@@ -35,6 +35,24 @@ INLINE __m512i nibbles2(const uint8_t *p0, const uint8_t *p1) {
     return _mm512_and_si512(z, _mm512_set1_epi8(15));
 }
 
+/* Sums of 16 lanes in one fixed order for every caller, so that results do not depend on the
+ * tile: within each 128-bit lane (e0+e2)+(e1+e3), then across lanes (L0+L2)+(L1+L3). Four
+ * vectors at once (hsum16x4) share the shuffles: a 4-row tile's 4 reductions cost about one. */
+INLINE __m128 fold_lanes(__m512 v) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+INLINE float hsum16(__m512 v) {
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+    return _mm_cvtss_f32(fold_lanes(v));
+}
+INLINE void hsum16x4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    _mm_storeu_ps(out, fold_lanes(_mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE))));
+}
+
 /* ---------------------------------------------------------------- legacy 32-blocks */
 
 /* 64 quants of two blocks as unsigned bytes; the weight is the byte minus offset(type). */
@@ -140,7 +158,9 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
             }
         }
     }
-    for (int k = 0; k < nr * nc; k++) out[k] = _mm512_reduce_add_ps(acc[k]);
+    int k = 0;
+    for (; k + 4 <= nr * nc; k += 4) hsum16x4(acc[k], acc[k + 1], acc[k + 2], acc[k + 3], out + k);
+    for (; k < nr * nc; k++) out[k] = hsum16(acc[k]);
 }
 
 /* ---------------------------------------------------------------- K-quants */
