@@ -183,8 +183,7 @@ INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, si
     const int ws = q5 ? 176 : 144, qs_off = q5 ? 48 : 16;
     const __m512i zero = _mm512_setzero_si512();
     __m512 acc[4];
-    __m256 accm[4];
-    for (int c = 0; c < nc; c++) { acc[c] = _mm512_setzero_ps(); accm[c] = _mm256_setzero_ps(); }
+    for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
 
     for (int64_t i = 0; i < n / 256; i++) {
         const uint8_t *x = w + i * ws;
@@ -219,15 +218,13 @@ INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, si
             __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), _mm256_set1_epi16(1));
             __m256i mins = _mm256_mullo_epi32(bs, mn);
             acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * y->d), acc[c]);
-            accm[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(dmin * y->d), accm[c]);
+            /* the mins' 8 lanes come off the same accumulator (its upper lanes take 0) */
+            acc[c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(mins)), _mm512_set1_ps(dmin * y->d),
+                                      acc[c]);
         }
     }
-    for (int c = 0; c < nc; c++) {
-        __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm[c]), _mm256_extractf128_ps(accm[c], 1));
-        m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        out[c] = _mm512_reduce_add_ps(acc[c]) - _mm_cvtss_f32(m);
-    }
+    if (nc == 4) hsum16x4(acc[0], acc[1], acc[2], acc[3], out);
+    else for (int c = 0; c < nc; c++) out[c] = hsum16(acc[c]);
 }
 
 /* Q6_K: quants taken unsigned (0..63), the -32 applied through the bsums. A vpdpbusd over 64
@@ -235,8 +232,7 @@ INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, si
 INLINE void q6_K_dotx(int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
     const __m512i zero = _mm512_setzero_si512(), m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     __m512 acc[4];
-    __m256 acco[4];
-    for (int c = 0; c < nc; c++) { acc[c] = _mm512_setzero_ps(); acco[c] = _mm256_setzero_ps(); }
+    for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
 
     for (int64_t i = 0; i < n / 256; i++) {
         const se_blk_q6_K *x = (const se_blk_q6_K *)w + i;
@@ -268,15 +264,13 @@ INLINE void q6_K_dotx(int64_t n, const uint8_t *w, const uint8_t *a, size_t as, 
             }
             __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), sc16);
             acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * y->d), acc[c]);
-            acco[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32 * d * y->d), acco[c]);
+            /* the -32 offset's 8 lanes come off the same accumulator (its upper lanes take 0) */
+            acc[c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(off)), _mm512_set1_ps(32 * d * y->d),
+                                      acc[c]);
         }
     }
-    for (int c = 0; c < nc; c++) {
-        __m128 m = _mm_add_ps(_mm256_castps256_ps128(acco[c]), _mm256_extractf128_ps(acco[c], 1));
-        m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        out[c] = _mm512_reduce_add_ps(acc[c]) - _mm_cvtss_f32(m);
-    }
+    if (nc == 4) hsum16x4(acc[0], acc[1], acc[2], acc[3], out);
+    else for (int c = 0; c < nc; c++) out[c] = hsum16(acc[c]);
 }
 
 /* ---------------------------------------------------------------- float weights x f32 */
