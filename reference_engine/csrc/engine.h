@@ -161,7 +161,7 @@ struct se_model {
 
 /* One thread's private scratch. */
 typedef struct {
-    float *scores;     /* attention scores, n_ctx */
+    float *scores;     /* attention scores, n_ctx per query head attended at once */
     float *norm;       /* normalised rows for small batches, SE_PRIVATE_TOKENS x max width */
     void *act[3];      /* quantized activations for small batches, one per act type */
 } se_thread_scratch;

@@ -26,10 +26,12 @@
 
 #define SE_MAX_THREADS 256
 
-/* How long a waiter spins before sleeping. A barrier is normally a few microseconds away; a new
- * job (the next token) is usually well under a millisecond away while generating. */
-#define SPIN_NS_BARRIER 2000000L
-#define SPIN_NS_JOB 300000L
+/* How long a waiter spins before sleeping. On an idle machine a barrier is a few microseconds
+ * away and the next job (the next token, after Python sampled) a few tens. Spinning much longer
+ * is harmful when the machine is busy: if the thread we wait for was preempted, our spinning
+ * keeps a core from it, and a ubatch has ~150 barriers. So: spin briefly, then sleep. */
+#define SPIN_NS_BARRIER 50000L
+#define SPIN_NS_JOB 100000L
 
 struct se_pool {
     int size;                 /* threads a job may use, the caller included */
