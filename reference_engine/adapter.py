@@ -92,20 +92,42 @@ class ReferenceEngine(Engine):
         tokenizer = Tokenizer.from_gguf(options.model)
         threads = options.threads or physical_cores()
         n_ctx = options.ctx_size or model.n_ctx_train
-        ctx = Context(model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=options.threads_batch or threads,
-                      n_batch=options.batch_size, n_ubatch=options.ubatch_size)
+        ctx = Context(
+            model,
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=options.threads_batch or threads,
+            n_batch=options.batch_size,
+            n_ubatch=options.ubatch_size,
+        )
         engine = cls(model, tokenizer, ctx, options, events)
-        events.info("model.loaded", path=options.model, architecture=model.arch, n_params=engine.n_params,
-                    n_ctx=n_ctx, threads=threads, load_ms=round(now_ms() - t0, 1))
+        events.info(
+            "model.loaded",
+            path=options.model,
+            architecture=model.arch,
+            n_params=engine.n_params,
+            n_ctx=n_ctx,
+            threads=threads,
+            load_ms=round(now_ms() - t0, 1),
+        )
         return engine
 
     # --- adapter surface -----------------------------------------------------------------
     def info(self) -> EngineInfo:
         from stdengine.reference.core import isa_name
 
-        return EngineInfo(name=self.name, version=__version__, build=f"isa={isa_name()}", backend="CPU",
-                          model={"path": self.options.model, "architecture": self.model.arch,
-                                 "n_params": self.n_params, "n_vocab": self.tokenizer.n_vocab})
+        return EngineInfo(
+            name=self.name,
+            version=__version__,
+            build=f"isa={isa_name()}",
+            backend="CPU",
+            model={
+                "path": self.options.model,
+                "architecture": self.model.arch,
+                "n_params": self.n_params,
+                "n_vocab": self.tokenizer.n_vocab,
+            },
+        )
 
     def n_ctx(self) -> int:
         return int(self.ctx.n_ctx)
@@ -133,7 +155,8 @@ class ReferenceEngine(Engine):
         if not self.template:
             raise InvalidRequest("this model has no chat template", hint="pass one with --chat-template")
         return render_chat_template(
-            self.template, messages,
+            self.template,
+            messages,
             bos_token=self._token_text(self.tokenizer.bos_id),
             eos_token=self._token_text(self.tokenizer.eos_id),
             add_generation_prompt=add_generation_prompt,
@@ -179,10 +202,12 @@ class ReferenceEngine(Engine):
                 yield TokenEvent(-1, tail)
         t2 = now_ms()
         yield DoneEvent(
-            finish_reason=finish, stop=matched,
+            finish_reason=finish,
+            stop=matched,
             usage=Usage(prompt_tokens=len(prompt), completion_tokens=n_gen),
-            timings=Timings(prompt_n=self._last_prompt_n, prompt_ms=t1 - t0, predicted_n=n_gen,
-                            predicted_ms=t2 - t1),
+            timings=Timings(
+                prompt_n=self._last_prompt_n, prompt_ms=t1 - t0, predicted_n=n_gen, predicted_ms=t2 - t1
+            ),
         )
 
     def new_context(self) -> ReferenceEngine:
@@ -190,8 +215,14 @@ class ReferenceEngine(Engine):
         from stdengine.reference.core import Context
 
         c = self.ctx
-        ctx = Context(self.model, n_ctx=c.n_ctx, n_threads=c.n_threads, n_threads_batch=c.n_threads_batch,
-                      n_batch=c.n_batch, n_ubatch=c.n_ubatch)
+        ctx = Context(
+            self.model,
+            n_ctx=c.n_ctx,
+            n_threads=c.n_threads,
+            n_threads_batch=c.n_threads_batch,
+            n_batch=c.n_batch,
+            n_ubatch=c.n_ubatch,
+        )
         return ReferenceEngine(self.model, self.tokenizer, ctx, self.options, self.events)
 
     def close(self) -> None:
@@ -206,7 +237,8 @@ class ReferenceEngine(Engine):
             raise ContextOverflow(
                 f"the prompt needs {n} tokens but the context holds {self.n_ctx()}",
                 hint="shorten the prompt or raise --ctx-size",
-                n_prompt_tokens=n, n_ctx=self.n_ctx(),
+                n_prompt_tokens=n,
+                n_ctx=self.n_ctx(),
             )
 
     def _prefill(self, prompt: list[int]) -> bool:

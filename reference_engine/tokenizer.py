@@ -46,15 +46,31 @@ ATTR_USER_DEFINED = 1 << 4
 ATTR_BYTE = 1 << 5
 
 # tokenizer.ggml.token_type values: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-_TYPE_TO_ATTR = {1: ATTR_NORMAL, 2: ATTR_UNKNOWN, 3: ATTR_CONTROL, 4: ATTR_USER_DEFINED,
-                 5: ATTR_UNUSED, 6: ATTR_BYTE}
+_TYPE_TO_ATTR = {
+    1: ATTR_NORMAL,
+    2: ATTR_UNKNOWN,
+    3: ATTR_CONTROL,
+    4: ATTR_USER_DEFINED,
+    5: ATTR_UNUSED,
+    6: ATTR_BYTE,
+}
 
 # tokens cut out of the text before tokenizing (llama.cpp's cache_special_tokens)
 _SPECIAL_ATTRS = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN
 
 # texts llama.cpp treats as end of turn / end of generation whatever their declared type
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-              "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+_EOT_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>",
+)
 _EOG_TEXTS = _EOT_TEXTS + ("<|eom_id|>", "<|return|>", "<|call|>", "</s>")
 # fill-in-the-middle pad / repository / file separator tokens also end generation in llama.cpp
 _FIM_TEXTS = {
@@ -67,6 +83,7 @@ _SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
 # ---------------------------------------------------------------------------------------------------
 # GPT-2's byte alphabet: printable bytes stand for themselves, the others are moved to U+0100.. in order
+
 
 def _byte_alphabet() -> list[str]:
     kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -94,10 +111,14 @@ _WS = r"\t\n\x0b\x0c\r\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3
 
 # llama.cpp runs the GPT-2 regex with a hand-written matcher that also ends in "|\s+"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -118,14 +139,33 @@ _P_QWEN2 = PreTokenizer((_QWEN2,))
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "default": _P_DEFAULT,
-    "gpt-2": _P_GPT2, "phi-2": _P_GPT2, "mpt": _P_GPT2, "olmo": _P_GPT2, "jina-es": _P_GPT2,
-    "jina-de": _P_GPT2, "gigachat": _P_GPT2, "jina-v2-es": _P_GPT2, "jina-v2-de": _P_GPT2,
-    "smollm": _P_SMOLLM, "starcoder": _P_SMOLLM, "refact": _P_SMOLLM, "command-r": _P_SMOLLM,
-    "codeshell": _P_SMOLLM, "exaone": _P_SMOLLM, "minerva-7b": _P_SMOLLM,
-    "llama-bpe": _P_LLAMA3, "llama3": _P_LLAMA3, "llama-v3": _P_LLAMA3, "falcon3": _P_LLAMA3,
+    "gpt-2": _P_GPT2,
+    "phi-2": _P_GPT2,
+    "mpt": _P_GPT2,
+    "olmo": _P_GPT2,
+    "jina-es": _P_GPT2,
+    "jina-de": _P_GPT2,
+    "gigachat": _P_GPT2,
+    "jina-v2-es": _P_GPT2,
+    "jina-v2-de": _P_GPT2,
+    "smollm": _P_SMOLLM,
+    "starcoder": _P_SMOLLM,
+    "refact": _P_SMOLLM,
+    "command-r": _P_SMOLLM,
+    "codeshell": _P_SMOLLM,
+    "exaone": _P_SMOLLM,
+    "minerva-7b": _P_SMOLLM,
+    "llama-bpe": _P_LLAMA3,
+    "llama3": _P_LLAMA3,
+    "llama-v3": _P_LLAMA3,
+    "falcon3": _P_LLAMA3,
     "pixtral": _P_LLAMA3,
-    "dbrx": _P_LLAMA3_REGEX_ONLY, "smaug-bpe": _P_LLAMA3_REGEX_ONLY,
-    "qwen2": _P_QWEN2, "deepseek-r1-qwen": _P_QWEN2, "stablelm2": _P_QWEN2, "megrez": _P_QWEN2,
+    "dbrx": _P_LLAMA3_REGEX_ONLY,
+    "smaug-bpe": _P_LLAMA3_REGEX_ONLY,
+    "qwen2": _P_QWEN2,
+    "deepseek-r1-qwen": _P_QWEN2,
+    "stablelm2": _P_QWEN2,
+    "megrez": _P_QWEN2,
 }
 
 
@@ -145,7 +185,7 @@ def _explicit_whitespace(pattern: str) -> str:
                     raise ValueError(r"\S inside a character class is not supported")
                 out.append(f"[^{_WS}]")
             else:
-                out.append(pattern[i:i + 2])
+                out.append(pattern[i : i + 2])
             i += 2
             continue
         if c == "[" and not in_class:
@@ -196,18 +236,33 @@ _LONE_SURROGATE = regex.compile(r"[\ud800-\udfff]")
 
 def _reader_metadata(reader: Any) -> dict[str, Any]:
     """The tokenizer.* and general.* keys of an open `gguf.GGUFReader`, as plain Python values."""
-    return {name: field.contents() for name, field in reader.fields.items()
-            if name.startswith(("tokenizer.", "general.")) and field.types}
+    return {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if name.startswith(("tokenizer.", "general.")) and field.types
+    }
 
 
 # GGUF scalar value types (gguf.GGUFValueType) -> numpy dtype
-_GGUF_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
-                 10: "<u8", 11: "<i8", 12: "<f8"}
+_GGUF_SCALARS = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
 
 
-def read_gguf_metadata(path: str | PathLike[str], prefixes: tuple[str, ...] = ("tokenizer.", "general.")
-                       ) -> dict[str, Any]:
+def read_gguf_metadata(
+    path: str | PathLike[str], prefixes: tuple[str, ...] = ("tokenizer.", "general.")
+) -> dict[str, Any]:
     """The metadata keys of a GGUF file that start with one of prefixes, as plain Python values.
 
     Reads only the key-value header. `gguf.GGUFReader` also indexes every tensor and makes one numpy
@@ -230,24 +285,24 @@ def read_gguf_metadata(path: str | PathLike[str], prefixes: tuple[str, ...] = ("
             raise BadModelFile(f"{path!s}: GGUF version {version} is not supported (2 and 3 are)")
         n_kv = int.from_bytes(buf[16:24], "little")
         pos = 24
-        u64 = lambda at: int.from_bytes(buf[at:at + 8], "little")  # noqa: E731
+        u64 = lambda at: int.from_bytes(buf[at : at + 8], "little")  # noqa: E731
 
         def string(at: int) -> tuple[str, int]:
             n = u64(at)
-            return buf[at + 8:at + 8 + n].decode("utf-8", "surrogateescape"), at + 8 + n
+            return buf[at + 8 : at + 8 + n].decode("utf-8", "surrogateescape"), at + 8 + n
 
         meta: dict[str, Any] = {}
         try:
             for _ in range(n_kv):
                 key, pos = string(pos)
-                vtype = int.from_bytes(buf[pos:pos + 4], "little")
+                vtype = int.from_bytes(buf[pos : pos + 4], "little")
                 pos += 4
                 keep = key.startswith(prefixes)
                 value: Any
                 if vtype == _GGUF_STRING:
                     value, pos = string(pos)
                 elif vtype == _GGUF_ARRAY:
-                    itype = int.from_bytes(buf[pos:pos + 4], "little")
+                    itype = int.from_bytes(buf[pos : pos + 4], "little")
                     count = u64(pos + 4)
                     pos += 12
                     if itype == _GGUF_STRING:
@@ -255,7 +310,7 @@ def read_gguf_metadata(path: str | PathLike[str], prefixes: tuple[str, ...] = ("
                         for _ in range(count):
                             n = u64(pos)
                             if keep:
-                                items.append(buf[pos + 8:pos + 8 + n].decode("utf-8", "surrogateescape"))
+                                items.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", "surrogateescape"))
                             pos += 8 + n
                         value = items
                     elif itype in _GGUF_SCALARS:
@@ -296,12 +351,16 @@ class Tokenizer:
     def __init__(self, meta: dict[str, Any]) -> None:
         model = meta.get("tokenizer.ggml.model")
         if model is None:
-            raise BadModelFile("the GGUF file has no tokenizer (tokenizer.ggml.model is missing)",
-                               hint="convert the model again with llama.cpp's convert_hf_to_gguf.py")
+            raise BadModelFile(
+                "the GGUF file has no tokenizer (tokenizer.ggml.model is missing)",
+                hint="convert the model again with llama.cpp's convert_hf_to_gguf.py",
+            )
         tokens = meta.get("tokenizer.ggml.tokens")
         if not tokens:
-            raise BadModelFile("the GGUF file has no vocabulary (tokenizer.ggml.tokens is missing)",
-                               hint="convert the model again with llama.cpp's convert_hf_to_gguf.py")
+            raise BadModelFile(
+                "the GGUF file has no vocabulary (tokenizer.ggml.tokens is missing)",
+                hint="convert the model again with llama.cpp's convert_hf_to_gguf.py",
+            )
         self.n_vocab = n = len(tokens)
         # llama.cpp renames empty tokens so that every text is distinct
         self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
@@ -396,11 +455,13 @@ class Tokenizer:
         special.sort(key=lambda i: -len(self.tokens[i]))
         self._special_all = [(self.tokens[i], i) for i in special]
         # without parse_special, control and unknown tokens stay text (even when also user-defined)
-        self._special_user = [(t, i) for t, i in self._special_all
-                              if not self.attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)]
+        self._special_user = [
+            (t, i) for t, i in self._special_all if not self.attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN)
+        ]
         # tokens after which SPM encoding adds a space prefix (see decode)
         self._fragment_breaks = frozenset(
-            i for i in special
+            i
+            for i in special
             if self.attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN) or _SPACE not in self.tokens[i]
         )
 
@@ -558,7 +619,7 @@ class Tokenizer:
         heap: list[tuple[float, int, int, int]] = []
 
         def bigram(left: int, right: int) -> None:
-            piece = text[left:right + size[right]]
+            piece = text[left : right + size[right]]
             tid = vocab.get(piece)
             if tid is not None:
                 # highest score first, leftmost on ties
@@ -581,7 +642,7 @@ class Tokenizer:
                 bigram(left, after)
         i = 0
         while i >= 0:
-            piece = text[i:i + size[i]]
+            piece = text[i : i + size[i]]
             tid = vocab.get(piece)
             if tid is not None:
                 out.append(tid)
@@ -620,7 +681,9 @@ class Tokenizer:
                     out.append(b)
                 else:  # what llama.cpp writes for a character outside the byte alphabet
                     raw = c.encode("utf-8", "surrogateescape")
-                    out += b"[UNK_BYTE_0x" + raw.hex().encode() + text.encode("utf-8", "surrogateescape") + b"]"
+                    out += (
+                        b"[UNK_BYTE_0x" + raw.hex().encode() + text.encode("utf-8", "surrogateescape") + b"]"
+                    )
             return bytes(out)
         if attr & ATTR_BYTE:
             return bytes([int(text[3:5], 16)])

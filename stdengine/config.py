@@ -65,8 +65,10 @@ def load_config_file(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}",
-                          hint="fix the syntax of the config file") from e
+        raise ConfigError(
+            f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}",
+            hint="fix the syntax of the config file",
+        ) from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a table of options")
     for key in data:
@@ -129,7 +131,9 @@ def parse_env_value(name: str, raw: str) -> Any:
             return True
         if low in ("0", "false", "off", "no"):
             return False
-        raise ConfigError(f"{env_var(name)}={raw!r} is not a boolean", hint="use 1/true/on/yes or 0/false/off/no")
+        raise ConfigError(
+            f"{env_var(name)}={raw!r} is not a boolean", hint="use 1/true/on/yes or 0/false/off/no"
+        )
     if isinstance(default, (list, dict)):
         if raw.strip().startswith(("[", "{")):
             try:
@@ -197,6 +201,8 @@ def parse_engine_args(items: tuple[str, ...] | list[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"-E expects key=value, got {item!r}", hint="for example: -E kv_layout=interleaved")
+            raise ConfigError(
+                f"-E expects key=value, got {item!r}", hint="for example: -E kv_layout=interleaved"
+            )
         out[key.strip()] = value
     return out

@@ -34,8 +34,10 @@ def validate_sampling(s: Any) -> None:
     if any(not isinstance(x, str) for x in s.stop):
         problems.append("stop must be a list of strings")
     if problems:
-        raise InvalidRequest("invalid sampling parameters: " + "; ".join(problems),
-                             hint="see spec/options.md for each option's range")
+        raise InvalidRequest(
+            "invalid sampling parameters: " + "; ".join(problems),
+            hint="see spec/options.md for each option's range",
+        )
 
 
 def request_tokens(engine: Any, request: Any, bos_id: int | None, add_bos: bool) -> list[int]:

@@ -32,9 +32,18 @@ MAX_ARRAY_ITEMS = 1024
 
 # GGUF metadata value types (gguf.h): id -> (name, struct format or None for string/array)
 VALUE_TYPES: dict[int, tuple[str, str | None]] = {
-    0: ("uint8", "B"), 1: ("int8", "b"), 2: ("uint16", "H"), 3: ("int16", "h"),
-    4: ("uint32", "I"), 5: ("int32", "i"), 6: ("float32", "f"), 7: ("bool", "?"),
-    8: ("string", None), 9: ("array", None), 10: ("uint64", "Q"), 11: ("int64", "q"),
+    0: ("uint8", "B"),
+    1: ("int8", "b"),
+    2: ("uint16", "H"),
+    3: ("int16", "h"),
+    4: ("uint32", "I"),
+    5: ("int32", "i"),
+    6: ("float32", "f"),
+    7: ("bool", "?"),
+    8: ("string", None),
+    9: ("array", None),
+    10: ("uint64", "Q"),
+    11: ("int64", "q"),
     12: ("float64", "d"),
 }
 
@@ -106,7 +115,7 @@ class _Cursor:
     def string(self) -> str:
         n = self.unpack("Q")
         self.need(n)
-        raw = bytes(self.buf[self.pos:self.pos + n])
+        raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
@@ -141,15 +150,21 @@ def scan_gguf(path: str | os.PathLike[str], *, load_arrays: bool = False) -> GGU
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _scan(path, buf, size, load_arrays)
     except OSError as e:
-        raise BadModelFile(f"{path}: cannot read the file: {e.strerror or e}",
-                           hint="check the path and its permissions", path=str(path)) from e
+        raise BadModelFile(
+            f"{path}: cannot read the file: {e.strerror or e}",
+            hint="check the path and its permissions",
+            path=str(path),
+        ) from e
 
 
 def _scan(path: Path, buf: Any, size: int, load_arrays: bool) -> GGUFHeader:
     if size < 4 or bytes(buf[:4]) != GGUF_MAGIC:
         got = bytes(buf[:4])
-        raise _bad(path, f"not a GGUF file (bad magic {got!r}, expected b'GGUF')",
-                   hint="pass a .gguf model file (llama.cpp's format), or a catalogue alias")
+        raise _bad(
+            path,
+            f"not a GGUF file (bad magic {got!r}, expected b'GGUF')",
+            hint="pass a .gguf model file (llama.cpp's format), or a catalogue alias",
+        )
     if size < 8:
         raise _bad(path, "truncated: the file ends inside the GGUF header (version)")
     # A file written on a big-endian machine has its version byte-swapped; read it that way.
@@ -159,8 +174,11 @@ def _scan(path: Path, buf: Any, size: int, load_arrays: bool) -> GGUFHeader:
         order = ">"
         version = struct.unpack_from(">I", buf, 4)[0]
     if version not in SUPPORTED_VERSIONS:
-        raise _bad(path, f"unsupported GGUF version {version} (supported: 2, 3)",
-                   hint="convert the model again with a current llama.cpp (convert_hf_to_gguf.py)")
+        raise _bad(
+            path,
+            f"unsupported GGUF version {version} (supported: 2, 3)",
+            hint="convert the model again with a current llama.cpp (convert_hf_to_gguf.py)",
+        )
 
     cur = _Cursor(buf, size, order)
     cur.pos = 8
@@ -196,8 +214,12 @@ def _scan(path: Path, buf: Any, size: int, load_arrays: bool) -> GGUFHeader:
         raise _bad(path, f"truncated: the file ends (at byte {size}) inside {where}") from None
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 \
-            or alignment & (alignment - 1):
+    if (
+        not isinstance(alignment, int)
+        or isinstance(alignment, bool)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+    ):
         raise _bad(path, f"general.alignment is {alignment!r}; it must be a power of two")
     data_offset = -(-tensor_info_end // alignment) * alignment
 
@@ -211,27 +233,44 @@ def _scan(path: Path, buf: Any, size: int, load_arrays: bool) -> GGUFHeader:
             qtype = GGMLQuantizationType(type_id)
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            raise _bad(path, f"tensor {name!r} has unknown tensor type id {type_id}",
-                       hint="the file needs a newer engine, or it is corrupt") from None
+            raise _bad(
+                path,
+                f"tensor {name!r} has unknown tensor type id {type_id}",
+                hint="the file needs a newer engine, or it is corrupt",
+            ) from None
         if any(d < 0 for d in shape):
             raise _bad(path, f"tensor {name!r} has a negative dimension {list(shape)}")
         n_elements = 1
         for d in shape:
             n_elements *= d
         if shape and shape[0] % block:
-            raise _bad(path, f"tensor {name!r} ({ggml_type_name(type_id)}) has a row of {shape[0]} "
-                             f"elements, not a multiple of its block size {block}")
+            raise _bad(
+                path,
+                f"tensor {name!r} ({ggml_type_name(type_id)}) has a row of {shape[0]} "
+                f"elements, not a multiple of its block size {block}",
+            )
         if offset % alignment:
             raise _bad(path, f"tensor {name!r} data offset {offset} is not aligned to {alignment}")
         n_bytes = n_elements // block * type_size
         start = data_offset + offset
         if start + n_bytes > size:
-            raise _bad(path, f"truncated: tensor {name!r} data (bytes {start}..{start + n_bytes}) "
-                             f"runs past the end of the file ({size} bytes)")
+            raise _bad(
+                path,
+                f"truncated: tensor {name!r} data (bytes {start}..{start + n_bytes}) "
+                f"runs past the end of the file ({size} bytes)",
+            )
         tensors.append(TensorInfo(name, shape, type_id, ggml_type_name(type_id), start, n_elements, n_bytes))
 
-    return GGUFHeader(path=path, file_size=size, version=version, byte_order=order,
-                      alignment=alignment, data_offset=data_offset, metadata=metadata, tensors=tensors)
+    return GGUFHeader(
+        path=path,
+        file_size=size,
+        version=version,
+        byte_order=order,
+        alignment=alignment,
+        data_offset=data_offset,
+        metadata=metadata,
+        tensors=tensors,
+    )
 
 
 def _read_value(path: Path, cur: _Cursor, vtype: int, key: str, load_arrays: bool) -> Any:
@@ -262,8 +301,7 @@ def _read_value(path: Path, cur: _Cursor, vtype: int, key: str, load_arrays: boo
         return list(struct.unpack_from(f"{cur.order}{count}{item_fmt}", cur.buf, start))
     if load_arrays:
         dtype = np.dtype(cur.order + item_fmt)  # cur.order is "<" or ">"
-        return np.frombuffer(cur.buf, dtype=dtype, count=count,
-                             offset=start).copy()
+        return np.frombuffer(cur.buf, dtype=dtype, count=count, offset=start).copy()
     return ArrayValue(item_name, count)
 
 

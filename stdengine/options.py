@@ -32,21 +32,52 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # --- model and load -------------------------------------------------------------------
-    model: str | None = opt(None, "-m", "--model", group="load",
-                            help="model: a .gguf path, a catalogue alias, or hf://owner/repo/file")
+    model: str | None = opt(
+        None,
+        "-m",
+        "--model",
+        group="load",
+        help="model: a .gguf path, a catalogue alias, or hf://owner/repo/file",
+    )
     engine: str = opt("reference", "-e", "--engine", group="load", help="engine to run the model with")
-    ctx_size: int = opt(4096, "-c", "--ctx-size", group="load", ge=0,
-                        help="context size in tokens (0 = the model's training context)")
-    threads: int | None = opt(None, "-t", "--threads", group="load", ge=1,
-                              help="threads for generation (default: physical cores)")
-    threads_batch: int | None = opt(None, "-tb", "--threads-batch", group="load", ge=1,
-                                    help="threads for prompt processing (default: same as threads)")
-    batch_size: int = opt(2048, "-b", "--batch-size", group="load", ge=1,
-                          help="logical batch: most prompt tokens submitted per decode call")
-    ubatch_size: int = opt(512, "-ub", "--ubatch-size", group="load", ge=1,
-                           help="physical batch: most tokens evaluated in one forward pass")
-    n_gpu_layers: int = opt(0, "-ngl", "--n-gpu-layers", group="load", ge=-1,
-                            help="layers to offload to a GPU (-1 = all)")
+    ctx_size: int = opt(
+        4096,
+        "-c",
+        "--ctx-size",
+        group="load",
+        ge=0,
+        help="context size in tokens (0 = the model's training context)",
+    )
+    threads: int | None = opt(
+        None, "-t", "--threads", group="load", ge=1, help="threads for generation (default: physical cores)"
+    )
+    threads_batch: int | None = opt(
+        None,
+        "-tb",
+        "--threads-batch",
+        group="load",
+        ge=1,
+        help="threads for prompt processing (default: same as threads)",
+    )
+    batch_size: int = opt(
+        2048,
+        "-b",
+        "--batch-size",
+        group="load",
+        ge=1,
+        help="logical batch: most prompt tokens submitted per decode call",
+    )
+    ubatch_size: int = opt(
+        512,
+        "-ub",
+        "--ubatch-size",
+        group="load",
+        ge=1,
+        help="physical batch: most tokens evaluated in one forward pass",
+    )
+    n_gpu_layers: int = opt(
+        0, "-ngl", "--n-gpu-layers", group="load", ge=-1, help="layers to offload to a GPU (-1 = all)"
+    )
     cache_type_k: CacheType = opt("f16", "-ctk", "--cache-type-k", group="load", help="KV cache type for K")
     cache_type_v: CacheType = opt("f16", "-ctv", "--cache-type-v", group="load", help="KV cache type for V")
     flash_attn: bool = opt(False, "-fa", "--flash-attn", group="load", help="use flash attention")
@@ -59,39 +90,61 @@ class Options(BaseModel):
     top_k: int = opt(40, "--top-k", group="sampling", ge=0, help="top-k sampling (0 = off)")
     top_p: float = opt(0.95, "--top-p", group="sampling", ge=0.0, le=1.0, help="top-p sampling (1.0 = off)")
     min_p: float = opt(0.05, "--min-p", group="sampling", ge=0.0, le=1.0, help="min-p sampling (0.0 = off)")
-    repeat_penalty: float = opt(1.0, "--repeat-penalty", group="sampling", ge=0.0,
-                                help="penalty for repeated tokens (1.0 = off)")
-    repeat_last_n: int = opt(64, "--repeat-last-n", group="sampling", ge=-1,
-                             help="tokens considered by the penalties (0 = off, -1 = context)")
-    presence_penalty: float = opt(0.0, "--presence-penalty", group="sampling", help="presence penalty (0 = off)")
-    frequency_penalty: float = opt(0.0, "--frequency-penalty", group="sampling",
-                                   help="frequency penalty (0 = off)")
-    n_predict: int = opt(-1, "-n", "--n-predict", group="sampling", ge=-1,
-                         help="tokens to generate (-1 = until end of generation or a full context)")
-    stop: list[str] = opt([], "--stop", group="sampling",
-                          help="stop string (repeatable); generation ends before it")
+    repeat_penalty: float = opt(
+        1.0, "--repeat-penalty", group="sampling", ge=0.0, help="penalty for repeated tokens (1.0 = off)"
+    )
+    repeat_last_n: int = opt(
+        64,
+        "--repeat-last-n",
+        group="sampling",
+        ge=-1,
+        help="tokens considered by the penalties (0 = off, -1 = context)",
+    )
+    presence_penalty: float = opt(
+        0.0, "--presence-penalty", group="sampling", help="presence penalty (0 = off)"
+    )
+    frequency_penalty: float = opt(
+        0.0, "--frequency-penalty", group="sampling", help="frequency penalty (0 = off)"
+    )
+    n_predict: int = opt(
+        -1,
+        "-n",
+        "--n-predict",
+        group="sampling",
+        ge=-1,
+        help="tokens to generate (-1 = until end of generation or a full context)",
+    )
+    stop: list[str] = opt(
+        [], "--stop", group="sampling", help="stop string (repeatable); generation ends before it"
+    )
 
     # --- prompt ----------------------------------------------------------------------------
     prompt: str | None = opt(None, "-p", "--prompt", group="prompt", help="prompt text")
     file: str | None = opt(None, "-f", "--file", group="prompt", help="read the prompt from a file")
     system: str | None = opt(None, "-sys", "--system", group="prompt", help="system prompt for chat models")
-    chat_template: str | None = opt(None, "--chat-template", group="prompt",
-                                    help="Jinja chat template to use instead of the model's")
+    chat_template: str | None = opt(
+        None, "--chat-template", group="prompt", help="Jinja chat template to use instead of the model's"
+    )
 
     # --- server and remote engines ---------------------------------------------------------
     host: str = opt("127.0.0.1", "--host", group="server", help="address to listen on")
     port: int = opt(8080, "--port", group="server", ge=0, le=65535, help="port to listen on")
-    api_key: str | None = opt(None, "--api-key", group="server",
-                              help="API key the server requires, or sends to a remote engine")
+    api_key: str | None = opt(
+        None, "--api-key", group="server", help="API key the server requires, or sends to a remote engine"
+    )
     parallel: int = opt(1, "-np", "--parallel", group="server", ge=1, help="requests served at once")
     url: str | None = opt(None, "--url", group="server", help="base URL of an OpenAI-compatible engine")
 
     # --- logging ---------------------------------------------------------------------------
-    log_format: Literal["text", "json"] = opt("text", "--log-format", group="log",
-                                             help="stderr log format: text or json (JSON Lines)")
-    log_file: str | None = opt(None, "--log-file", group="log", help="also write every event as JSON Lines here")
-    verbosity: int = opt(0, "-lv", "--verbosity", group="log", ge=0,
-                         help="log verbosity (0 = info, 1+ = debug); -v sets 1")
+    log_format: Literal["text", "json"] = opt(
+        "text", "--log-format", group="log", help="stderr log format: text or json (JSON Lines)"
+    )
+    log_file: str | None = opt(
+        None, "--log-file", group="log", help="also write every event as JSON Lines here"
+    )
+    verbosity: int = opt(
+        0, "-lv", "--verbosity", group="log", ge=0, help="log verbosity (0 = info, 1+ = debug); -v sets 1"
+    )
 
     # --- engine-specific passthrough -------------------------------------------------------
     engine_args: dict[str, str] = Field(

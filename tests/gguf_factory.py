@@ -26,13 +26,28 @@ Q = GGMLQuantizationType
 
 # Byte offsets of the f16 scale fields (d, dmin) in each k-quant block (ggml-common.h).
 _K_SCALE_OFFSETS: dict[Q, tuple[int, ...]] = {
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
 }
 
 # The llama_ftype a converter would record for a model whose weights are mostly of this type.
 FILE_TYPE_FOR: dict[Q, int] = {
-    Q.F32: 0, Q.F16: 1, Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7, Q.Q5_0: 8, Q.Q5_1: 9, Q.Q2_K: 10,
-    Q.Q3_K: 12, Q.Q4_K: 15, Q.Q5_K: 17, Q.Q6_K: 18, Q.BF16: 32,
+    Q.F32: 0,
+    Q.F16: 1,
+    Q.Q4_0: 2,
+    Q.Q4_1: 3,
+    Q.Q8_0: 7,
+    Q.Q5_0: 8,
+    Q.Q5_1: 9,
+    Q.Q2_K: 10,
+    Q.Q3_K: 12,
+    Q.Q4_K: 15,
+    Q.Q5_K: 17,
+    Q.Q6_K: 18,
+    Q.BF16: 32,
 }
 
 
@@ -60,7 +75,9 @@ def _as_type(t: Q | str | int) -> Q:
     return Q(t)
 
 
-def random_tensor(shape: Sequence[int], qtype: Q | str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def random_tensor(
+    shape: Sequence[int], qtype: Q | str, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """(float32 values, the array to write) for a random tensor of this shape and type."""
     qtype = _as_type(qtype)
     shape = tuple(shape)
@@ -72,7 +89,7 @@ def random_tensor(shape: Sequence[int], qtype: Q | str, rng: np.random.Generator
         blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
         for off in _K_SCALE_OFFSETS[qtype]:
             scales = rng.uniform(1e-4, 1e-3, size=n_blocks).astype(np.float16)
-            blocks[:, off:off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+            blocks[:, off : off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
         data = blocks.reshape(*shape[:-1], shape[-1] // block * type_size)
         return quants.dequantize(data, qtype).astype(np.float32), data
     values = rng.standard_normal(shape).astype(np.float32) * 0.05
@@ -82,8 +99,9 @@ def random_tensor(shape: Sequence[int], qtype: Q | str, rng: np.random.Generator
     return values, data
 
 
-def llama_tensor_shapes(n_layer: int, n_embd: int, n_ff: int, n_vocab: int, n_head: int,
-                        n_head_kv: int) -> dict[str, tuple[int, ...]]:
+def llama_tensor_shapes(
+    n_layer: int, n_embd: int, n_ff: int, n_vocab: int, n_head: int, n_head_kv: int
+) -> dict[str, tuple[int, ...]]:
     """llama's tensors and their numpy shapes (rows, columns), in llama.cpp's names."""
     n_embd_kv = n_embd // n_head * n_head_kv
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, n_embd)}
@@ -199,9 +217,14 @@ def write_llama_gguf(
     w.write_tensors_to_file()
     w.close()
     model.metadata = {
-        "general.architecture": "llama", "llama.block_count": n_layer, "llama.embedding_length": n_embd,
-        "llama.feed_forward_length": n_ff, "llama.attention.head_count": n_head,
-        "llama.attention.head_count_kv": n_head_kv, "llama.context_length": n_ctx_train,
-        "general.file_type": file_type, "n_vocab": n_vocab,
+        "general.architecture": "llama",
+        "llama.block_count": n_layer,
+        "llama.embedding_length": n_embd,
+        "llama.feed_forward_length": n_ff,
+        "llama.attention.head_count": n_head,
+        "llama.attention.head_count_kv": n_head_kv,
+        "llama.context_length": n_ctx_train,
+        "general.file_type": file_type,
+        "n_vocab": n_vocab,
     }
     return model

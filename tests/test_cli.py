@@ -12,14 +12,23 @@ import pytest
 
 def infer(*args: str, env: dict[str, str] | None = None, cwd: str | None = None, stdin: str | None = None):
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "stdengine.cli.main", *args], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, input=stdin, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        input=stdin,
+        timeout=300,
+    )
 
 
 def test_help_lists_every_verb_and_imports_nothing_heavy():
-    code = ("import sys\nfrom stdengine.cli.main import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('numpy', 'gguf', 'jinja2', 'rich', 'stdengine.reference') if m in sys.modules))")
+    code = (
+        "import sys\nfrom stdengine.cli.main import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('numpy', 'gguf', 'jinja2', 'rich', 'stdengine.reference') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     for verb in ("run", "chat", "serve", "models", "engines", "config", "conformance"):
         assert f"  {verb} " in out

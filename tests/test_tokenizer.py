@@ -30,10 +30,21 @@ from stdengine.reference.tokenizer import (
 from stdengine.errors import UnsupportedArchitecture
 
 CORPUS: list[dict[str, str]] = json.loads(
-    (Path(__file__).parent / "data" / "tokenizer_corpus.json").read_text(encoding="utf-8"))
+    (Path(__file__).parent / "data" / "tokenizer_corpus.json").read_text(encoding="utf-8")
+)
 LINE_IDS = [c["name"] for c in CORPUS]
-SPECIAL_MARKERS = ("<|im_", "<start_of_turn>", "<end_of_turn>", "<|endoftext|>", "<bos>", "<eos>",
-                   "<pad>", "<unk>", "</s>", "<s>")
+SPECIAL_MARKERS = (
+    "<|im_",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<bos>",
+    "<eos>",
+    "<pad>",
+    "<unk>",
+    "</s>",
+    "<s>",
+)
 FLAGS = [(True, True), (False, True), (True, False), (False, False)]  # (add_special, parse_special)
 
 # ------------------------------------------------------------------------------------------------
@@ -129,8 +140,10 @@ def smollm2(request: pytest.FixtureRequest) -> Path:
 def _first_difference(tok: Tokenizer, mine: list[int], ref: list[int]) -> str:
     i = next((k for k, (a, b) in enumerate(zip(mine, ref, strict=False)) if a != b), min(len(mine), len(ref)))
     window = slice(max(0, i - 3), i + 4)
-    return (f"first difference at {i}: mine {mine[window]} {[tok.tokens[t] for t in mine[window]]}, "
-            f"llama.cpp {ref[window]} {[tok.tokens[t] for t in ref[window]]}")
+    return (
+        f"first difference at {i}: mine {mine[window]} {[tok.tokens[t] for t in mine[window]]}, "
+        f"llama.cpp {ref[window]} {[tok.tokens[t] for t in ref[window]]}"
+    )
 
 
 def _check_ids(tok: Tokenizer, oracle: Oracle, text: str) -> list[str]:
@@ -139,14 +152,15 @@ def _check_ids(tok: Tokenizer, oracle: Oracle, text: str) -> list[str]:
         mine = tok.encode(text, add_special=add_special, parse_special=parse_special)
         ref = oracle.tokenize(text, add_special, parse_special)
         if mine != ref:
-            problems.append(f"add_special={add_special} parse_special={parse_special}: "
-                            + _first_difference(tok, mine, ref))
+            problems.append(
+                f"add_special={add_special} parse_special={parse_special}: "
+                + _first_difference(tok, mine, ref)
+            )
     return problems
 
 
 # ------------------------------------------------------------------------------------------------
 # real models
-
 
 
 @pytest.mark.models
@@ -168,8 +182,25 @@ def test_ids_match_llamacpp_whole_corpus(model: Any, sep: str) -> None:
 
 @pytest.mark.models
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("text", ["", " ", "  ", "\n", "a", " a", "a ", "\t\n\r\n", "0", "<|im_end|>",
-                                  "<end_of_turn>", "<bos>", "<|im_start|>user", "<start_of_turn>model\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        " ",
+        "  ",
+        "\n",
+        "a",
+        " a",
+        "a ",
+        "\t\n\r\n",
+        "0",
+        "<|im_end|>",
+        "<end_of_turn>",
+        "<bos>",
+        "<|im_start|>user",
+        "<start_of_turn>model\n",
+    ],
+)
 def test_ids_match_llamacpp_short(model: Any, text: str) -> None:
     _, tok, oracle = model
     assert _check_ids(tok, oracle, text) == []
@@ -193,8 +224,12 @@ def test_vocabulary_facts_match_llamacpp(model: Any) -> None:
 @pytest.mark.llamacpp
 def test_token_to_piece_matches_llamacpp_for_every_token(model: Any) -> None:
     _, tok, oracle = model
-    bad = [(i, special) for i in range(tok.n_vocab) for special in (True, False)
-           if tok.token_to_piece(i, special) != oracle.piece(i, special)]
+    bad = [
+        (i, special)
+        for i in range(tok.n_vocab)
+        for special in (True, False)
+        if tok.token_to_piece(i, special) != oracle.piece(i, special)
+    ]
     assert (len(bad), bad[:10]) == (0, [])
 
 
@@ -212,7 +247,9 @@ def test_decode_roundtrip(model: Any, line: dict[str, str]) -> None:
     # the text comes back, unless the vocabulary cannot hold it: then it comes back as llama.cpp's
     # does (SmolLM2 has no token for the byte 0x1D, which both drop)
     for special in (True, False) if _plain(text) else (True,):
-        ref = oracle.detokenize(oracle.tokenize(text, False, True), special=special).decode("utf-8", "replace")
+        ref = oracle.detokenize(oracle.tokenize(text, False, True), special=special).decode(
+            "utf-8", "replace"
+        )
         assert tok.decode(ids, special=special) == (text if ref == text else ref)
 
 
@@ -220,8 +257,11 @@ def test_decode_roundtrip(model: Any, line: dict[str, str]) -> None:
 @pytest.mark.llamacpp
 def test_decode_roundtrip_with_special_tokens(model: Any) -> None:
     name, tok, _ = model
-    text = ("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n" if name == "smollm2"
-            else "<start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\n")
+    text = (
+        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+        if name == "smollm2"
+        else "<start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\n"
+    )
     ids = tok.encode(text, add_special=False)
     assert len(ids) < len(tok.encode(text, add_special=False, parse_special=False))
     assert tok.decode(ids, special=True) == text
@@ -272,8 +312,11 @@ def test_header_reader_reads_what_gguf_reader_reads(smollm2: Path, tmp_path: Pat
     from gguf import GGUFReader
     from stdengine.reference.tokenizer import _reader_metadata
 
-    for path in (smollm2, _write_gguf(tmp_path / "bpe.gguf", _bpe_meta("gpt-2")),
-                 _write_gguf(tmp_path / "spm.gguf", _spm_meta(True))):
+    for path in (
+        smollm2,
+        _write_gguf(tmp_path / "bpe.gguf", _bpe_meta("gpt-2")),
+        _write_gguf(tmp_path / "spm.gguf", _spm_meta(True)),
+    ):
         reader = GGUFReader(path)
         assert read_gguf_metadata(path) == _reader_metadata(reader)
         text = "\n".join(c["text"] for c in CORPUS)
@@ -307,7 +350,7 @@ def _train_merges(words: Counter[str], n_merges: int) -> list[tuple[str, str]]:
             i = 0
             while i < len(s) - 1:
                 if (s[i], s[i + 1]) == best:
-                    s[i:i + 2] = [s[i] + s[i + 1]]
+                    s[i : i + 2] = [s[i] + s[i + 1]]
                 i += 1
     return merges
 
@@ -338,9 +381,15 @@ def _bpe_vocab() -> tuple[list[str], list[int], list[str]]:
 
 def _bpe_meta(pre: str, **extra: Any) -> dict[str, Any]:
     tokens, types, merges = _bpe_vocab()
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
-            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+    }
     meta.update(extra)
     return meta
 
@@ -372,9 +421,16 @@ def _spm_vocab() -> tuple[list[str], list[int], list[float]]:
 
 def _spm_meta(space_prefix: bool) -> dict[str, Any]:
     tokens, types, scores = _spm_vocab()
-    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.scores": scores, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-            "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_space_prefix": space_prefix}
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_space_prefix": space_prefix,
+    }
 
 
 def _write_gguf(path: Path, meta: dict[str, Any]) -> Path:
@@ -429,16 +485,19 @@ def test_synthetic_bpe_matches_llamacpp(tmp_path: Path, pre: str) -> None:
     # the synthetic vocabulary does make the merges matter
     assert len(tok.encode("hello world")) < len("hello world")
     assert tok.eog_ids == {i for i in range(tok.n_vocab) if oracle.lib.llama_vocab_is_eog(oracle.vocab, i)}
-    assert [tok.token_to_piece(i, s) for i in range(tok.n_vocab) for s in (True, False)] == \
-        [oracle.piece(i, s) for i in range(tok.n_vocab) for s in (True, False)]
+    assert [tok.token_to_piece(i, s) for i in range(tok.n_vocab) for s in (True, False)] == [
+        oracle.piece(i, s) for i in range(tok.n_vocab) for s in (True, False)
+    ]
 
 
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("add_bos", [True, False])
 def test_synthetic_bpe_add_bos_token_is_honoured(tmp_path: Path, add_bos: bool) -> None:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
-    path = _write_gguf(tmp_path / "bpe.gguf", _bpe_meta("qwen2", **{"tokenizer.ggml.add_bos_token": add_bos,
-                                                                   "tokenizer.ggml.add_eos_token": True}))
+    path = _write_gguf(
+        tmp_path / "bpe.gguf",
+        _bpe_meta("qwen2", **{"tokenizer.ggml.add_bos_token": add_bos, "tokenizer.ggml.add_eos_token": True}),
+    )
     tok, oracle = Tokenizer.from_gguf(path), _oracle(path)
     assert tok.add_bos is add_bos and tok.add_eos
     for text in ("hello", ""):
@@ -462,30 +521,43 @@ def test_synthetic_spm_matches_llamacpp(tmp_path: Path, space_prefix: bool) -> N
     texts = SYNTH_TEXTS + ["<ctrl>after control", "x<ctrl> y<ctrl>", "a  b\n\nc", "▁literal▁", " lead"]
     problems = [f"{t[:40]!r}: {p}" for t in texts for p in _check_ids(tok, oracle, t)]
     assert problems == []
-    assert [tok.token_to_piece(i, s) for i in range(tok.n_vocab) for s in (True, False)] == \
-        [oracle.piece(i, s) for i in range(tok.n_vocab) for s in (True, False)]
+    assert [tok.token_to_piece(i, s) for i in range(tok.n_vocab) for s in (True, False)] == [
+        oracle.piece(i, s) for i in range(tok.n_vocab) for s in (True, False)
+    ]
     # decode takes off exactly the spaces the prefix rule added
     for text in texts:
         if "<" not in text and "▁" not in text:
             assert tok.decode(tok.encode(text, add_special=False)) == text
-    assert tok.decode(tok.encode("<ctrl>after  x<ctrl> y", add_special=True), special=True) == \
-        "<s><ctrl>after  x<ctrl> y"
+    assert (
+        tok.decode(tok.encode("<ctrl>after  x<ctrl> y", add_special=True), special=True)
+        == "<s><ctrl>after  x<ctrl> y"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # pre-tokenizer regexes, checked by hand, and errors
 
 
-@pytest.mark.parametrize("pre, text, pieces", [
-    ("gpt-2", "Hello  world\n\nI'm 12345!!", ["Hello", " ", " world", "\n", "\n", "I", "'m", " 12345", "!!"]),
-    ("gpt-2", "a   ", ["a", "   "]),
-    ("smollm", "x 2024 y", ["x", " ", "2", "0", "2", "4", " y"]),
-    ("llama-bpe", "Hello  world\n\nI'M 12345!!", ["Hello", " ", " world", "\n\n", "I", "'M", " ", "123", "45",
-                                                 "!!"]),
-    ("llama-bpe", "x\t\n  y", ["x", "\t\n", " ", " y"]),
-    ("qwen2", "abc 123", ["abc", " ", "1", "2", "3"]),
-    ("default", "a+b=c 1234", ["a", "+", "b", "=", "c", " ", "123", "4"]),
-])
+@pytest.mark.parametrize(
+    "pre, text, pieces",
+    [
+        (
+            "gpt-2",
+            "Hello  world\n\nI'm 12345!!",
+            ["Hello", " ", " world", "\n", "\n", "I", "'m", " 12345", "!!"],
+        ),
+        ("gpt-2", "a   ", ["a", "   "]),
+        ("smollm", "x 2024 y", ["x", " ", "2", "0", "2", "4", " y"]),
+        (
+            "llama-bpe",
+            "Hello  world\n\nI'M 12345!!",
+            ["Hello", " ", " world", "\n\n", "I", "'M", " ", "123", "45", "!!"],
+        ),
+        ("llama-bpe", "x\t\n  y", ["x", "\t\n", " ", " y"]),
+        ("qwen2", "abc 123", ["abc", " ", "1", "2", "3"]),
+        ("default", "a+b=c 1234", ["a", "+", "b", "=", "c", " ", "123", "4"]),
+    ],
+)
 def test_pre_tokenizer_splits(pre: str, text: str, pieces: list[str]) -> None:
     assert pre_split(text, PRE_TOKENIZERS[pre].regexes) == pieces
 

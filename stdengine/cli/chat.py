@@ -30,8 +30,10 @@ def chat(**kwargs: Any) -> None:
     events = make_emitter(options)
     engine = load_engine(resolved, events)
     if not engine.has_chat_template():
-        raise UsageError("this model has no chat template, so `infer chat` cannot format a conversation",
-                         hint="pass one with --chat-template, or use `infer run --raw`")
+        raise UsageError(
+            "this model has no chat template, so `infer chat` cannot format a conversation",
+            hint="pass one with --chat-template, or use `infer run --raw`",
+        )
     system = [{"role": "system", "content": options.system}] if options.system else []
     history: list[dict[str, str]] = []
     interactive = sys.stdin.isatty()
@@ -95,6 +97,10 @@ def _answer(engine: Any, messages: list[dict[str, str]], options: Any, events: A
     sys.stdout.write("\n")
     sys.stdout.flush()
     if done is not None:
-        events.debug("generation.done", finish_reason=done.finish_reason, summary=summary_line(done),
-                     timings=done.timings.to_dict())
+        events.debug(
+            "generation.done",
+            finish_reason=done.finish_reason,
+            summary=summary_line(done),
+            timings=done.timings.to_dict(),
+        )
     return "".join(pieces)

@@ -47,10 +47,15 @@ def canonical_options(*names: str) -> Callable[[F], F]:
     def decorate(f: F) -> F:
         for name in reversed([n for n in OPTION_NAMES if n in chosen]):
             f = _click_option(name)(f)
-        f = click.option("--config", "config_path", metavar="PATH",
-                         help="config file (TOML or JSON); default ./infer.toml, then the user config dir")(f)
-        f = click.option("-v", "--verbose", is_flag=True, default=False,
-                         help="debug logging, and tracebacks on errors")(f)
+        f = click.option(
+            "--config",
+            "config_path",
+            metavar="PATH",
+            help="config file (TOML or JSON); default ./infer.toml, then the user config dir",
+        )(f)
+        f = click.option(
+            "-v", "--verbose", is_flag=True, default=False, help="debug logging, and tracebacks on errors"
+        )(f)
         return f
 
     return decorate
@@ -77,8 +82,13 @@ def resolve_cli(kwargs: dict[str, Any], engine_defaults: dict[str, Any] | None =
 def make_emitter(options: Options, engine: str | None = None, model: str | None = None) -> Any:
     from stdengine.events import Emitter
 
-    return Emitter(log_format=options.log_format, verbosity=options.verbosity, log_file=options.log_file,
-                   engine=engine, model=model)
+    return Emitter(
+        log_format=options.log_format,
+        verbosity=options.verbosity,
+        log_file=options.log_file,
+        engine=engine,
+        model=model,
+    )
 
 
 def load_engine(resolved: Any, events: Any) -> Any:
@@ -104,7 +114,10 @@ def load_engine(resolved: Any, events: Any) -> Any:
 
 
 def _verbose(argv: list[str]) -> bool:
-    return any(a in ("-v", "--verbose") for a in argv) or os.environ.get("INFER_VERBOSITY", "0") not in ("", "0")
+    return any(a in ("-v", "--verbose") for a in argv) or os.environ.get("INFER_VERBOSITY", "0") not in (
+        "",
+        "0",
+    )
 
 
 def run_cli(cmd: click.Command, argv: list[str], prog_name: str) -> None:

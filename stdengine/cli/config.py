@@ -32,8 +32,12 @@ def show(as_json: bool, **kwargs: Any) -> None:
     values = resolved.options.model_dump()
     if as_json:
         out = {name: {"value": values[name], "source": resolved.sources[name]} for name in values}
-        click.echo(json.dumps({"config_file": str(resolved.config_path) if resolved.config_path else None,
-                               "options": out}, indent=2))
+        click.echo(
+            json.dumps(
+                {"config_file": str(resolved.config_path) if resolved.config_path else None, "options": out},
+                indent=2,
+            )
+        )
         return
     from rich.console import Console
     from rich.table import Table

@@ -29,6 +29,11 @@ def engines(as_json: bool) -> None:
         table.add_column(col, overflow="fold")
     for r in rows:
         avail = "yes" if r["available"] else f"no: {r['reason']}"
-        table.add_row(r["name"], r["version"] or "?", avail, ", ".join(r["capabilities"]),
-                      ", ".join(r["honoured_options"]))
+        table.add_row(
+            r["name"],
+            r["version"] or "?",
+            avail,
+            ", ".join(r["capabilities"]),
+            ", ".join(r["honoured_options"]),
+        )
     Console().print(table)

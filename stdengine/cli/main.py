@@ -38,7 +38,9 @@ class LazyGroup(click.Group):
             formatter.write_dl([(name, short) for name, (_, _, short) in VERBS.items()])
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
 @click.version_option(__version__, "--version", prog_name="infer")
 def cli() -> None:
     """One command line for every LLM inference engine.

@@ -104,8 +104,11 @@ def _print_info(mi: Any) -> None:
     def num(v: Any) -> str:
         return "-" if v is None else str(v)
 
-    head_dim = num(mi.n_embd_head_k) if mi.n_embd_head_k == mi.n_embd_head_v \
+    head_dim = (
+        num(mi.n_embd_head_k)
+        if mi.n_embd_head_k == mi.n_embd_head_v
         else f"{num(mi.n_embd_head_k)} (K) / {num(mi.n_embd_head_v)} (V)"
+    )
     tokenizer = num(mi.tokenizer_model) + (f" (pre: {mi.tokenizer_pre})" if mi.tokenizer_pre else "")
     rows = [
         ("file", mi.path),

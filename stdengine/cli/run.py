@@ -17,10 +17,17 @@ from stdengine.options import Options
 
 def sampling_from(options: Options) -> SamplingParams:
     return SamplingParams(
-        temp=options.temp, top_k=options.top_k, top_p=options.top_p, min_p=options.min_p,
-        repeat_penalty=options.repeat_penalty, repeat_last_n=options.repeat_last_n,
-        presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
-        seed=options.seed, n_predict=options.n_predict, stop=list(options.stop),
+        temp=options.temp,
+        top_k=options.top_k,
+        top_p=options.top_p,
+        min_p=options.min_p,
+        repeat_penalty=options.repeat_penalty,
+        repeat_last_n=options.repeat_last_n,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        seed=options.seed,
+        n_predict=options.n_predict,
+        stop=list(options.stop),
     )
 
 
@@ -42,15 +49,19 @@ def read_prompt(options: Options) -> str:
 
 def summary_line(done: DoneEvent) -> str:
     t = done.timings.to_dict()
-    return (f"prompt: {t['prompt_n']} tokens, {t['prompt_per_second']:.1f} t/s | "
-            f"generation: {t['predicted_n']} tokens, {t['predicted_per_second']:.1f} t/s | "
-            f"finish: {done.finish_reason}")
+    return (
+        f"prompt: {t['prompt_n']} tokens, {t['prompt_per_second']:.1f} t/s | "
+        f"generation: {t['predicted_n']} tokens, {t['predicted_per_second']:.1f} t/s | "
+        f"finish: {done.finish_reason}"
+    )
 
 
 @click.command()
 @canonical_options()
 @click.option("--raw", is_flag=True, help="complete the prompt exactly as given, without the chat template")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON result object instead of streaming text")
+@click.option(
+    "--json", "as_json", is_flag=True, help="print one JSON result object instead of streaming text"
+)
 def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
     """Generate a completion for a prompt with any engine (default: the reference engine and the
     smollm2-135m-instruct model, pulled on first use).
@@ -77,13 +88,15 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
     engine = load_engine(resolved, events)
     try:
         if not raw and engine.has_chat_template():
-            messages = ([{"role": "system", "content": options.system}] if options.system else [])
+            messages = [{"role": "system", "content": options.system}] if options.system else []
             messages.append({"role": "user", "content": prompt})
             request = GenerateRequest(messages=messages, sampling=sampling_from(options))
         else:
             if options.system:
-                raise UsageError("--system needs a chat template, and this run has none",
-                                 hint="drop --raw, or put the system text into the prompt")
+                raise UsageError(
+                    "--system needs a chat template, and this run has none",
+                    hint="drop --raw, or put the system text into the prompt",
+                )
             request = GenerateRequest(prompt=prompt, sampling=sampling_from(options))
         pieces: list[str] = []
         done: DoneEvent | None = None
@@ -99,18 +112,32 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
         if not as_json:
             sys.stdout.write("\n")
             sys.stdout.flush()
-        events.info("generation.done", finish_reason=done.finish_reason, summary=summary_line(done),
-                    timings=done.timings.to_dict())
+        events.info(
+            "generation.done",
+            finish_reason=done.finish_reason,
+            summary=summary_line(done),
+            timings=done.timings.to_dict(),
+        )
         if as_json:
             info = engine.info()
-            click.echo(json.dumps({
-                "engine": info.name, "model": info.model.get("path", options.model), "text": "".join(pieces),
-                "finish_reason": done.finish_reason, "stop": done.stop,
-                "usage": {"prompt_tokens": done.usage.prompt_tokens,
-                          "completion_tokens": done.usage.completion_tokens,
-                          "total_tokens": done.usage.total_tokens},
-                "timings": done.timings.to_dict(),
-            }, ensure_ascii=False))
+            click.echo(
+                json.dumps(
+                    {
+                        "engine": info.name,
+                        "model": info.model.get("path", options.model),
+                        "text": "".join(pieces),
+                        "finish_reason": done.finish_reason,
+                        "stop": done.stop,
+                        "usage": {
+                            "prompt_tokens": done.usage.prompt_tokens,
+                            "completion_tokens": done.usage.completion_tokens,
+                            "total_tokens": done.usage.total_tokens,
+                        },
+                        "timings": done.timings.to_dict(),
+                    },
+                    ensure_ascii=False,
+                )
+            )
     finally:
         engine.close()
         events.close()

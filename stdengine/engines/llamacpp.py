@@ -164,10 +164,13 @@ class LlamaCppEngine(Engine):
         self.bos_id = None if bos == LLAMA_TOKEN_NULL else bos
         self.eos_id = None if eos == LLAMA_TOKEN_NULL else eos
         self.add_bos = bool(lib.llama_vocab_get_add_bos(self.vocab))
-        self.template, self.template_source = choose_chat_template(options.chat_template, {
-            "tokenizer.chat_template": self.meta("tokenizer.chat_template"),
-            "general.architecture": self.meta("general.architecture"),
-        })
+        self.template, self.template_source = choose_chat_template(
+            options.chat_template,
+            {
+                "tokenizer.chat_template": self.meta("tokenizer.chat_template"),
+                "general.architecture": self.meta("general.architecture"),
+            },
+        )
         if lib.llama_supports_gpu_offload():
             # the instance can offload; the class cannot know that without importing llama_cpp
             self.capabilities = self.capabilities | {"gpu"}  # type: ignore[misc]
