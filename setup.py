@@ -1,7 +1,7 @@
 """Builds the reference engine's C core as a plain shared library loaded with ctypes.
 
 It is declared as an Extension only so that `pip install .` compiles it with no manual step;
-it has no Python API. SIMD paths are selected at run time (see reference_engine/csrc/cpu.c),
+it has no Python API. SIMD paths are selected at run time (se_kernels_init in reference_engine/csrc/kernels.c),
 so the flags here are portable ones.
 """
 

@@ -15,16 +15,31 @@ import numpy as np
 from ._lib import lib
 
 TYPES = {
-    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q8_1": 9,
-    "q4_k": 12, "q5_k": 13, "q6_k": 14, "q8_k": 15, "bf16": 30,
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "q8_1": 9,
+    "q4_k": 12,
+    "q5_k": 13,
+    "q6_k": 14,
+    "q8_k": 15,
+    "bf16": 30,
 }
 ISAS = ("scalar", "avx2", "avx512")
 
 
 class _Traits(ctypes.Structure):
     _fields_ = [
-        ("name", ctypes.c_char_p), ("blck", ctypes.c_int), ("size", ctypes.c_int),
-        ("act_type", ctypes.c_int), ("to_float", ctypes.c_void_p), ("from_float", ctypes.c_void_p),
+        ("name", ctypes.c_char_p),
+        ("blck", ctypes.c_int),
+        ("size", ctypes.c_int),
+        ("act_type", ctypes.c_int),
+        ("to_float", ctypes.c_void_p),
+        ("from_float", ctypes.c_void_p),
         ("dot", ctypes.c_void_p),
     ]
 
@@ -76,8 +91,11 @@ def set_isa(name: str | None) -> bool:
 
 
 def _raw(data) -> np.ndarray:
-    return np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes | bytearray)
-                                else np.asarray(data).view(np.uint8).reshape(-1))
+    return np.ascontiguousarray(
+        np.frombuffer(data, dtype=np.uint8)
+        if isinstance(data, bytes | bytearray)
+        else np.asarray(data).view(np.uint8).reshape(-1)
+    )
 
 
 def dequantize(t: int | str, raw, n: int) -> np.ndarray:
@@ -127,7 +145,9 @@ def matmul(t: int | str, w, k: int, x: np.ndarray, r0: int = 0, r1: int | None =
     return y
 
 
-def throughput(t: int | str, rows: int, k: int, n_tok: int = 1, seconds: float = 0.5, copies: int = 1) -> dict:
+def throughput(
+    t: int | str, rows: int, k: int, n_tok: int = 1, seconds: float = 0.5, copies: int = 1
+) -> dict:
     """Rough single-thread speed of se_matmul on random weights: GB/s of weights and GMAC/s.
 
     For debugging only (a ctypes call costs a few microseconds; benchmarks belong to bench/).
@@ -143,18 +163,26 @@ def throughput(t: int | str, rows: int, k: int, n_tok: int = 1, seconds: float =
         if tr.blck > 1:  # modest fp16 scales where the block starts with them (q6_K ends with d)
             offs = [tr.size - 2] if type_id(t) == TYPES["q6_k"] else [0, 2]
             for off in offs:
-                raw[:, :, off:off + 2] = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(rows, -1, 2)
+                raw[:, :, off : off + 2] = (
+                    np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(rows, -1, 2)
+                )
         else:
             raw = np.full((rows, k), 0.01, dtype={4: np.float32, 2: np.float16}[tr.size]).view(np.uint8)
         mats.append(np.ascontiguousarray(raw).reshape(-1))
     act = quantize(tr.act_type, rng.standard_normal((n_tok, k)).astype(np.float32))
     y = np.empty((n_tok, rows), dtype=np.float32)
-    args = [(type_id(t), m.ctypes.data, k, act.ctypes.data, n_tok, y.ctypes.data, rows, 0, rows) for m in mats]
+    args = [
+        (type_id(t), m.ctypes.data, k, act.ctypes.data, n_tok, y.ctypes.data, rows, 0, rows) for m in mats
+    ]
     calls, t0 = 0, time.perf_counter()
     while (dt := time.perf_counter() - t0) < seconds:
         for a in args:
             c.se_matmul(*a)
         calls += len(args)
     per_call = dt / calls
-    return {"isa": isa(), "us_per_call": per_call * 1e6, "GB/s": rows * row_size(t, k) / per_call / 1e9,
-            "GMAC/s": rows * k * n_tok / per_call / 1e9}
+    return {
+        "isa": isa(),
+        "us_per_call": per_call * 1e6,
+        "GB/s": rows * row_size(t, k) / per_call / 1e9,
+        "GMAC/s": rows * k * n_tok / per_call / 1e9,
+    }

@@ -30,10 +30,29 @@ WEIGHT_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.
 QUANT_TYPES = [t for t in WEIGHT_TYPES if t not in (T.F32, T.F16, T.BF16)]
 GG_CAN_QUANTIZE = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}
 # Byte offsets of each block's fp16 fields (d, and m/dmin), per ggml's layouts.
-F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
-              T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
-ACT = {T.F32: T.F32, T.F16: T.F32, T.BF16: T.F32, T.Q4_0: T.Q8_0, T.Q4_1: T.Q8_1, T.Q5_0: T.Q8_0,
-       T.Q5_1: T.Q8_1, T.Q8_0: T.Q8_0, T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K}
+F16_FIELDS = {
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.Q8_0: [0],
+    T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
+    T.Q6_K: [208],
+}
+ACT = {
+    T.F32: T.F32,
+    T.F16: T.F32,
+    T.BF16: T.F32,
+    T.Q4_0: T.Q8_0,
+    T.Q4_1: T.Q8_1,
+    T.Q5_0: T.Q8_0,
+    T.Q5_1: T.Q8_1,
+    T.Q8_0: T.Q8_0,
+    T.Q4_K: T.Q8_K,
+    T.Q5_K: T.Q8_K,
+    T.Q6_K: T.Q8_K,
+}
 
 
 @contextlib.contextmanager
@@ -79,9 +98,12 @@ def random_raw(t, rows: int, k: int, rng) -> np.ndarray:
     bs, ts = gguf.GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, size=(rows, k // bs, ts), dtype=np.uint8)
     for off in F16_FIELDS[t]:
-        vals = (rng.uniform(0.5, 2.0, size=raw.shape[:2]) * rng.choice([-1, 1], size=raw.shape[:2])
-                * (1 / 64 if t in (T.Q4_K, T.Q5_K, T.Q6_K) else 1 / 16))
-        raw[:, :, off:off + 2] = vals.astype(np.float16).view(np.uint8).reshape(rows, k // bs, 2)
+        vals = (
+            rng.uniform(0.5, 2.0, size=raw.shape[:2])
+            * rng.choice([-1, 1], size=raw.shape[:2])
+            * (1 / 64 if t in (T.Q4_K, T.Q5_K, T.Q6_K) else 1 / 16)
+        )
+        raw[:, :, off : off + 2] = vals.astype(np.float16).view(np.uint8).reshape(rows, k // bs, 2)
     return raw.reshape(rows, -1)
 
 
@@ -89,15 +111,18 @@ def weights(t, rows: int, k: int, rng, source: str) -> np.ndarray:
     """Raw weight rows of type t: quantized by gguf from random floats, or random raw blocks."""
     if source == "quantized":
         x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 3, size=(rows, 1))
-        x[:, :block(t)] *= 0  # an all-zero block (d = 0) in every row
+        x[:, : block(t)] *= 0  # an all-zero block (d = 0) in every row
         raw = gg_quantize(x.astype(np.float32), t)
         return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
     return random_raw(t, rows, k, rng)
 
 
 def sources(t) -> list[str]:
-    return ["quantized", "random"] if t in GG_CAN_QUANTIZE and t not in (T.F32, T.F16, T.BF16) else (
-        ["quantized"] if t in (T.F32, T.F16, T.BF16) else ["random"])
+    return (
+        ["quantized", "random"]
+        if t in GG_CAN_QUANTIZE and t not in (T.F32, T.F16, T.BF16)
+        else (["quantized"] if t in (T.F32, T.F16, T.BF16) else ["random"])
+    )
 
 
 def deq_act(t, raw: np.ndarray, k: int) -> np.ndarray:
@@ -146,10 +171,12 @@ def test_f16_every_value():
 
 def test_f16_bf16_from_float_round_like_numpy():
     rng = np.random.default_rng(1)
-    x = np.concatenate([
-        rng.standard_normal(4096) * 10.0 ** rng.integers(-9, 6, 4096),   # normals, subnormals, overflow
-        np.array([65504, 65519.99, 65520, 1e6, -1e6, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 0.0, -0.0]),
-    ]).astype(np.float32)
+    x = np.concatenate(
+        [
+            rng.standard_normal(4096) * 10.0 ** rng.integers(-9, 6, 4096),  # normals, subnormals, overflow
+            np.array([65504, 65519.99, 65520, 1e6, -1e6, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 0.0, -0.0]),
+        ]
+    ).astype(np.float32)
     x = x[: len(x) // 2 * 2]
     with np.errstate(over="ignore"):
         f16 = x.astype(np.float16)
@@ -205,7 +232,9 @@ def test_q8_K_from_float(isa):
             iscale = np.float32(-127) / mx
             q = np.minimum(127, np.rint(iscale * v)).astype(np.int8)
             np.testing.assert_array_equal(g[4:260].view(np.int8), q)
-            np.testing.assert_array_equal(g[260:].view(np.int16), q.reshape(16, 16).astype(np.int16).sum(axis=1))
+            np.testing.assert_array_equal(
+                g[260:].view(np.int16), q.reshape(16, 16).astype(np.int16).sum(axis=1)
+            )
             assert g[0:4].view(np.float32)[0] == np.float32(1) / iscale
 
 
@@ -223,7 +252,7 @@ def act_error_bound(t_act, x: np.ndarray, w_deq: np.ndarray) -> np.ndarray:
         return np.zeros((x.shape[0], w_deq.shape[0]))
     qb = 256 if t_act == T.Q8_K else 32
     amax = np.abs(x.reshape(x.shape[0], -1, qb)).max(axis=2).astype(np.float64)  # (tok, blocks)
-    wabs = np.abs(w_deq.reshape(w_deq.shape[0], -1, qb)).sum(axis=2)              # (rows, blocks)
+    wabs = np.abs(w_deq.reshape(w_deq.shape[0], -1, qb)).sum(axis=2)  # (rows, blocks)
     return 0.6 / 127 * amax @ wabs.T
 
 
@@ -302,7 +331,7 @@ def test_batch_equals_single_token(t, isa):
     x = rng.standard_normal((9, k)).astype(np.float32)
     batch = K.matmul(t, w, k, x)
     for i in range(9):
-        np.testing.assert_array_equal(K.matmul(t, w, k, x[i:i + 1])[0], batch[i])
+        np.testing.assert_array_equal(K.matmul(t, w, k, x[i : i + 1])[0], batch[i])
 
 
 @pytest.mark.parametrize("t", QUANT_TYPES + [T.F16, T.F32], ids=lambda t: t.name)
@@ -345,8 +374,13 @@ def test_traits_table():
 def test_env_forces_isa(name):
     """INFER_REF_ISA picks the path at start-up; an unsupported one falls back to the best here."""
     env = dict(os.environ, INFER_REF_ISA=name)
-    out = subprocess.run([sys.executable, "-c", "from stdengine.reference import kernels as K; print(K.isa())"],
-                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", "from stdengine.reference import kernels as K; print(K.isa())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert out == (name if name in ISAS else ISAS[-1])
 
 
@@ -366,7 +400,9 @@ def _check_model_tensors(path, isa_names):
         k = int(t.shape[0])  # ggml's ne[0]: elements per row
         raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1, K.row_size(qt, k))[:64]
         wd = gg_dequantize(raw, qt).astype(np.float64).reshape(-1, k)
-        np.testing.assert_array_equal(np.stack([K.dequantize(qt, r, k) for r in raw[:8]]), wd[:8].astype(np.float32))
+        np.testing.assert_array_equal(
+            np.stack([K.dequantize(qt, r, k) for r in raw[:8]]), wd[:8].astype(np.float32)
+        )
         x = rng.standard_normal((3, k)).astype(np.float32)
         want = x.astype(np.float64) @ wd.T
         tol = act_error_bound(ACT[qt], x, wd) + float_error_bound(ACT[qt], x, wd)
