@@ -245,6 +245,9 @@ class Context:
         if n > self.n_ctx:
             raise ContextOverflow(f"{n} tokens do not fit a context of {self.n_ctx}",
                                   hint="use a larger ctx_size (-c)", n_ctx=self.n_ctx, n_tokens=n)
+        if isinstance(tokens, np.ndarray) and tokens.dtype != np.int32 and n and (
+                tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() >= self.n_vocab):
+            raise InvalidRequest(f"token ids must be integers in [0, {self.n_vocab})")  # no silent wrap
         try:
             self._tok[:n] = tokens
         except (OverflowError, ValueError, TypeError) as e:

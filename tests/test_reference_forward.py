@@ -247,6 +247,8 @@ def test_context_overflow_and_bad_tokens(tmp_path):
             ctx.decode([-1])
         with pytest.raises(InvalidRequest):
             ctx.decode([])
+        with pytest.raises(InvalidRequest):
+            ctx.decode(np.array([2**32 + 1], dtype=np.int64))  # must not wrap to token 1
         assert ctx.n_past == 0
 
 
