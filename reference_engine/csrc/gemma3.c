@@ -25,10 +25,12 @@
 
 #include <math.h>
 
-/* GELU, tanh approximation (Gemma's gelu_pytorch_tanh). */
+/* GELU, tanh approximation (Gemma's gelu_pytorch_tanh): 0.5 x (1 + tanh(u)) with
+ * u = sqrt(2/pi) (x + 0.044715 x^3), written as x / (1 + exp(-2u)), the same function: expf is
+ * several times cheaper than tanhf, which took 14% of a 512-token prompt. */
 static float gelu_tanh(float x) {
-    const float sqrt_2_over_pi = 0.79788456080286535588f;
-    return 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * x * (1.0f + 0.044715f * x * x)));
+    const float two_sqrt_2_over_pi = 1.59576912160573071176f;
+    return x / (1.0f + expf(-two_sqrt_2_over_pi * x * (1.0f + 0.044715f * x * x)));
 }
 
 /* x += rmsnorm(W act) * post_w for every token: each thread computes its rows of W act into
