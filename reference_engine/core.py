@@ -168,7 +168,7 @@ def row_size(type_id: int, n: int) -> int:
 
 
 def hparams_struct(hp: HParams) -> _HParams:
-    return _HParams(**{name: getattr(hp, name) for name, _ in _HParams._fields_})
+    return _HParams(**{f[0]: getattr(hp, f[0]) for f in _HParams._fields_})
 
 
 def isa_name() -> str:
