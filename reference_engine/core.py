@@ -35,11 +35,29 @@ if TYPE_CHECKING:
 OK, ERR_CONTEXT_OVERFLOW, ERR_BAD_TOKEN, ERR_INVALID, ERR_NOMEM, ERR_MISSING = 0, -1, -2, -3, -4, -5
 ARCH_LLAMA, ARCH_GEMMA3 = 1, 2
 ROPE_NORM, ROPE_NEOX = 0, 2
-SLOTS = {name: i for i, name in enumerate([
-    "TOKEN_EMBD", "OUTPUT_NORM", "OUTPUT", "ATTN_NORM", "ATTN_Q", "ATTN_K", "ATTN_V", "ATTN_OUTPUT",
-    "ATTN_Q_NORM", "ATTN_K_NORM", "ATTN_POST_NORM", "FFN_NORM", "FFN_GATE", "FFN_UP", "FFN_DOWN",
-    "FFN_POST_NORM",
-])}
+SLOTS = {
+    name: i
+    for i, name in enumerate(
+        [
+            "TOKEN_EMBD",
+            "OUTPUT_NORM",
+            "OUTPUT",
+            "ATTN_NORM",
+            "ATTN_Q",
+            "ATTN_K",
+            "ATTN_V",
+            "ATTN_OUTPUT",
+            "ATTN_Q_NORM",
+            "ATTN_K_NORM",
+            "ATTN_POST_NORM",
+            "FFN_NORM",
+            "FFN_GATE",
+            "FFN_UP",
+            "FFN_DOWN",
+            "FFN_POST_NORM",
+        ]
+    )
+}
 
 _i32, _i64, _f32, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -66,21 +84,45 @@ class HParams:
 
 
 class _HParams(ctypes.Structure):
-    _fields_ = [(n, _i32) for n in ("arch", "n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv",
-                                    "head_dim", "n_ff", "n_rot", "rope_type")] + \
-               [(n, _f32) for n in ("norm_eps", "rope_base", "rope_freq_scale", "attn_scale",
-                                    "embd_scale")]
+    _fields_ = [
+        (n, _i32)
+        for n in (
+            "arch",
+            "n_vocab",
+            "n_embd",
+            "n_layer",
+            "n_head",
+            "n_head_kv",
+            "head_dim",
+            "n_ff",
+            "n_rot",
+            "rope_type",
+        )
+    ] + [(n, _f32) for n in ("norm_eps", "rope_base", "rope_freq_scale", "attn_scale", "embd_scale")]
 
 
 class _ContextParams(ctypes.Structure):
-    _fields_ = [("n_ctx", _i32), ("n_batch", _i32), ("n_ubatch", _i32), ("n_threads", _i32),
-                ("n_threads_batch", _i32)]
+    _fields_ = [
+        ("n_ctx", _i32),
+        ("n_batch", _i32),
+        ("n_ubatch", _i32),
+        ("n_threads", _i32),
+        ("n_threads_batch", _i32),
+    ]
 
 
 class _SamplingParams(ctypes.Structure):
-    _fields_ = [("temp", _f32), ("top_k", _i32), ("top_p", _f32), ("min_p", _f32),
-                ("repeat_penalty", _f32), ("repeat_last_n", _i32), ("presence_penalty", _f32),
-                ("frequency_penalty", _f32), ("seed", _i64)]
+    _fields_ = [
+        ("temp", _f32),
+        ("top_k", _i32),
+        ("top_p", _f32),
+        ("min_p", _f32),
+        ("repeat_penalty", _f32),
+        ("repeat_last_n", _i32),
+        ("presence_penalty", _f32),
+        ("frequency_penalty", _f32),
+        ("seed", _i64),
+    ]
 
 
 @dataclass(frozen=True)
@@ -100,8 +142,17 @@ class SamplingParams:
     seed: int = -1
 
 
-_SAMPLING_FIELDS = ("temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
-                    "presence_penalty", "frequency_penalty", "seed")
+_SAMPLING_FIELDS = (
+    "temp",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
 
 
 @cache
@@ -135,8 +186,15 @@ def api() -> ctypes.CDLL:
 
 
 class _Traits(ctypes.Structure):  # kernels.h se_type_traits
-    _fields_ = [("name", ctypes.c_char_p), ("blck", ctypes.c_int), ("size", ctypes.c_int),
-                ("act_type", ctypes.c_int), ("to_float", _vp), ("from_float", _vp), ("dot", _vp)]
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("blck", ctypes.c_int),
+        ("size", ctypes.c_int),
+        ("act_type", ctypes.c_int),
+        ("to_float", _vp),
+        ("from_float", _vp),
+        ("dot", _vp),
+    ]
 
 
 def _traits(type_id: int) -> _Traits | None:
@@ -197,14 +255,23 @@ class Context:
     nothing; a token id outside the vocabulary raises InvalidRequest.
     """
 
-    def __init__(self, model: Model, n_ctx: int = 2048, n_threads: int | None = None,
-                 n_threads_batch: int | None = None, n_batch: int = 2048, n_ubatch: int = 512) -> None:
+    def __init__(
+        self,
+        model: Model,
+        n_ctx: int = 2048,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
+        n_batch: int = 2048,
+        n_ubatch: int = 512,
+    ) -> None:
         self._h: int | None = None
         n_threads = n_threads or os.cpu_count() or 1
         n_threads_batch = n_threads_batch or n_threads
         if n_ctx < 1 or n_batch < 1 or n_ubatch < 1 or n_threads < 1 or n_threads_batch < 1:
-            raise InvalidRequest(f"context sizes must be positive (n_ctx={n_ctx}, n_batch={n_batch}, "
-                                 f"n_ubatch={n_ubatch}, threads={n_threads}/{n_threads_batch})")
+            raise InvalidRequest(
+                f"context sizes must be positive (n_ctx={n_ctx}, n_batch={n_batch}, "
+                f"n_ubatch={n_ubatch}, threads={n_threads}/{n_threads_batch})"
+            )
         n_ubatch = min(n_ubatch, n_batch, n_ctx)
         self.model = model
         self.n_ctx, self.n_batch, self.n_ubatch = n_ctx, n_batch, n_ubatch
@@ -214,8 +281,10 @@ class Context:
         params = _ContextParams(n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch)
         h = c.se_context_new(model.handle, ctypes.byref(params))
         if not h:
-            raise EngineFailure(f"cannot create a context of {n_ctx} positions for {model.path} "
-                                "(out of memory?)", hint="use a smaller ctx_size")
+            raise EngineFailure(
+                f"cannot create a context of {n_ctx} positions for {model.path} (out of memory?)",
+                hint="use a smaller ctx_size",
+            )
         self._h = h
         model._contexts.add(self)
         # Everything a hot call needs, bound once: functions, the handle, buffer addresses.
@@ -243,10 +312,18 @@ class Context:
         if n == 0:
             raise InvalidRequest("decode needs at least one token")
         if n > self.n_ctx:
-            raise ContextOverflow(f"{n} tokens do not fit a context of {self.n_ctx}",
-                                  hint="use a larger ctx_size (-c)", n_ctx=self.n_ctx, n_tokens=n)
-        if isinstance(tokens, np.ndarray) and tokens.dtype != np.int32 and n and (
-                tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() >= self.n_vocab):
+            raise ContextOverflow(
+                f"{n} tokens do not fit a context of {self.n_ctx}",
+                hint="use a larger ctx_size (-c)",
+                n_ctx=self.n_ctx,
+                n_tokens=n,
+            )
+        if (
+            isinstance(tokens, np.ndarray)
+            and tokens.dtype != np.int32
+            and n
+            and (tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() >= self.n_vocab)
+        ):
             raise InvalidRequest(f"token ids must be integers in [0, {self.n_vocab})")  # no silent wrap
         try:
             self._tok[:n] = tokens
@@ -267,8 +344,11 @@ class Context:
             n_past = self.n_past
             raise ContextOverflow(
                 f"{n} more tokens do not fit the context: {n_past} cached + {n} > n_ctx {self.n_ctx}",
-                hint="use a larger ctx_size (-c) or a shorter prompt", n_ctx=self.n_ctx,
-                n_past=n_past, n_tokens=n)
+                hint="use a larger ctx_size (-c) or a shorter prompt",
+                n_ctx=self.n_ctx,
+                n_past=n_past,
+                n_tokens=n,
+            )
         if rc == ERR_BAD_TOKEN:
             bad = [int(t) for t in self._tok[:n] if not 0 <= t < self.n_vocab][:5]
             raise InvalidRequest(f"token ids {bad} are outside the vocabulary [0, {self.n_vocab})")

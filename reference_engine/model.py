@@ -35,22 +35,50 @@ from .core import SLOTS, HParams
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
 # ggml type ids the reference engine can read (kernels.h); the rest are refused by name.
-_TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 9: "q8_1",
-               12: "q4_K", 13: "q5_K", 14: "q6_K", 15: "q8_K", 30: "bf16"}
+_TYPE_NAMES = {
+    0: "f32",
+    1: "f16",
+    2: "q4_0",
+    3: "q4_1",
+    6: "q5_0",
+    7: "q5_1",
+    8: "q8_0",
+    9: "q8_1",
+    12: "q4_K",
+    13: "q5_K",
+    14: "q6_K",
+    15: "q8_K",
+    30: "bf16",
+}
 
 # llama's per-layer tensors: GGUF name suffix -> C slot
 _LLAMA_LAYER = {
-    "attn_norm": "ATTN_NORM", "attn_q": "ATTN_Q", "attn_k": "ATTN_K", "attn_v": "ATTN_V",
-    "attn_output": "ATTN_OUTPUT", "ffn_norm": "FFN_NORM", "ffn_gate": "FFN_GATE",
-    "ffn_up": "FFN_UP", "ffn_down": "FFN_DOWN",
+    "attn_norm": "ATTN_NORM",
+    "attn_q": "ATTN_Q",
+    "attn_k": "ATTN_K",
+    "attn_v": "ATTN_V",
+    "attn_output": "ATTN_OUTPUT",
+    "ffn_norm": "FFN_NORM",
+    "ffn_gate": "FFN_GATE",
+    "ffn_up": "FFN_UP",
+    "ffn_down": "FFN_DOWN",
 }
 # gemma3's: llama's plus a per-head norm of q and k and a norm of each block's output
 _GEMMA3_LAYER = _LLAMA_LAYER | {
-    "attn_q_norm": "ATTN_Q_NORM", "attn_k_norm": "ATTN_K_NORM",
-    "post_attention_norm": "ATTN_POST_NORM", "post_ffw_norm": "FFN_POST_NORM",
+    "attn_q_norm": "ATTN_Q_NORM",
+    "attn_k_norm": "ATTN_K_NORM",
+    "post_attention_norm": "ATTN_POST_NORM",
+    "post_ffw_norm": "FFN_POST_NORM",
 }
-_NORM_SLOTS = {"OUTPUT_NORM", "ATTN_NORM", "ATTN_Q_NORM", "ATTN_K_NORM", "ATTN_POST_NORM",
-               "FFN_NORM", "FFN_POST_NORM"}
+_NORM_SLOTS = {
+    "OUTPUT_NORM",
+    "ATTN_NORM",
+    "ATTN_Q_NORM",
+    "ATTN_K_NORM",
+    "ATTN_POST_NORM",
+    "FFN_NORM",
+    "FFN_POST_NORM",
+}
 
 
 @dataclass(frozen=True)
@@ -66,14 +94,21 @@ class Tensor:
 
 
 def _bad(path: Path, what: str) -> BadModelFile:
-    return BadModelFile(f"{path}: {what}", hint="the file is damaged or was not written by a llama.cpp "
-                        "converter; re-download or re-convert it", path=str(path))
+    return BadModelFile(
+        f"{path}: {what}",
+        hint="the file is damaged or was not written by a llama.cpp converter; re-download or re-convert it",
+        path=str(path),
+    )
 
 
 def _unsupported(path: Path, what: str) -> UnsupportedArchitecture:
-    return UnsupportedArchitecture(f"{path}: {what}", hint="use an engine that supports it "
-                                   "(e.g. llama.cpp), or a model of a supported architecture "
-                                   f"({', '.join(SUPPORTED_ARCHITECTURES)})", path=str(path))
+    return UnsupportedArchitecture(
+        f"{path}: {what}",
+        hint="use an engine that supports it "
+        "(e.g. llama.cpp), or a model of a supported architecture "
+        f"({', '.join(SUPPORTED_ARCHITECTURES)})",
+        path=str(path),
+    )
 
 
 class Model:
@@ -119,8 +154,11 @@ class Model:
         if not isinstance(arch, str):
             raise _bad(path, "general.architecture is missing")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(path, f"architecture {arch!r} is not supported by the reference engine "
-                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+            raise _unsupported(
+                path,
+                f"architecture {arch!r} is not supported by the reference engine "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+            )
         self.arch = arch
         self.tensors = {
             t.name: Tensor(t.name, tuple(t.shape), t.type_id, t.type_name, t.offset, t.n_bytes)
@@ -152,12 +190,21 @@ class Model:
             raise _bad(path, f"the hyperparameters are out of the engine's range: {self.hparams}")
         self._handle = handle
         for t, layer, slot in plan:
-            rc = api.se_model_set_tensor(handle, layer, SLOTS[slot], base + t.offset, t.type_id,
-                                         t.shape[0], t.shape[1] if len(t.shape) > 1 else 1)
+            rc = api.se_model_set_tensor(
+                handle,
+                layer,
+                SLOTS[slot],
+                base + t.offset,
+                t.type_id,
+                t.shape[0],
+                t.shape[1] if len(t.shape) > 1 else 1,
+            )
             if rc != 0:
                 self.close()
-                raise _bad(path, f"tensor {t.name!r} ({t.type_name}, shape {list(t.shape)}) was refused "
-                           "by the engine")
+                raise _bad(
+                    path,
+                    f"tensor {t.name!r} ({t.type_name}, shape {list(t.shape)}) was refused by the engine",
+                )
         for il, (rope_base, window) in enumerate(self.layers):
             if api.se_model_set_layer(handle, il, rope_base, window) != 0:
                 self.close()
@@ -181,7 +228,7 @@ class Model:
         """The raw bytes of a tensor, a read-only view into the mapped file (for tests and tools)."""
         t = self.tensors[name]
         assert self._buf is not None
-        return self._buf[t.offset:t.offset + t.n_bytes]
+        return self._buf[t.offset : t.offset + t.n_bytes]
 
     def description(self) -> str:
         """llama.cpp's model_type line: '<arch> <size label> <file type>'."""
@@ -219,8 +266,9 @@ class Model:
         return f"Model({str(getattr(self, 'path', '?'))!r}, arch={getattr(self, 'arch', '?')!r})"
 
 
-def _get_int(path: Path, md: dict[str, Any], key: str, default: int | None = None,
-             lo: int = 1, hi: int = 1 << 24) -> int:
+def _get_int(
+    path: Path, md: dict[str, Any], key: str, default: int | None = None, lo: int = 1, hi: int = 1 << 24
+) -> int:
     v = md.get(key, default)
     if v is None:
         raise _bad(path, f"metadata key {key!r} is missing")
@@ -279,8 +327,9 @@ def _llama_hparams(path: Path, md: dict[str, Any], tensors: dict[str, Tensor], a
     if emb is None:
         raise _bad(path, "tensor 'token_embd.weight' is missing")
     if len(emb.shape) != 2 or emb.shape[0] != n_embd or not 1 <= emb.shape[1] <= 1 << 24:
-        raise _bad(path, f"tensor 'token_embd.weight' has shape {list(emb.shape)}, expected "
-                   f"[{n_embd}, n_vocab]")
+        raise _bad(
+            path, f"tensor 'token_embd.weight' has shape {list(emb.shape)}, expected [{n_embd}, n_vocab]"
+        )
     n_vocab = emb.shape[1]
     declared = md.get(f"{a}.vocab_size")
     if declared is not None and declared != n_vocab:
@@ -289,15 +338,27 @@ def _llama_hparams(path: Path, md: dict[str, Any], tensors: dict[str, Tensor], a
     if toks is not None and len(toks) != n_vocab:
         raise _bad(path, f"the vocabulary has {len(toks)} tokens but token_embd.weight has {n_vocab} rows")
     return HParams(
-        arch=core.ARCH_LLAMA, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-        n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, n_rot=n_rot, rope_type=core.ROPE_NORM,
-        norm_eps=eps, rope_base=base, rope_freq_scale=freq_scale,
-        attn_scale=1.0 / math.sqrt(head_dim), embd_scale=1.0,
+        arch=core.ARCH_LLAMA,
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_ff=n_ff,
+        n_rot=n_rot,
+        rope_type=core.ROPE_NORM,
+        norm_eps=eps,
+        rope_base=base,
+        rope_freq_scale=freq_scale,
+        attn_scale=1.0 / math.sqrt(head_dim),
+        embd_scale=1.0,
     )
 
 
-def _gemma3_hparams(path: Path, md: dict[str, Any],
-                    tensors: dict[str, Tensor]) -> tuple[HParams, list[tuple[float, int]]]:
+def _gemma3_hparams(
+    path: Path, md: dict[str, Any], tensors: dict[str, Tensor]
+) -> tuple[HParams, list[tuple[float, int]]]:
     """gemma3's hyperparameters and per-layer (rope base, sliding window), as llama.cpp decides them
     (spec/reference-engine.md): the keys it shares with llama, NEOX RoPE, embeddings times
     sqrt(n_embd), attention scale 1/sqrt(key_length), and every `pattern`-th layer global (full
@@ -316,8 +377,13 @@ def _gemma3_hparams(path: Path, md: dict[str, Any],
         raise _bad(path, f"rope.freq_base_swa {base_local} is not positive")
     # llama.cpp scales queries by 1/sqrt(n_embd / n_head) for the 62-layer (27B) model only
     head_scale = hp.n_embd // hp.n_head if hp.n_layer == 62 else hp.head_dim
-    hp = replace(hp, arch=core.ARCH_GEMMA3, rope_type=core.ROPE_NEOX, attn_scale=1.0 / math.sqrt(head_scale),
-                 embd_scale=math.sqrt(hp.n_embd))
+    hp = replace(
+        hp,
+        arch=core.ARCH_GEMMA3,
+        rope_type=core.ROPE_NEOX,
+        attn_scale=1.0 / math.sqrt(head_scale),
+        embd_scale=math.sqrt(hp.n_embd),
+    )
     layers = []
     for il in range(hp.n_layer):
         local = window > 0 and il % pattern < pattern - 1
@@ -328,16 +394,33 @@ def _gemma3_hparams(path: Path, md: dict[str, Any],
 def _expected_shape(hp: HParams, slot: str) -> tuple[int, ...]:
     E, Dq, Dkv = hp.n_embd, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
     return {
-        "TOKEN_EMBD": (E, hp.n_vocab), "OUTPUT": (E, hp.n_vocab), "OUTPUT_NORM": (E,),
-        "ATTN_NORM": (E,), "ATTN_Q": (E, Dq), "ATTN_K": (E, Dkv), "ATTN_V": (E, Dkv),
-        "ATTN_OUTPUT": (Dq, E), "FFN_NORM": (E,), "FFN_GATE": (E, hp.n_ff), "FFN_UP": (E, hp.n_ff),
-        "FFN_DOWN": (hp.n_ff, E), "ATTN_Q_NORM": (hp.head_dim,), "ATTN_K_NORM": (hp.head_dim,),
-        "ATTN_POST_NORM": (E,), "FFN_POST_NORM": (E,),
+        "TOKEN_EMBD": (E, hp.n_vocab),
+        "OUTPUT": (E, hp.n_vocab),
+        "OUTPUT_NORM": (E,),
+        "ATTN_NORM": (E,),
+        "ATTN_Q": (E, Dq),
+        "ATTN_K": (E, Dkv),
+        "ATTN_V": (E, Dkv),
+        "ATTN_OUTPUT": (Dq, E),
+        "FFN_NORM": (E,),
+        "FFN_GATE": (E, hp.n_ff),
+        "FFN_UP": (E, hp.n_ff),
+        "FFN_DOWN": (hp.n_ff, E),
+        "ATTN_Q_NORM": (hp.head_dim,),
+        "ATTN_K_NORM": (hp.head_dim,),
+        "ATTN_POST_NORM": (E,),
+        "FFN_POST_NORM": (E,),
     }[slot]
 
 
-def _llama_plan(path: Path, hp: HParams, tensors: dict[str, Tensor], file_size: int,
-                layer_map: dict[str, str] = _LLAMA_LAYER, arch: str = "llama") -> list[tuple[Tensor, int, str]]:
+def _llama_plan(
+    path: Path,
+    hp: HParams,
+    tensors: dict[str, Tensor],
+    file_size: int,
+    layer_map: dict[str, str] = _LLAMA_LAYER,
+    arch: str = "llama",
+) -> list[tuple[Tensor, int, str]]:
     """(tensor, layer or -1, slot) for every tensor, after checking each one. Raises on the first
     problem; a tensor the forward pass would not use is refused too (it would be silently wrong)."""
     want: dict[str, tuple[int, str, bool]] = {  # name -> (layer, slot, required)
@@ -350,8 +433,11 @@ def _llama_plan(path: Path, hp: HParams, tensors: dict[str, Tensor], file_size: 
             want[f"blk.{il}.{suffix}.weight"] = (il, slot, True)
     for name in tensors:
         if name not in want:
-            raise _unsupported(path, f"tensor {name!r} is not used by the reference engine's {arch} "
-                               "forward pass (a feature it does not implement)")
+            raise _unsupported(
+                path,
+                f"tensor {name!r} is not used by the reference engine's {arch} "
+                "forward pass (a feature it does not implement)",
+            )
     plan = []
     for name, (layer, slot, required) in want.items():
         t = tensors.get(name)
@@ -363,8 +449,11 @@ def _llama_plan(path: Path, hp: HParams, tensors: dict[str, Tensor], file_size: 
         if t.shape != shape:
             raise _bad(path, f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
         if t.type_id not in _TYPE_NAMES or not core.type_supported(t.type_id):
-            raise _unsupported(path, f"tensor {name!r} has type {t.type_name}, which the reference "
-                               f"engine does not support (supported: {', '.join(core.supported_types())})")
+            raise _unsupported(
+                path,
+                f"tensor {name!r} has type {t.type_name}, which the reference "
+                f"engine does not support (supported: {', '.join(core.supported_types())})",
+            )
         if slot in _NORM_SLOTS and t.type_id != 0:
             raise _unsupported(path, f"tensor {name!r} is {t.type_name}; norm weights must be f32")
         if slot == "OUTPUT" or (slot == "TOKEN_EMBD" and "output.weight" not in tensors):
@@ -376,7 +465,10 @@ def _llama_plan(path: Path, hp: HParams, tensors: dict[str, Tensor], file_size: 
         if t.n_bytes != n_bytes:
             raise _bad(path, f"tensor {name!r} should hold {n_bytes} bytes, the file says {t.n_bytes}")
         if t.offset < 0 or t.offset + n_bytes > file_size:
-            raise _bad(path, f"tensor {name!r} (bytes {t.offset}..{t.offset + n_bytes}) runs past the "
-                       f"end of the file ({file_size} bytes): truncated or corrupt")
+            raise _bad(
+                path,
+                f"tensor {name!r} (bytes {t.offset}..{t.offset + n_bytes}) runs past the "
+                f"end of the file ({file_size} bytes): truncated or corrupt",
+            )
         plan.append((t, layer, slot))
     return plan

@@ -45,16 +45,23 @@ def _llama_shapes(n_layer, n_embd, n_ff, n_head, n_head_kv, n_vocab, tied):
         shapes["output.weight"] = (n_vocab, n_embd)
     for i in range(n_layer):
         p = f"blk.{i}."
-        shapes |= {p + "attn_norm.weight": (n_embd,), p + "attn_q.weight": (n_embd, n_embd),
-                   p + "attn_k.weight": (kv, n_embd), p + "attn_v.weight": (kv, n_embd),
-                   p + "attn_output.weight": (n_embd, n_embd), p + "ffn_norm.weight": (n_embd,),
-                   p + "ffn_gate.weight": (n_ff, n_embd), p + "ffn_up.weight": (n_ff, n_embd),
-                   p + "ffn_down.weight": (n_embd, n_ff)}
+        shapes |= {
+            p + "attn_norm.weight": (n_embd,),
+            p + "attn_q.weight": (n_embd, n_embd),
+            p + "attn_k.weight": (kv, n_embd),
+            p + "attn_v.weight": (kv, n_embd),
+            p + "attn_output.weight": (n_embd, n_embd),
+            p + "ffn_norm.weight": (n_embd,),
+            p + "ffn_gate.weight": (n_ff, n_embd),
+            p + "ffn_up.weight": (n_ff, n_embd),
+            p + "ffn_down.weight": (n_embd, n_ff),
+        }
     return shapes
 
 
-def write_llama(path, *, wtype=Q.F32, tied=False, arch="llama", drop=(), shapes_override=None,
-                extra=None, kv=None, seed=0):
+def write_llama(
+    path, *, wtype=Q.F32, tied=False, arch="llama", drop=(), shapes_override=None, extra=None, kv=None, seed=0
+):
     """Writes a small random llama model; returns {name: float64 weights as stored (dequantized)}."""
     rng = np.random.default_rng(seed)
     n_layer, n_embd, n_ff = SYN["n_layer"], SYN["n_embd"], SYN["n_ff"]
@@ -112,6 +119,7 @@ def numpy_forward(W, tokens, act_type=None):
         if act_type is not None:
             a = quants.dequantize(quants.quantize(a.astype(np.float32), act_type), act_type)
         return np.asarray(a, dtype=np.float64) @ w.T
+
     n_head, n_head_kv, eps = SYN["n_head"], SYN["n_head_kv"], SYN["eps"]
     T = len(tokens)
     x = W["token_embd.weight"][tokens]
@@ -206,7 +214,7 @@ def test_synthetic_batching_and_threads_agree(tmp_path, n_ubatch, n_threads):
         ctx.reset()
         rows, i = [], 0
         for n in (1, 5, 2, 9, 3):
-            rows.append(ctx.decode(SYN_TOKENS[i:i + n], all_logits=True))
+            rows.append(ctx.decode(SYN_TOKENS[i : i + n], all_logits=True))
             i += n
         assert ctx.n_past == len(SYN_TOKENS) and ctx.tokens == SYN_TOKENS
         np.testing.assert_allclose(np.concatenate(rows), got, atol=1e-4 * float(np.abs(got).max()))
@@ -432,8 +440,9 @@ def test_sampling_penalties(syn_ctx):
         seen = counts > 0
         want[seen] = np.where(want[seen] <= 0, want[seen] * rp, want[seen] / rp)
         want -= counts * fp + seen * pp
-        params = SamplingParams(temp=0.0, repeat_penalty=rp, repeat_last_n=8, frequency_penalty=fp,
-                                presence_penalty=pp)
+        params = SamplingParams(
+            temp=0.0, repeat_penalty=rp, repeat_last_n=8, frequency_penalty=fp, presence_penalty=pp
+        )
         assert syn_ctx.sample(params) == int(np.argmax(want)), (rp, fp, pp)
     # a penalty so strong that no token of the window can win
     strong = SamplingParams(temp=0.0, repeat_last_n=len(SYN_TOKENS), presence_penalty=1e6)
@@ -443,6 +452,7 @@ def test_sampling_penalties(syn_ctx):
 # ---------------------------------------------------------------------------------------------
 # SmolLM2-135M-Instruct Q4_1 against llama.cpp
 # ---------------------------------------------------------------------------------------------
+
 
 def _chat(question):
     return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
@@ -472,8 +482,9 @@ def llamacpp_ref(smollm2_path):
     if not Path(smollm2_path).exists():
         pytest.skip(f"{smollm2_path} not found")
     text = (DATA / "forward_text.txt").read_text()
-    llm = llama_cpp.Llama(str(smollm2_path), n_ctx=1024, n_batch=1024, logits_all=True, n_threads=2,
-                          verbose=False)
+    llm = llama_cpp.Llama(
+        str(smollm2_path), n_ctx=1024, n_batch=1024, logits_all=True, n_threads=2, verbose=False
+    )
     tokens = llm.tokenize(text.encode(), add_bos=True, special=True)
     assert len(tokens) >= 500
     llm.eval(tokens)
@@ -584,8 +595,15 @@ def test_smollm2_context_overflow(smol, llamacpp_ref):
 
 def test_smollm2_metadata(smol):
     hp = smol.hparams
-    assert (hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff, hp.n_vocab) == \
-        (30, 576, 9, 3, 64, 1536, 49152)
+    assert (hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff, hp.n_vocab) == (
+        30,
+        576,
+        9,
+        3,
+        64,
+        1536,
+        49152,
+    )
     assert hp.rope_base == 100000.0
     assert smol.arch == "llama"
     assert "output.weight" not in smol.tensors  # tied head: token_embd (q8_0)
