@@ -8,24 +8,13 @@ the thread pool and sampling.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stdengine import __version__
-from stdengine.adapter import (
-    DoneEvent,
-    Engine,
-    EngineInfo,
-    FinishReason,
-    GenerateRequest,
-    GenerationEvent,
-    Timings,
-    TokenEvent,
-    Usage,
-    now_ms,
-)
-from stdengine.errors import ContextOverflow, InvalidRequest
-from stdengine.generation import StopMatcher, choose_chat_template, render_chat_template, request_tokens
+from stdengine.adapter import EngineInfo, SamplingParams, now_ms
+from stdengine.generation import choose_chat_template
+from stdengine.local_engine import LocalEngine
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,7 +23,7 @@ if TYPE_CHECKING:
     from stdengine.options import Options
 
 
-class ReferenceEngine(Engine):
+class ReferenceEngine(LocalEngine):
     name = "reference"
     description = "built-in GGUF engine: C quantized kernels, thread pool, batched prompts (CPU)"
     capabilities = frozenset({"stream", "logits", "tokenize", "chat_template", "seed", "batch"})
@@ -75,6 +64,7 @@ class ReferenceEngine(Engine):
         self.options = options
         self.events = events
         self.tokens: list[int] = []  # what the KV cache holds, to reuse a common prefix
+        self.bos_id, self.eos_id, self.add_bos = tokenizer.bos_id, tokenizer.eos_id, tokenizer.add_bos
         self.template, self.template_source = choose_chat_template(options.chat_template, model.metadata)
         self.n_params = sum(math.prod(t.shape) for t in model.tensors.values())
 
@@ -139,7 +129,7 @@ class ReferenceEngine(Engine):
         return str(self.tokenizer.decode(list(tokens)))
 
     def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        self._check_fits(len(self.tokens) + len(tokens))
+        self.check_fits(len(self.tokens) + len(tokens))
         out = self.ctx.decode(list(tokens), all_logits=all_logits)
         self.tokens.extend(tokens)
         return out
@@ -147,68 +137,6 @@ class ReferenceEngine(Engine):
     def reset(self) -> None:
         self.ctx.reset()
         self.tokens = []
-
-    def has_chat_template(self) -> bool:
-        return bool(self.template)
-
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if not self.template:
-            raise InvalidRequest("this model has no chat template", hint="pass one with --chat-template")
-        return render_chat_template(
-            self.template,
-            messages,
-            bos_token=self._token_text(self.tokenizer.bos_id),
-            eos_token=self._token_text(self.tokenizer.eos_id),
-            add_generation_prompt=add_generation_prompt,
-        )
-
-    def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
-        from stdengine.reference.tokenizer import StreamDecoder
-
-        s = request.sampling
-        prompt = request_tokens(self, request, self.tokenizer.bos_id, self.tokenizer.add_bos)
-        self._check_fits(len(prompt) + 1)
-
-        t0 = now_ms()
-        logits_ready = self._prefill(prompt)
-        t1 = now_ms()
-        stops = StopMatcher(s.stop)
-        utf8 = StreamDecoder(self.tokenizer)
-        eog = self.tokenizer.eog_ids
-        n_gen = 0
-        finish: FinishReason = "length"
-        matched: str | None = None
-        assert logits_ready
-        while s.n_predict < 0 or n_gen < s.n_predict:
-            tok = self.ctx.sample(s)
-            if tok in eog:
-                finish = "stop"
-                break
-            n_gen += 1
-            text, matched = stops.feed(utf8.push(tok))
-            yield TokenEvent(tok, text)
-            if matched is not None:
-                finish = "stop"
-                break
-            if len(self.tokens) >= self.n_ctx():
-                break  # the context is full: finish with "length"
-            if s.n_predict >= 0 and n_gen >= s.n_predict:
-                break
-            self.ctx.decode([tok])
-            self.tokens.append(tok)
-        if matched is None:
-            tail = stops.feed(utf8.flush())[0] + stops.flush()
-            if tail:
-                yield TokenEvent(-1, tail)
-        t2 = now_ms()
-        yield DoneEvent(
-            finish_reason=finish,
-            stop=matched,
-            usage=Usage(prompt_tokens=len(prompt), completion_tokens=n_gen),
-            timings=Timings(
-                prompt_n=self._last_prompt_n, prompt_ms=t1 - t0, predicted_n=n_gen, predicted_ms=t2 - t1
-            ),
-        )
 
     def new_context(self) -> ReferenceEngine:
         """Another context (KV cache, thread pool, sampler) on the same mapped weights."""
@@ -228,31 +156,27 @@ class ReferenceEngine(Engine):
     def close(self) -> None:
         self.ctx.close()
 
-    # --- internals -----------------------------------------------------------------------
-    def _token_text(self, token_id: int | None) -> str:
-        return self.tokenizer.tokens[token_id] if token_id is not None else ""
+    # --- LocalEngine hooks ---------------------------------------------------------------
+    def token_text(self, token: int) -> str:
+        return str(self.tokenizer.tokens[token])
 
-    def _check_fits(self, n: int) -> None:
-        if n > self.n_ctx():
-            raise ContextOverflow(
-                f"the prompt needs {n} tokens but the context holds {self.n_ctx()}",
-                hint="shorten the prompt or raise --ctx-size",
-                n_prompt_tokens=n,
-                n_ctx=self.n_ctx(),
-            )
+    def _keep_prefix(self, n: int) -> int:
+        self.ctx.truncate(n)  # also re-arms the seed: a seeded request replays
+        self.tokens = self.tokens[:n]
+        return n
 
-    def _prefill(self, prompt: list[int]) -> bool:
-        """Evaluate the prompt, reusing the longest prefix the KV cache already holds."""
-        common = 0
-        for a, b in zip(self.tokens, prompt, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(prompt) - 1)  # always evaluate at least the last token for its logits
-        self.ctx.truncate(common)
-        self.tokens = self.tokens[:common]
-        todo = prompt[common:]
-        self._last_prompt_n = len(todo)
-        self.ctx.decode(todo)
-        self.tokens.extend(todo)
-        return True
+    def _evaluate(self, tokens: list[int]) -> None:
+        self.ctx.decode(tokens)
+        self.tokens.extend(tokens)
+
+    def _sample_tokens(self, s: SamplingParams) -> Generator[int, None, None]:
+        while True:
+            yield self.ctx.sample(s)
+
+    def _is_eog(self, token: int) -> bool:
+        return token in self.tokenizer.eog_ids
+
+    def _text_stream(self) -> Any:
+        from stdengine.reference.tokenizer import StreamDecoder
+
+        return StreamDecoder(self.tokenizer)

@@ -13,32 +13,15 @@ from __future__ import annotations
 import ctypes
 import importlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stdengine.adapter import (
-    DoneEvent,
-    Engine,
-    EngineInfo,
-    FinishReason,
-    GenerateRequest,
-    GenerationEvent,
-    SamplingParams,
-    Timings,
-    TokenEvent,
-    Usage,
-    now_ms,
-)
-from stdengine.errors import BadModelFile, ContextOverflow, EngineFailure, InvalidRequest, UnsupportedOption
-from stdengine.generation import (
-    StopMatcher,
-    Utf8Stream,
-    choose_chat_template,
-    render_chat_template,
-    request_tokens,
-)
+from stdengine.adapter import EngineInfo, SamplingParams, now_ms
+from stdengine.errors import BadModelFile, EngineFailure, InvalidRequest, UnsupportedOption
+from stdengine.generation import Utf8Stream, choose_chat_template
+from stdengine.local_engine import LocalEngine
 
 if TYPE_CHECKING:
     from stdengine.events import Emitter
@@ -98,7 +81,7 @@ def _recent_errors() -> str:
     return "; ".join(lines[-3:])
 
 
-class LlamaCppEngine(Engine):
+class LlamaCppEngine(LocalEngine):
     name = "llamacpp"
     description = "llama.cpp in-process through llama-cpp-python (GGUF; its CPU or GPU backends)"
     capabilities = frozenset({"stream", "logits", "tokenize", "chat_template", "seed", "batch"})
@@ -158,7 +141,6 @@ class LlamaCppEngine(Engine):
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
         self.n_batch = int(lib.llama_n_batch(ctx))
         self.tokens: list[int] = []  # what the KV cache holds (sequence 0), to reuse a common prefix
-        self._last_prompt_n = 0
         bos = int(lib.llama_vocab_bos(self.vocab))
         eos = int(lib.llama_vocab_eos(self.vocab))
         self.bos_id = None if bos == LLAMA_TOKEN_NULL else bos
@@ -318,7 +300,7 @@ class LlamaCppEngine(Engine):
     def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         if len(tokens) == 0:
             raise InvalidRequest("decode needs at least one token")
-        self._check_fits(len(self.tokens) + len(tokens))
+        self.check_fits(len(self.tokens) + len(tokens))
         bad = [t for t in tokens if not 0 <= int(t) < self.n_vocab]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
@@ -327,67 +309,6 @@ class LlamaCppEngine(Engine):
     def reset(self) -> None:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
         self.tokens = []
-
-    def has_chat_template(self) -> bool:
-        return bool(self.template)
-
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if not self.template:
-            raise InvalidRequest("this model has no chat template", hint="pass one with --chat-template")
-        return render_chat_template(
-            self.template,
-            messages,
-            bos_token=self._token_text(self.bos_id),
-            eos_token=self._token_text(self.eos_id),
-            add_generation_prompt=add_generation_prompt,
-        )
-
-    def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
-        s = request.sampling
-        prompt = request_tokens(self, request, self.bos_id, self.add_bos)
-        self._check_fits(len(prompt) + 1)
-
-        t0 = now_ms()
-        self._prefill(prompt)
-        t1 = now_ms()
-        sampler = self._sampler(s)
-        try:
-            stops = StopMatcher(s.stop)
-            utf8 = Utf8Stream()
-            n_gen = 0
-            finish: FinishReason = "length"
-            matched: str | None = None
-            while s.n_predict < 0 or n_gen < s.n_predict:
-                tok = int(self.lib.llama_sampler_sample(sampler, self.ctx, -1))  # also accepts tok
-                if self.lib.llama_vocab_is_eog(self.vocab, tok):
-                    finish = "stop"
-                    break
-                n_gen += 1
-                text, matched = stops.feed(utf8.feed(self.token_piece(tok)))
-                yield TokenEvent(tok, text)
-                if matched is not None:
-                    finish = "stop"
-                    break
-                if len(self.tokens) >= self.n_ctx():
-                    break  # the context is full: finish with "length"
-                if s.n_predict >= 0 and n_gen >= s.n_predict:
-                    break
-                self._decode([tok], False)
-        finally:
-            self.lib.llama_sampler_free(sampler)
-        if matched is None:
-            tail = stops.feed(utf8.flush())[0] + stops.flush()
-            if tail:
-                yield TokenEvent(-1, tail)
-        t2 = now_ms()
-        yield DoneEvent(
-            finish_reason=finish,
-            stop=matched,
-            usage=Usage(prompt_tokens=len(prompt), completion_tokens=n_gen),
-            timings=Timings(
-                prompt_n=self._last_prompt_n, prompt_ms=t1 - t0, predicted_n=n_gen, predicted_ms=t2 - t1
-            ),
-        )
 
     def close(self) -> None:
         if self.ctx:
@@ -398,19 +319,36 @@ class LlamaCppEngine(Engine):
             self.model = None
 
     # --- internals -----------------------------------------------------------------------
-    def _token_text(self, token: int | None) -> str:
-        if token is None:
-            return ""
+    # --- LocalEngine hooks ---------------------------------------------------------------
+    def token_text(self, token: int) -> str:
         return bytes(self.lib.llama_vocab_get_text(self.vocab, token)).decode("utf-8", errors="replace")
 
-    def _check_fits(self, n: int) -> None:
-        if n > self.n_ctx():
-            raise ContextOverflow(
-                f"the prompt needs {n} tokens but the context holds {self.n_ctx()}",
-                hint="shorten the prompt or raise --ctx-size",
-                n_prompt_tokens=n,
-                n_ctx=self.n_ctx(),
-            )
+    def _keep_prefix(self, n: int) -> int:
+        if n < len(self.tokens):
+            mem = self.lib.llama_get_memory(self.ctx)
+            # a sliding-window cache (gemma3) cannot always drop a partial sequence: start over
+            if not self.lib.llama_memory_seq_rm(mem, 0, n, -1):
+                self.lib.llama_memory_clear(mem, True)
+                n = 0
+            self.tokens = self.tokens[:n]
+        return n
+
+    def _evaluate(self, tokens: list[int]) -> None:
+        self._decode(tokens, False)
+
+    def _sample_tokens(self, s: SamplingParams) -> Generator[int, None, None]:
+        sampler = self._sampler(s)
+        try:
+            while True:
+                yield int(self.lib.llama_sampler_sample(sampler, self.ctx, -1))  # also accepts it
+        finally:
+            self.lib.llama_sampler_free(sampler)
+
+    def _is_eog(self, token: int) -> bool:
+        return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+
+    def _text_stream(self) -> _PieceStream:
+        return _PieceStream(self)
 
     def _decode(self, tokens: list[int], all_logits: bool) -> np.ndarray:
         """llama_decode in chunks of n_batch after the cached tokens; the logits asked for."""
@@ -447,25 +385,6 @@ class LlamaCppEngine(Engine):
             return np.concatenate(rows, axis=0)
         return np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).copy()
 
-    def _prefill(self, prompt: list[int]) -> None:
-        """Evaluate the prompt, reusing the longest prefix the KV cache already holds."""
-        common = 0
-        for a, b in zip(self.tokens, prompt, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(prompt) - 1)  # always evaluate the last token for its logits
-        if common < len(self.tokens):
-            mem = self.lib.llama_get_memory(self.ctx)
-            # a sliding-window cache (gemma3) cannot always drop a partial sequence: start over
-            if not self.lib.llama_memory_seq_rm(mem, 0, common, -1):
-                self.lib.llama_memory_clear(mem, True)
-                common = 0
-            self.tokens = self.tokens[:common]
-        todo = prompt[common:]
-        self._last_prompt_n = len(todo)
-        self._decode(todo, False)
-
     def _sampler(self, s: SamplingParams) -> Any:
         """llama.cpp's sampler chain in its default order: penalties, top-k, top-p, min-p, temperature,
         draw (greedy when temp ≤ 0). The penalties see the context's last repeat_last_n tokens."""
@@ -492,3 +411,17 @@ class LlamaCppEngine(Engine):
             for tok in self.tokens[-last_n:]:
                 lib.llama_sampler_accept(chain, tok)
         return chain
+
+
+class _PieceStream:
+    """llama.cpp's token pieces as complete UTF-8 text."""
+
+    def __init__(self, engine: LlamaCppEngine) -> None:
+        self.engine = engine
+        self.utf8 = Utf8Stream()
+
+    def push(self, token: int) -> str:
+        return self.utf8.feed(self.engine.token_piece(token))
+
+    def flush(self) -> str:
+        return self.utf8.flush()

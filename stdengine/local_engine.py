@@ -1,0 +1,148 @@
+"""The base of engines that tokenize, decode and sample in this process (reference, llamacpp).
+
+The generation loop, stop strings, chat templates, the context check and prompt-prefix reuse are
+written here once, so every such engine behaves the same; an engine supplies the hooks at the
+bottom (how to evaluate tokens, sample one, and turn tokens into text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from typing import Protocol
+
+from stdengine.adapter import (
+    DoneEvent,
+    Engine,
+    FinishReason,
+    GenerateRequest,
+    GenerationEvent,
+    SamplingParams,
+    Timings,
+    TokenEvent,
+    Usage,
+    now_ms,
+)
+from stdengine.errors import ContextOverflow, InvalidRequest
+from stdengine.generation import StopMatcher, render_chat_template, request_tokens
+
+
+class TextStream(Protocol):
+    def push(self, token: int) -> str: ...  # the complete UTF-8 text this token adds
+    def flush(self) -> str: ...
+
+
+class LocalEngine(Engine):
+    """Subclasses set, in __init__: template (str or None), bos_id, eos_id, add_bos, and
+    tokens = [] (what the KV cache holds, kept up to date by the hooks)."""
+
+    template: str | None
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    tokens: list[int]
+
+    # --- chat templates --------------------------------------------------------------------
+    def has_chat_template(self) -> bool:
+        return bool(self.template)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.template:
+            raise InvalidRequest("this model has no chat template", hint="pass one with --chat-template")
+        return render_chat_template(
+            self.template,
+            messages,
+            bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
+            eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "",
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    # --- generation ------------------------------------------------------------------------
+    def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+        s = request.sampling
+        prompt = request_tokens(self, request, self.bos_id, self.add_bos)
+        self.check_fits(len(prompt) + 1)
+        t0 = now_ms()
+        prompt_n = self._prefill(prompt)
+        t1 = now_ms()
+        stops = StopMatcher(s.stop)
+        text = self._text_stream()
+        n_gen = 0
+        finish: FinishReason = "length"
+        matched: str | None = None
+        samples = self._sample_tokens(s)
+        try:
+            while s.n_predict < 0 or n_gen < s.n_predict:
+                tok = next(samples)
+                if self._is_eog(tok):
+                    finish = "stop"
+                    break
+                n_gen += 1
+                delta, matched = stops.feed(text.push(tok))
+                yield TokenEvent(tok, delta)
+                if matched is not None:
+                    finish = "stop"
+                    break
+                if len(self.tokens) >= self.n_ctx():
+                    break  # the context is full: finish with "length"
+                if s.n_predict >= 0 and n_gen >= s.n_predict:
+                    break
+                self._evaluate([tok])
+        finally:
+            samples.close()
+        if matched is None:
+            tail = stops.feed(text.flush())[0] + stops.flush()
+            if tail:
+                yield TokenEvent(-1, tail)
+        t2 = now_ms()
+        yield DoneEvent(
+            finish_reason=finish,
+            stop=matched,
+            usage=Usage(prompt_tokens=len(prompt), completion_tokens=n_gen),
+            timings=Timings(prompt_n=prompt_n, prompt_ms=t1 - t0, predicted_n=n_gen, predicted_ms=t2 - t1),
+        )
+
+    def check_fits(self, n: int) -> None:
+        if n > self.n_ctx():
+            raise ContextOverflow(
+                f"the prompt needs {n} tokens but the context holds {self.n_ctx()}",
+                hint="shorten the prompt or raise --ctx-size",
+                n_prompt_tokens=n,
+                n_ctx=self.n_ctx(),
+            )
+
+    def _prefill(self, prompt: list[int]) -> int:
+        """Evaluate the prompt, reusing the longest prefix the KV cache already holds; returns the
+        number of tokens evaluated (llama.cpp's prompt_n)."""
+        common = 0
+        for a, b in zip(self.tokens, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)  # always evaluate the last token, for its logits
+        common = self._keep_prefix(common)
+        todo = prompt[common:]
+        self._evaluate(todo)
+        return len(todo)
+
+    # --- hooks -----------------------------------------------------------------------------
+    def token_text(self, token: int) -> str:
+        """The text of a (special) token, for the template's bos_token / eos_token."""
+        raise NotImplementedError
+
+    def _keep_prefix(self, n: int) -> int:
+        """Forget cached positions from n on (self.tokens too); return how many were kept."""
+        raise NotImplementedError
+
+    def _evaluate(self, tokens: list[int]) -> None:
+        """Append tokens to the context (and to self.tokens); the last one's logits are kept."""
+        raise NotImplementedError
+
+    def _sample_tokens(self, s: SamplingParams) -> Generator[int, None, None]:
+        """Sample from the last logits each time it is asked; closed when generation ends."""
+        raise NotImplementedError
+
+    def _is_eog(self, token: int) -> bool:
+        raise NotImplementedError
+
+    def _text_stream(self) -> TextStream:
+        raise NotImplementedError
