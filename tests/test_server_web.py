@@ -4,6 +4,7 @@ per second. A screenshot is saved to artifacts/ for a person to look at."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture
 def browser() -> Iterator[object]:
     if CHROMIUM is None or CHROMEDRIVER is None:
+        if os.environ.get("CI"):  # CI installs them: a missing browser there is a failure, not a skip
+            pytest.fail("chromium or chromedriver is missing on the CI machine")
         pytest.skip(
             "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver; .ci/run does)"
         )
