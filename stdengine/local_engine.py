@@ -60,7 +60,7 @@ class LocalEngine(Engine):
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         s = request.sampling
         prompt = request_tokens(self, request, self.bos_id, self.add_bos)
-        self.check_fits(len(prompt) + 1)
+        self.check_fits(len(prompt), generating=True)
         t0 = now_ms()
         prompt_n = self._prefill(prompt)
         t1 = now_ms()
@@ -101,10 +101,12 @@ class LocalEngine(Engine):
             timings=Timings(prompt_n=prompt_n, prompt_ms=t1 - t0, predicted_n=n_gen, predicted_ms=t2 - t1),
         )
 
-    def check_fits(self, n: int) -> None:
-        if n > self.n_ctx():
+    def check_fits(self, n: int, *, generating: bool = False) -> None:
+        """ContextOverflow unless n tokens fit the context (one more when generating after them)."""
+        if n + generating > self.n_ctx():
+            need = " and at least one more to generate" if generating else ""
             raise ContextOverflow(
-                f"the prompt needs {n} tokens but the context holds {self.n_ctx()}",
+                f"the prompt has {n} tokens{need}, but the context holds {self.n_ctx()}",
                 hint="shorten the prompt or raise --ctx-size",
                 n_prompt_tokens=n,
                 n_ctx=self.n_ctx(),
