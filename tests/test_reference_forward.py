@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
+from oracle import llamacpp_greedy
 from stdengine.reference.core import Context, SamplingParams
 from stdengine.reference.model import Model
 
@@ -489,17 +490,7 @@ def llamacpp_ref(smollm2_path):
     assert len(tokens) >= 500
     llm.eval(tokens)
     logits = np.array(llm.scores[: len(tokens)], dtype=np.float32)
-    greedy = []
-    for prompt in PROMPTS:
-        llm.reset()
-        ptoks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-        llm.eval(ptoks)
-        out = []
-        for _ in range(N_GREEDY):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            out.append(tok)
-            llm.eval([tok])
-        greedy.append((ptoks, out))
+    greedy = llamacpp_greedy(llm, PROMPTS, N_GREEDY)
     del llm
     return {"tokens": tokens, "logits": logits, "greedy": greedy}
 

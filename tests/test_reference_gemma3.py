@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from oracle import llamacpp_greedy
 from stdengine.conformance.metrics import log_softmax
 from stdengine.reference.core import Context
 from stdengine.reference.model import Model
@@ -164,17 +165,9 @@ def ref(gemma3_path):
     logits = np.array(llm.scores[:N_TEXT], dtype=np.float32)
     vocab = llm._model.vocab
     eog = {i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)}
-    greedy = []
-    for prompt in PROMPTS:
-        llm.reset()
-        ptoks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-        llm.eval(ptoks)
-        out = []
-        for _ in range(N_GREEDY):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            out.append(tok)
-            llm.eval([tok])
-        greedy.append((prompt, ptoks, out))
+    greedy = [
+        (prompt, *pair) for prompt, pair in zip(PROMPTS, llamacpp_greedy(llm, PROMPTS, N_GREEDY), strict=True)
+    ]
     del llm
     return {"text": text, "tokens": tokens, "logits": logits, "greedy": greedy, "eog": eog}
 
