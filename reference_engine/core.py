@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stdengine.adapter import SamplingParams
 from stdengine.errors import ContextOverflow, EngineFailure, InvalidRequest
 
 from ._lib import lib
@@ -125,34 +126,8 @@ class _SamplingParams(ctypes.Structure):
     ]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling settings (llama.cpp's defaults). Any object with these attributes will do, e.g.
-    stdengine.adapter.SamplingParams. temp <= 0 is greedy; top_k <= 0, top_p >= 1, min_p <= 0 and
-    repeat_penalty == 1 switch a step off; seed -1 is random."""
-
-    temp: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = -1
-
-
-_SAMPLING_FIELDS = (
-    "temp",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repeat_penalty",
-    "repeat_last_n",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-)
+# The C struct's fields, read by name from any object that has them (stdengine.adapter.SamplingParams).
+_SAMPLING_FIELDS = tuple(field[0] for field in _SamplingParams._fields_)
 
 
 @cache
