@@ -374,27 +374,6 @@ static void q8_K_from_float(const float *x, void *dst, int64_t n) {
  * Each kernel is inlined with a constant type and tile shape, so the loops over rows and tokens
  * unroll and the accumulators stay in registers. */
 
-#define SHAPE(R, C) case R * 8 + C: { const int nr = R, nc = C; CALL; break; }
-#define TILE_1(name)                                                                               \
-    static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
-                            int nc_, float *out) {                                                 \
-        switch (nr_ * 8 + nc_) { SHAPE(1, 1) SHAPE(1, 2) SHAPE(1, 3) default: SHAPE(1, 4) }        \
-    }
-#define TILE_N(name)                                                                               \
-    static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
-                            int nc_, float *out) {                                                 \
-        switch (nr_ * 8 + nc_) {                                                                   \
-        SHAPE(1, 1) SHAPE(1, 2) SHAPE(1, 3) SHAPE(1, 4) SHAPE(2, 1) SHAPE(2, 2) SHAPE(2, 3)        \
-        SHAPE(2, 4) SHAPE(3, 1) default: SHAPE(4, 1)                                               \
-        }                                                                                          \
-    }
-#define DOT(name)                                                                                  \
-    static float dot_##name(int64_t n, const void *w, const void *a) {                             \
-        float o;                                                                                   \
-        tile_##name(n, w, 0, 1, a, 0, 1, &o);                                                      \
-        return o;                                                                                  \
-    }
-
 #define CALL legacy_tile(TYPE, n, w, wr, nr, a, as, nc, out)
 #define TYPE SE_Q4_0
 TILE_N(q4_0) DOT(q4_0)
