@@ -204,10 +204,3 @@ def choose_chat_template(option: str | None, metadata: dict[str, Any]) -> tuple[
     if name:
         return BUILTIN_TEMPLATES[name], f"built-in '{name}' (the model file has none)"
     return None, "none"
-
-
-def jsonable(value: Any) -> Any:
-    """Best-effort conversion of dataclass-ish values for event fields."""
-    if hasattr(value, "to_dict"):
-        return value.to_dict()
-    return value
