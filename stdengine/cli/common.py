@@ -103,7 +103,7 @@ def load_engine(resolved: Any, events: Any) -> Any:
         from stdengine.errors import EngineUnavailable
 
         raise EngineUnavailable(f"engine '{cls.name}' cannot load here: {reason}")
-    if getattr(cls, "needs_model_file", True):
+    if cls.needs_model_file:
         from stdengine.store import resolve_model
 
         path = resolve_model(options.model or DEFAULT_MODEL, events=events)
