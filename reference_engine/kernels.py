@@ -49,7 +49,9 @@ _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 @cache
 def _core() -> ctypes.CDLL:
-    c = lib()
+    # Its own handle on the library: core.py declares some of the same functions differently,
+    # and ctypes keeps one declaration per function per handle.
+    c = ctypes.CDLL(lib()._name)
     c.se_traits.argtypes, c.se_traits.restype = [_int], ctypes.POINTER(_Traits)
     c.se_row_size.argtypes, c.se_row_size.restype = [_int, _i64], ctypes.c_size_t
     c.se_isa_name.argtypes, c.se_isa_name.restype = [], ctypes.c_char_p
@@ -58,6 +60,7 @@ def _core() -> ctypes.CDLL:
     c.se_quantize_rows.argtypes, c.se_quantize_rows.restype = [_int, _vp, _i64, _int, _vp], None
     c.se_matmul.argtypes = [_int, _vp, _i64, _vp, _int, _vp, _i64, _i64, _i64]
     c.se_matmul.restype = None
+    c.se_gemm_min_tokens.argtypes, c.se_gemm_min_tokens.restype = [], _int
     return c
 
 
@@ -83,6 +86,11 @@ def row_size(t: int | str, n: int) -> int:
 
 def isa() -> str:
     return _core().se_isa_name().decode()
+
+
+def gemm_min_tokens() -> int:
+    """Batches of at least this many tokens may take the GEMM path (kernels.h)."""
+    return _core().se_gemm_min_tokens()
 
 
 def set_isa(name: str | None) -> bool:

@@ -303,7 +303,7 @@ def test_matmul_matches_numpy(t, n_tok, isa):
 
 
 @pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n_tok", [1, 5])
+@pytest.mark.parametrize("n_tok", [1, 5, 40])
 def test_matmul_row_ranges(t, n_tok, isa):
     """Threads each take a row range [r0, r1): the pieces are the whole, and nothing else is written."""
     rng = rng_for("ranges", t)
@@ -320,18 +320,36 @@ def test_matmul_row_ranges(t, n_tok, isa):
 
 @pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
 def test_batch_equals_single_token(t, isa):
-    """A token's outputs do not depend on the batch around it: bit for bit, on every path.
-
-    Prompt processing and generation then agree exactly, which batched verification of drafted
-    tokens (and any comparison of the two) relies on.
+    """Below the GEMM's batch size, a token's outputs do not depend on the batch around it: bit
+    for bit, on every path. Generation and short batches (drafted tokens) then agree exactly.
     """
     rng = rng_for("batch", t)
     rows, k = 23, (block(t) * 7 if block(t) > 1 else 224)
     w = weights(t, rows, k, rng, sources(t)[-1])
-    x = rng.standard_normal((9, k)).astype(np.float32)
+    n = min(9, K.gemm_min_tokens() - 1)
+    x = rng.standard_normal((n, k)).astype(np.float32)
     batch = K.matmul(t, w, k, x)
-    for i in range(9):
+    for i in range(n):
         np.testing.assert_array_equal(K.matmul(t, w, k, x[i : i + 1])[0], batch[i])
+
+
+@pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_gemm_batches_agree(t, isa):
+    """Batches of the GEMM's size or more: a token's outputs are the same bit for bit whatever the
+    other tokens and its place in the batch, and within float rounding of the per-row kernels'."""
+    rng = rng_for("gemm", t)
+    rows, k = 37, (block(t) * 9 if block(t) > 1 else 288)
+    w = weights(t, rows, k, rng, sources(t)[-1])
+    m = K.gemm_min_tokens()
+    x = rng.standard_normal((2 * m + 3, k)).astype(np.float32)
+    big = K.matmul(t, w, k, x)
+    for lo in (0, 5, m + 3):  # a batch of exactly m tokens, starting at different places
+        np.testing.assert_array_equal(K.matmul(t, w, k, x[lo : lo + m]), big[lo : lo + m])
+    single = np.stack([K.matmul(t, w, k, x[i : i + 1])[0] for i in range(len(x))])
+    wd = gg_dequantize(w, t).astype(np.float64).reshape(rows, k)
+    ad = deq_act(ACT[t], K.quantize(ACT[t], x), k)
+    tol = 1e-5 * (np.abs(ad) @ np.abs(wd).T) + 1e-30
+    assert (np.abs(big - single) <= tol).all()
 
 
 @pytest.mark.parametrize("t", QUANT_TYPES + [T.F16, T.F32], ids=lambda t: t.name)
@@ -403,12 +421,12 @@ def _check_model_tensors(path, isa_names):
         np.testing.assert_array_equal(
             np.stack([K.dequantize(qt, r, k) for r in raw[:8]]), wd[:8].astype(np.float32)
         )
-        x = rng.standard_normal((3, k)).astype(np.float32)
+        x = rng.standard_normal((K.gemm_min_tokens() + 4, k)).astype(np.float32)
         want = x.astype(np.float64) @ wd.T
         tol = act_error_bound(ACT[qt], x, wd) + float_error_bound(ACT[qt], x, wd)
         for name in isa_names:
             with using_isa(name):
-                for n_tok in (1, 3):
+                for n_tok in (1, 3, len(x)):  # generation, tiles, GEMM
                     got = K.matmul(qt, raw, k, x[:n_tok])
                     assert (np.abs(got - want[:n_tok]) <= tol[:n_tok]).all(), f"{t.name} {qt.name} {name}"
     return sorted(q.name for q in seen)

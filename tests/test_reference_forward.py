@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
-from oracle import llamacpp_greedy
+from oracle import greedy_partings, llamacpp_greedy
 from stdengine.reference.core import Context, SamplingParams
 from stdengine.reference.model import Model
 
@@ -195,10 +195,11 @@ def test_synthetic_logits_match_numpy(tmp_path, wtype, tied):
         # exact activations: only the activation rounding separates the two
         exact = numpy_forward(W, SYN_TOKENS)
         assert kl_div(exact, got).max() < (1e-8 if ACT_TYPE[wtype] is None else 2e-3)
-        # the last-token logits (the default) are the last row
+        # the last-token logits (the default) are the last row (up to float rounding: the output
+        # head of a whole batch may take the GEMM, that of one token the per-row kernels)
         ctx.reset()
         last = ctx.decode(SYN_TOKENS)
-        np.testing.assert_array_equal(last, got[-1])
+        np.testing.assert_allclose(last, got[-1], rtol=0, atol=1e-5 * same.std())
 
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
@@ -465,7 +466,10 @@ def _chat(question):
 # at a near-tie two correct engines pick different tokens and then go their own ways. These five
 # are, of 17 candidate prompts, the ones whose greedy path in llama.cpp keeps the largest margin
 # between its top-1 and top-2 logits at every step (minimum margins 1.8, 0.21, 0.18, 0.18, 0.18);
-# they were chosen by llama.cpp's margins alone, not by whether we match.
+# they were chosen by llama.cpp's margins alone, not by whether we match. Where we part from
+# llama.cpp, its margin must be below NEAR_TIE: over the 667 positions of forward_text.txt the
+# top-1/top-2 margin of llama.cpp's logits and of ours differ by 0.07 (median), 0.19 (90th
+# percentile), 0.33-0.36 (99th) and 0.57 at most, as one batch and in ubatches of 7 alike.
 PROMPTS = [
     "1, 2, 3, 4, 5,",
     "The alphabet: A, B, C, D,",
@@ -474,6 +478,7 @@ PROMPTS = [
     _chat("Write the numbers from 1 to 10."),
 ]
 N_GREEDY = 32
+NEAR_TIE = 0.4
 
 
 @pytest.fixture(scope="module")
@@ -554,20 +559,10 @@ def test_smollm2_layouts_agree(smol, llamacpp_ref):
 
 def test_smollm2_greedy_matches_llamacpp(smol, llamacpp_ref):
     ctx = Context(smol, n_ctx=256, n_threads=2)
-    same = 0
-    for ptoks, want in llamacpp_ref["greedy"]:
-        ctx.reset()
-        ctx.decode(ptoks)
-        got = []
-        for _ in range(N_GREEDY):
-            tok = ctx.sample()
-            got.append(tok)
-            ctx.decode([tok])
-        same += got == want
-        first_diff = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-        print("same" if first_diff is None else f"differs at {first_diff}")
+    same, bad = greedy_partings(ctx, llamacpp_ref["greedy"], NEAR_TIE)
     ctx.close()
-    assert same >= 4, f"only {same} of {len(PROMPTS)} greedy continuations match llama.cpp"
+    print(f"{same} of {len(PROMPTS)} greedy continuations are llama.cpp's")
+    assert not bad, f"parted from llama.cpp where its choice was clear: {bad}"
 
 
 def test_smollm2_context_overflow(smol, llamacpp_ref):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from oracle import llamacpp_greedy
+from oracle import greedy_partings, llamacpp_greedy
 from stdengine.conformance.metrics import log_softmax
 from stdengine.reference.core import Context
 from stdengine.reference.model import Model
@@ -28,6 +28,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 DATA = Path(__file__).parent / "data"
 N_TEXT = 640  # tokens of gemma3_text.txt that are scored; > 512, the model's sliding window
 N_GREEDY = 32
+NEAR_TIE = 0.5
 
 
 def agreement(ref: np.ndarray, got: np.ndarray) -> tuple[float, float, int]:
@@ -140,7 +141,10 @@ def _turn(question: str) -> str:
 # 16 candidate prompts, the ones whose greedy path in llama.cpp keeps the largest margin between
 # its top-1 and top-2 logits at every step (minimum margins 2.7, 1.5, 1.3, 0.23, 0.22): chosen by
 # llama.cpp's margins alone, not by whether we match. (This is the base model: its "chat" answers
-# echo the question, in llama.cpp as here.)
+# echo the question, in llama.cpp as here.) Where we part from llama.cpp, its margin must be
+# below NEAR_TIE: over the 667 positions of forward_text.txt (the SmolLM2 test's text) the top-1/top-2
+# margin of llama.cpp's logits and of ours differ by 0.10 (median), 0.26 (90th percentile),
+# 0.42-0.48 (99th) and 0.78 at most, as one batch and in ubatches of 7 alike.
 PROMPTS = [
     "1, 2, 3, 4, 5,",
     "The alphabet: A, B, C, D,",
@@ -165,9 +169,7 @@ def ref(gemma3_path):
     logits = np.array(llm.scores[:N_TEXT], dtype=np.float32)
     vocab = llm._model.vocab
     eog = {i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)}
-    greedy = [
-        (prompt, *pair) for prompt, pair in zip(PROMPTS, llamacpp_greedy(llm, PROMPTS, N_GREEDY), strict=True)
-    ]
+    greedy = llamacpp_greedy(llm, PROMPTS, N_GREEDY)
     del llm
     return {"text": text, "tokens": tokens, "logits": logits, "greedy": greedy, "eog": eog}
 
@@ -239,27 +241,17 @@ def test_gemma3_layouts_match_llamacpp(gemma, ref, layout):
 
 def test_gemma3_greedy_matches_llamacpp(gemma, ref):
     ctx = Context(gemma, n_ctx=256, n_threads=2)
-    same = 0
-    for prompt, ptoks, want in ref["greedy"]:
-        ctx.reset()
-        ctx.decode(ptoks)
-        got = []
-        for _ in range(N_GREEDY):
-            tok = ctx.sample()
-            got.append(tok)
-            ctx.decode([tok])
-        same += got == want
-        where = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-        print(f"{prompt!r}: " + ("same" if where is None else f"differs at {where}"))
+    same, bad = greedy_partings(ctx, ref["greedy"], NEAR_TIE)
     ctx.close()
-    assert same >= 4, f"only {same} of {len(PROMPTS)} greedy continuations match llama.cpp"
+    print(f"{same} of {len(PROMPTS)} greedy continuations are llama.cpp's")
+    assert not bad, f"parted from llama.cpp where its choice was clear: {bad}"
 
 
 def test_gemma3_tokens_and_eog_match_llamacpp(gemma3_path, ref):
     tok = Tokenizer.from_gguf(gemma3_path)
     assert tok.encode(ref["text"])[:N_TEXT] == ref["tokens"]
-    for prompt, ptoks, _ in ref["greedy"]:
-        assert tok.encode(prompt) == ptoks
+    for prompt, g in zip(PROMPTS, ref["greedy"], strict=True):
+        assert tok.encode(prompt) == g.prompt
     assert set(tok.eog_ids) == ref["eog"]
     assert tok.encode("<end_of_turn>", add_special=False) == [106]
     assert 106 in tok.eog_ids

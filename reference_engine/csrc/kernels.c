@@ -6,6 +6,7 @@
  * check every path against gguf and numpy.
  * Block layouts are ggml's (weights are read in place from GGUF files).
  */
+#define _POSIX_C_SOURCE 200112L /* posix_memalign */
 #define SE_KERNELS_INTERNAL
 #include "kernels.h"
 
@@ -553,10 +554,35 @@ void se_quantize_rows(int act_type, const float *x, int64_t k, int n_tok, void *
     for (int i = 0; i < n_tok; i++) t->from_float(x + (int64_t)i * k, (char *)act + row * (size_t)i, k);
 }
 
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+typedef struct { void *p; size_t n; } scratch_buf;
+static void scratch_free(void *v) { scratch_buf *b = v; free(b->p); free(b); }
+static void scratch_key_init(void) { pthread_key_create(&scratch_key, scratch_free); }
+
+void *se_thread_scratch(size_t n) {
+    pthread_once(&scratch_once, scratch_key_init);
+    scratch_buf *b = pthread_getspecific(scratch_key);
+    if (!b) {
+        if (!(b = calloc(1, sizeof *b))) return NULL;
+        pthread_setspecific(scratch_key, b);
+    }
+    if (b->n < n) {
+        void *p = NULL;
+        if (posix_memalign(&p, 64, n) != 0) return NULL;
+        free(b->p);
+        b->p = p;
+        b->n = n;
+    }
+    return b->p;
+}
+
 /* For prompts, rows are taken in groups of ROW_BLOCK so that the group's weights stay in L1
  * while every group of 4 tokens passes over them. */
 #define ROW_BLOCK 16
 #define PREFETCH_BYTES 16384
+
+int se_gemm_min_tokens(void) { return SE_GEMM_MIN_TOKENS; }
 
 void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
                float *y, int64_t ldy, int64_t r0, int64_t r1) {
@@ -571,6 +597,8 @@ void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
                 y[i * ldy + r] = t->dot(k, w + wrow * (size_t)r, a + arow * (size_t)i);
         return;
     }
+    if (kt->gemm && n_tok >= SE_GEMM_MIN_TOKENS && kt->gemm(k, W, wrow, act, arow, n_tok, y, ldy, r0, r1) == 0)
+        return;
     if (n_tok == 1) {
         /* Weights stream from DRAM once per token: ask for the rows PREFETCH_BYTES ahead, since
          * the hardware prefetcher alone leaves the core waiting on memory half of the time. */

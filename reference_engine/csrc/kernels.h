@@ -43,9 +43,13 @@ size_t se_row_size(int type, int64_t n);       /* bytes of a row of n elements *
 void se_quantize_rows(int act_type, const float *x, int64_t k, int n_tok, void *act);
 
 /* y[t*ldy + r] = dot(W row r, activation row t) for r in [r0, r1), t in [0, n_tok).
- * W has rows of k elements of wtype; act was made by se_quantize_rows(traits(wtype)->act_type). */
+ * W has rows of k elements of wtype; act was made by se_quantize_rows(traits(wtype)->act_type).
+ * A batch of se_gemm_min_tokens() or more may take the path's GEMM, whose results differ from the
+ * per-row kernels' by float rounding; on either side of that size a token's results are the same
+ * whatever the other tokens of the batch and the row range. */
 void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
                float *y, int64_t ldy, int64_t r0, int64_t r1);
+int se_gemm_min_tokens(void);
 
 /* Test hook: use the named path ("scalar", "avx2", "avx512"; NULL or "" = the best one here).
  * Returns 0, or -1 (path unchanged) when this CPU cannot run it. Not thread-safe: call it
@@ -82,12 +86,23 @@ typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } se_blk_q8_K; /* 2
  * for 4 tokens). */
 typedef void (*se_tile_fn)(int64_t n, const void *w, size_t w_stride, int nr, const void *a, size_t a_stride,
                            int nc, float *out);
+/* The whole of se_matmul for a batch of at least SE_GEMM_MIN_TOKENS tokens (see se_matmul);
+ * returns 0, or -1 (nothing written) when out of memory for its scratch. */
+typedef int (*se_gemm_fn)(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,
+                           float *y, int64_t ldy, int64_t r0, int64_t r1);
+#define SE_GEMM_MIN_TOKENS 16
+
 typedef struct {
     se_dot_fn dot;
     se_tile_fn tile;
     int tg_rows, pp_rows;
     se_from_float_fn from_float; /* activation types: must give the scalar code's bytes exactly */
+    se_gemm_fn gemm;             /* optional: batches of SE_GEMM_MIN_TOKENS or more */
 } se_isa_kernels;
+
+/* A buffer of at least n bytes (64-byte aligned) owned by the calling thread, reused by its next
+ * call and freed when the thread ends; NULL if out of memory. */
+void *se_thread_scratch(size_t n);
 
 /* Indexed by weight type; NULL entries fall back to the scalar code. */
 extern const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT];

@@ -176,11 +176,42 @@ INLINE void scales_mins_k4(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
     *mn = mn_lo | (uint64_t)mn_hi << 32;
 }
 
+/* The 256 quants of a Q4_K (q5 = 0) or Q5_K super-block x as unsigned bytes in element order. */
+INLINE void unpack_q45_K(int q5, const uint8_t *x, __m512i q[4]) {
+    const int qs_off = q5 ? 48 : 16;
+    for (int j = 0; j < 4; j++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(x + qs_off + 32 * j));
+        q[j] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
+                                _mm512_set1_epi8(15));
+        if (q5) { /* element 64j+l takes bit 2j of qh[l]; element 64j+32+l takes bit 2j+1 */
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 16));
+            __mmask64 hi = (__mmask64)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * j)))) |
+                           (__mmask64)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * j)))) << 32;
+            q[j] = _mm512_mask_add_epi8(q[j], hi, q[j], _mm512_set1_epi8(16));
+        }
+    }
+}
+
+/* The 256 quants of a Q6_K super-block as unsigned bytes (0..63, the weight is q - 32) in
+ * element order. */
+INLINE void unpack_q6_K(const se_blk_q6_K *x, __m512i q[4]) {
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        __m512i ql = _mm512_loadu_si512(x->ql + 64 * h);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
+        /* [qh, qh >> 2]: bits 4-5 of each byte then feed quants 64..127 of this half, and
+         * the same bits shifted left by 4 feed quants 0..63 */
+        __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_slli_epi16(qh2, 4), m30));
+        q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(qh2, m30));
+    }
+}
+
 /* Q4_K (qh == 0) and Q5_K: per super-block, 4 chunks of 64 quants; each chunk is two
  * sub-blocks of 32, so a vpdpbusd's lanes 0-7 take one scale and lanes 8-15 the next. */
 INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
                        float *out) {
-    const int ws = q5 ? 176 : 144, qs_off = q5 ? 48 : 16;
+    const int ws = q5 ? 176 : 144;
     const __m512i zero = _mm512_setzero_si512();
     __m512 acc[4];
     for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
@@ -193,16 +224,8 @@ INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, si
         const __m256i mn = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
         const float d = h2f(x), dmin = h2f(x + 2);
         __m512i q[4], sv[4];
+        unpack_q45_K(q5, x, q);
         for (int j = 0; j < 4; j++) {
-            __m256i raw = _mm256_loadu_si256((const __m256i *)(x + qs_off + 32 * j));
-            q[j] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
-                                    _mm512_set1_epi8(15));
-            if (q5) { /* element 64j+l takes bit 2j of qh[l]; element 64j+32+l takes bit 2j+1 */
-                __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 16));
-                __mmask64 hi = (__mmask64)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * j)))) |
-                               (__mmask64)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * j)))) << 32;
-                q[j] = _mm512_mask_add_epi8(q[j], hi, q[j], _mm512_set1_epi8(16));
-            }
             sv[j] = _mm512_permutexvar_epi32(_mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
                                                                2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
                                                                2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1), sc);
@@ -230,7 +253,7 @@ INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, si
 /* Q6_K: quants taken unsigned (0..63), the -32 applied through the bsums. A vpdpbusd over 64
  * quants covers 4 scales (16 quants each), so its lanes take scales 4 at a time. */
 INLINE void q6_K_dotx(int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
-    const __m512i zero = _mm512_setzero_si512(), m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const __m512i zero = _mm512_setzero_si512();
     __m512 acc[4];
     for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
 
@@ -241,15 +264,7 @@ INLINE void q6_K_dotx(int64_t n, const uint8_t *w, const uint8_t *a, size_t as, 
         const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
         const float d = h2f((const uint8_t *)&x->d);
         __m512i q[4], sv[4];
-        for (int h = 0; h < 2; h++) {
-            __m512i ql = _mm512_loadu_si512(x->ql + 64 * h);
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
-            /* [qh, qh >> 2]: bits 4-5 of each byte then feed quants 64..127 of this half, and
-             * the same bits shifted left by 4 feed quants 0..63 */
-            __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-            q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_slli_epi16(qh2, 4), m30));
-            q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(qh2, m30));
-        }
+        unpack_q6_K(x, q);
         for (int j = 0; j < 4; j++) {
             const int b = 4 * j;
             sv[j] = _mm512_permutexvar_epi32(_mm512_setr_epi32(b, b, b, b, b + 1, b + 1, b + 1, b + 1, b + 2, b + 2,
@@ -370,6 +385,205 @@ static void q8_K_from_float(const float *x, void *dst, int64_t n) {
     }
 }
 
+/* ---------------------------------------------------------------- prompt GEMM on int8 panels
+ * For a batch of tokens, every 16 weight rows are unpacked once into a panel: per block of BLK
+ * quants (32; 16 for Q6_K, whose scales change every 16), BLK/4 vectors whose lane r holds 4
+ * consecutive quants of row r as unsigned bytes, then the 16 rows' float scales d and mins m.
+ * One vpdpbusd multiplies 4 quants of 16 rows by 4 activations of one token (broadcast), so a
+ * block costs BLK/4 vpdpbusd and 3 or 4 float operations per token for 16 rows, and no
+ * horizontal sums. The panel is reused by every token of the batch.
+ *
+ * Per token and block, the activation side gives its scale d and either the sum term s of a type
+ * with a min (the block adds m*s) or, for a type stored with an offset (q - offset), the exact
+ * integer correction -offset*sum(q) that starts the block's dot. Every output sums its blocks in
+ * order with the same operations whatever the batch, so a token's results do not depend on the
+ * other tokens (nor on the row range); they differ from the tiles' by float rounding only.
+ */
+#define PANEL_ROWS 16
+typedef struct { float d; union { float s; int32_t bias; }; } side_t;
+
+/* How a weight type maps onto panels. */
+typedef struct {
+    int blk;    /* quants per panel block: 32 or 16 */
+    int group;  /* quants unpacked at once per row: two legacy blocks, or one super-block */
+    int offset; /* stored quants are weight + offset (0 for the types with a min) */
+    int min;    /* has a min: blocks add m*s */
+} panel_shape;
+
+INLINE panel_shape shape_of(int type) {
+    switch (type) {
+    case SE_Q4_1: case SE_Q5_1: return (panel_shape){ 32, 64, 0, 1 };
+    case SE_Q4_K: case SE_Q5_K: return (panel_shape){ 32, 256, 0, 1 };
+    case SE_Q6_K: return (panel_shape){ 16, 256, 32, 0 };
+    default: return (panel_shape){ 32, 64, offset(type), 0 }; /* Q4_0, Q5_0, Q8_0 */
+    }
+}
+
+/* Group g of one row: its quants as unsigned bytes in element order, and each BLK-block's scale
+ * d and min m (exact products of the stored scales). Returns the number of quants (a short last
+ * legacy group has one block). */
+INLINE int unpack_group(int type, const uint8_t *row, int64_t g, int64_t n, uint8_t *q, float *d, float *m) {
+    if (type == SE_Q4_K || type == SE_Q5_K) {
+        const uint8_t *x = row + g * (type == SE_Q5_K ? 176 : 144);
+        __m512i v[4];
+        unpack_q45_K(type == SE_Q5_K, x, v);
+        for (int j = 0; j < 4; j++) _mm512_storeu_si512(q + 64 * j, v[j]);
+        uint64_t sc, mn;
+        scales_mins_k4(x + 4, &sc, &mn);
+        for (int j = 0; j < 8; j++) {
+            d[j] = h2f(x) * (float)(uint8_t)(sc >> 8 * j);
+            m[j] = -h2f(x + 2) * (float)(uint8_t)(mn >> 8 * j);
+        }
+        return 256;
+    }
+    if (type == SE_Q6_K) {
+        const se_blk_q6_K *x = (const se_blk_q6_K *)row + g;
+        __m512i v[4];
+        unpack_q6_K(x, v);
+        for (int j = 0; j < 4; j++) _mm512_storeu_si512(q + 64 * j, v[j]);
+        for (int j = 0; j < 16; j++) d[j] = h2f((const uint8_t *)&x->d) * (float)x->scales[j], m[j] = 0;
+        return 256;
+    }
+    const int ws = legacy_size(type), two = 64 * g + 64 <= n;
+    const uint8_t *b0 = row + 2 * g * ws, *b1 = two ? b0 + ws : b0;
+    _mm512_storeu_si512(q, unpack2(type, b0, b1));
+    const int is1 = type == SE_Q4_1 || type == SE_Q5_1;
+    d[0] = h2f(b0), d[1] = h2f(b1);
+    m[0] = is1 ? h2f(b0 + 2) : 0, m[1] = is1 ? h2f(b1 + 2) : 0;
+    return two ? 64 : 32;
+}
+
+/* Rows [0, nr) of W (nr <= 16; the rest of the panel is zero) into panel blocks of sh.blk. */
+INLINE void build_panel(int type, panel_shape sh, const uint8_t *w, size_t wrow, int nr, int64_t n, uint8_t *panel) {
+    const size_t bsz = (size_t)sh.blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
+    uint8_t q[PANEL_ROWS][256] __attribute__((aligned(64)));
+    float d[PANEL_ROWS][16], m[PANEL_ROWS][16];
+    for (int64_t g = 0; g < (n + sh.group - 1) / sh.group; g++) {
+        int len = 0;
+        for (int r = 0; r < PANEL_ROWS; r++) {
+            if (r < nr) {
+                len = unpack_group(type, w + r * wrow, g, n, q[r], d[r], m[r]);
+            } else {
+                memset(q[r], 0, sizeof q[r]);
+                memset(d[r], 0, sizeof d[r]);
+                memset(m[r], 0, sizeof m[r]);
+            }
+        }
+        for (int s = 0; s < len / sh.blk; s++) {
+            uint8_t *dst = panel + (size_t)(g * (sh.group / sh.blk) + s) * bsz;
+            uint32_t *dq = (uint32_t *)dst;
+            float *dd = (float *)(dst + sh.blk * PANEL_ROWS), *dm = dd + PANEL_ROWS;
+            for (int j = 0; j < sh.blk / 4; j++)
+                for (int r = 0; r < PANEL_ROWS; r++) dq[j * PANEL_ROWS + r] = ld32(q[r] + s * sh.blk + 4 * j);
+            for (int r = 0; r < PANEL_ROWS; r++) dd[r] = d[r][s], dm[r] = m[r][s];
+        }
+    }
+}
+
+/* Each token's side (see above) and where each block's quants start in an activation row. */
+static void build_side(panel_shape sh, int64_t nb, const uint8_t *a, size_t arow, int n_tok,
+                       side_t *side, int32_t *qoff) {
+    const int act = sh.group == 256 ? SE_Q8_K : (sh.min ? SE_Q8_1 : SE_Q8_0);
+    const int asz = act == SE_Q8_K ? 292 : act == SE_Q8_1 ? 36 : 34;
+    const int per = act == SE_Q8_K ? 256 / sh.blk : 1; /* panel blocks per activation block */
+    for (int64_t b = 0; b < nb; b++)
+        qoff[b] = (int32_t)((b / per) * asz + (act == SE_Q8_K ? 4 + (b % per) * sh.blk : act == SE_Q8_1 ? 4 : 2));
+    for (int t = 0; t < n_tok; t++) {
+        const uint8_t *y = a + (size_t)t * arow;
+        side_t *st = side + (size_t)t * nb;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = y + (b / per) * asz;
+            if (act == SE_Q8_K) {
+                const se_blk_q8_K *k8 = (const se_blk_q8_K *)blk;
+                const int j = (int)(b % per);
+                st[b].d = k8->d;
+                if (sh.min) st[b].s = k8->d * (float)(k8->bsums[2 * j] + k8->bsums[2 * j + 1]);
+                else st[b].bias = -sh.offset * k8->bsums[j];
+            } else {
+                st[b].d = h2f(blk);
+                if (sh.min) {
+                    st[b].s = h2f(blk + 2);
+                } else {
+                    int sum = 0;
+                    for (int i = 0; i < 32; i++) sum += (int8_t)blk[2 + i];
+                    st[b].bias = -sh.offset * sum;
+                }
+            }
+        }
+    }
+}
+
+/* nt tokens (<= 8) x one panel: y[t * ldy + r] for the panel's rows r < 16 in mask. */
+INLINE void gemm_tile(int blk, int min, int nt, const uint8_t *panel, int64_t nb, const uint8_t *a, size_t arow,
+                      const int32_t *qoff, const side_t *side, float *y, int64_t ldy, __mmask16 mask) {
+    const size_t bsz = (size_t)blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
+    __m512 acc[8];
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = panel + (size_t)b * bsz;
+        __m512i w[8];
+        for (int j = 0; j < blk / 4; j++) w[j] = _mm512_load_si512(p + 64 * j);
+        const __m512 wd = _mm512_load_ps(p + blk * PANEL_ROWS);
+        const __m512 wm = _mm512_load_ps(p + blk * PANEL_ROWS + 64);
+        for (int t = 0; t < nt; t++) {
+            const side_t *st = side + (size_t)t * nb + b;
+            const uint8_t *q = a + (size_t)t * arow + qoff[b];
+            __m512i sum = min ? _mm512_setzero_si512() : _mm512_set1_epi32(st->bias);
+            for (int j = 0; j < blk / 4; j++) sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32((int)ld32(q + 4 * j)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(wd, _mm512_set1_ps(st->d)), acc[t]);
+            if (min) acc[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(st->s), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy, mask, acc[t]);
+}
+
+INLINE int gemm(int type, int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                int64_t ldy, int64_t r0, int64_t r1) {
+    const panel_shape sh = shape_of(type);
+    const int64_t nb = k / sh.blk;
+    const size_t bsz = (size_t)sh.blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
+    const size_t panel_size = (size_t)nb * bsz, side_size = (size_t)n_tok * nb * sizeof(side_t);
+    uint8_t *panel = se_thread_scratch(panel_size + side_size + (size_t)nb * sizeof(int32_t));
+    if (!panel) return -1;
+    side_t *side = (side_t *)(panel + panel_size);
+    int32_t *qoff = (int32_t *)(panel + panel_size + side_size);
+    const uint8_t *a = act;
+    build_side(sh, nb, a, arow, n_tok, side, qoff);
+    for (int64_t r = r0; r < r1; r += PANEL_ROWS) {
+        const int nr = r1 - r < PANEL_ROWS ? (int)(r1 - r) : PANEL_ROWS;
+        const __mmask16 mask = (__mmask16)((1u << nr) - 1);
+        build_panel(type, sh, (const uint8_t *)W + (size_t)r * wrow, wrow, nr, k, panel);
+        for (int t = 0; t < n_tok; t += 8) {
+            const int nt = n_tok - t < 8 ? n_tok - t : 8;
+            const uint8_t *at = a + (size_t)t * arow;
+            const side_t *st = side + (size_t)t * nb;
+            float *yt = y + t * ldy + r;
+#define GEMM_TILE(N) gemm_tile(sh.blk, sh.min, N, panel, nb, at, arow, qoff, st, yt, ldy, mask)
+            switch (nt) {
+            case 1: GEMM_TILE(1); break;
+            case 2: GEMM_TILE(2); break;
+            case 3: GEMM_TILE(3); break;
+            case 4: GEMM_TILE(4); break;
+            case 5: GEMM_TILE(5); break;
+            case 6: GEMM_TILE(6); break;
+            case 7: GEMM_TILE(7); break;
+            default: GEMM_TILE(8);
+            }
+#undef GEMM_TILE
+        }
+    }
+    return 0;
+}
+
+#define GEMM(name, T)                                                                              \
+    static int gemm_##name(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,      \
+                           float *y, int64_t ldy, int64_t r0, int64_t r1) {                         \
+        return gemm(T, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);                               \
+    }
+GEMM(q4_0, SE_Q4_0) GEMM(q4_1, SE_Q4_1) GEMM(q5_0, SE_Q5_0) GEMM(q5_1, SE_Q5_1) GEMM(q8_0, SE_Q8_0)
+GEMM(q4_K, SE_Q4_K) GEMM(q5_K, SE_Q5_K) GEMM(q6_K, SE_Q6_K)
+#undef GEMM
+
 /* ---------------------------------------------------------------- instances
  * Each kernel is inlined with a constant type and tile shape, so the loops over rows and tokens
  * unroll and the accumulators stay in registers. */
@@ -414,10 +628,12 @@ TILE_1(q5_K) DOT(q5_K)
 TILE_1(q6_K) DOT(q6_K)
 #undef CALL
 
-#define K(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp }
+#define K(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp, NULL, NULL }
+#define KG(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp, NULL, gemm_##name }
 const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {
-    K(SE_Q4_0, q4_0, 4, 2), K(SE_Q4_1, q4_1, 4, 2), K(SE_Q5_0, q5_0, 4, 2), K(SE_Q5_1, q5_1, 4, 2),
-    [SE_Q8_0] = { dot_q8_0, tile_q8_0, 4, 2, q8_0_from_float }, K(SE_Q4_K, q4_K, 1, 1), K(SE_Q5_K, q5_K, 1, 1), K(SE_Q6_K, q6_K, 1, 1),
+    KG(SE_Q4_0, q4_0, 4, 2), KG(SE_Q4_1, q4_1, 4, 2), KG(SE_Q5_0, q5_0, 4, 2), KG(SE_Q5_1, q5_1, 4, 2),
+    [SE_Q8_0] = { dot_q8_0, tile_q8_0, 4, 2, q8_0_from_float, gemm_q8_0 },
+    KG(SE_Q4_K, q4_K, 1, 1), KG(SE_Q5_K, q5_K, 1, 1), KG(SE_Q6_K, q6_K, 1, 1),
     K(SE_F32, f32, 4, 2), K(SE_F16, f16, 4, 2), K(SE_BF16, bf16, 4, 2),
     [SE_Q8_1] = { .from_float = q8_1_from_float }, [SE_Q8_K] = { .from_float = q8_K_from_float },
 };
