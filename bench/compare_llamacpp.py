@@ -8,8 +8,13 @@ Runs llama-bench's pp512 and tg128 through infer-bench for both engines on both 
 count, so that both meet the machine in the same state), and writes under bench/results/:
 
     NAME.jsonl   the records (infer-bench -o jsonl; `infer-bench compare` reads it)
-    NAME.md      the machine (CPU model, cores, date), the table and the reference/llama.cpp ratios
+    NAME.md      the machine (CPU model, cores, date), the table, the reference/llama.cpp ratios
+                 and each engine's peak memory
     NAME.png     the plot (when matplotlib is installed)
+
+Peak memory is the peak resident set (ru_maxrss) of a separate `infer-bench` process per engine
+and model that runs pp512 and tg128 once at the largest thread count: the same Python harness
+around each engine, so the difference between the two is the engines'.
 
 and prints the table and the ratios. NAME defaults to compare-llamacpp-<UTC date>.
 """
@@ -20,6 +25,7 @@ import argparse
 import io
 import os
 import platform
+import subprocess
 import sys
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -55,6 +61,22 @@ def _loadavg() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "unknown"
+
+
+def peak_rss_mb(model: str, engine: str, threads: int) -> float:
+    """Peak resident set, in MiB, of one infer-bench process running pp512 and tg128 once."""
+    cmd = [sys.executable, "-m", "stdengine.bench.cli", "-m", model, "-e", engine, "-p", "512", "-n", "128"]
+    cmd += ["-r", "1", "-t", str(threads), "-o", "jsonl"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage, not all children's
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(
+            f"{' '.join(cmd)} exited {proc.returncode}: {stderr.decode(errors='replace').strip()}"
+        )
+    return usage.ru_maxrss / 1024  # Linux reports KiB
 
 
 def _ints(text: str) -> list[int]:
@@ -127,6 +149,21 @@ def main(argv: list[str] | None = None) -> int:
                 status = run(part, on_record, _emitter(params), progress=progress) or status
         md_printer.footer()
 
+    # Peak memory, one process per engine and model (after the timed runs, so it cannot skew them).
+    threads = max(params.n_threads)
+    memory = ["| model | llama.cpp MiB | reference MiB | reference / llama.cpp |", "|---|---:|---:|---:|"]
+    for model in params.models:
+        try:
+            base_mb, ref_mb = (peak_rss_mb(model, engine, threads) for engine in ("llamacpp", "reference"))
+        except RuntimeError as e:
+            print(f"error: peak memory: {e}", file=sys.stderr)
+            status = status or 1
+            continue
+        memory.append(f"| {model} | {base_mb:.1f} | {ref_mb:.1f} | {ref_mb / base_mb:.2f} |")
+        print(
+            f"peak memory {model}: llama.cpp {base_mb:.1f} MiB, reference {ref_mb:.1f} MiB", file=sys.stderr
+        )
+
     text = [
         f"# reference vs llama.cpp ({desc['date']})",
         "",
@@ -152,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return status or 1
     table = render(pairs)
     text += ["## reference / llama.cpp (speedup = reference t/s / llama.cpp t/s)", "", table.rstrip(), ""]
+    text += [f"## peak memory (resident set of a pp512 + tg128 run, {threads} threads)", "", *memory, ""]
     try:
         plot(pairs, str(png_path), title=f"reference vs llama.cpp: {desc['cpu']}, {desc['date']}")
         text += [f"![plot]({png_path.name})", ""]

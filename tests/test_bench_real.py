@@ -276,3 +276,16 @@ def test_plot_without_matplotlib_is_a_clear_error(two_files, tmp_path, capsys, m
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert compare_main([*two_files, "--plot", str(tmp_path / "x.png")]) == 1
     assert "--plot needs matplotlib: pip install 'stdengine[plot]'" in capsys.readouterr().err
+
+
+@pytest.mark.models
+def test_peak_memory_of_a_run(smollm2_path, tmp_path):
+    """compare_llamacpp's peak memory: the child's own resident set, which holds the whole model
+    (the weights are all read by a prompt), and a failed run is an error naming the command."""
+    from stdengine.bench.compare_llamacpp import peak_rss_mb
+
+    mb = peak_rss_mb(str(smollm2_path), "reference", 1)
+    file_mb = os.path.getsize(smollm2_path) / 2**20
+    assert file_mb < mb < file_mb + 400
+    with pytest.raises(RuntimeError, match="stdengine.bench.cli"):
+        peak_rss_mb(str(tmp_path / "missing.gguf"), "reference", 1)
