@@ -453,6 +453,31 @@ INLINE int unpack_group(int type, const uint8_t *row, int64_t g, int64_t n, uint
     return two ? 64 : 32;
 }
 
+/* The 16 x 16 dwords of v transposed in place: v[j] becomes dword j of every input vector. */
+INLINE void transpose16(__m512i v[16]) {
+    __m512i t[16];
+    for (int k = 0; k < 8; k++) { /* per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3] */
+        t[2 * k] = _mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) { /* u[4k + m], lane L: dword 4L + m of rows 4k..4k+3 */
+        v[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        v[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        v[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        v[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int m = 0; m < 4; m++) { /* gather lane L of u[m], u[4+m], u[8+m], u[12+m] */
+        const __m512i a = _mm512_shuffle_i32x4(v[m], v[4 + m], 0x88), b = _mm512_shuffle_i32x4(v[m], v[4 + m], 0xDD);
+        const __m512i c = _mm512_shuffle_i32x4(v[8 + m], v[12 + m], 0x88);
+        const __m512i d = _mm512_shuffle_i32x4(v[8 + m], v[12 + m], 0xDD);
+        t[m] = _mm512_shuffle_i32x4(a, c, 0x88);
+        t[8 + m] = _mm512_shuffle_i32x4(a, c, 0xDD);
+        t[4 + m] = _mm512_shuffle_i32x4(b, d, 0x88);
+        t[12 + m] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+    for (int j = 0; j < 16; j++) v[j] = t[j];
+}
+
 /* Rows [0, nr) of W (nr <= 16; the rest of the panel is zero) into panel blocks of sh.blk. */
 INLINE void build_panel(int type, panel_shape sh, const uint8_t *w, size_t wrow, int nr, int64_t n, uint8_t *panel) {
     const size_t bsz = (size_t)sh.blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
@@ -469,12 +494,18 @@ INLINE void build_panel(int type, panel_shape sh, const uint8_t *w, size_t wrow,
                 memset(m[r], 0, sizeof m[r]);
             }
         }
+        uint8_t *first = panel + (size_t)(g * (sh.group / sh.blk)) * bsz; /* this group's first block */
+        for (int c = 0; c < len; c += 64) { /* 64 quants of the 16 rows at a time */
+            __m512i v[PANEL_ROWS];
+            for (int r = 0; r < PANEL_ROWS; r++) v[r] = _mm512_load_si512(q[r] + c);
+            transpose16(v);
+            for (int j = 0; j < 16 && c + 4 * j < len; j++) { /* v[j]: quants c+4j..c+4j+3 */
+                const int e = c + 4 * j;
+                _mm512_store_si512(first + (size_t)(e / sh.blk) * bsz + (size_t)(e % sh.blk / 4) * 64, v[j]);
+            }
+        }
         for (int s = 0; s < len / sh.blk; s++) {
-            uint8_t *dst = panel + (size_t)(g * (sh.group / sh.blk) + s) * bsz;
-            uint32_t *dq = (uint32_t *)dst;
-            float *dd = (float *)(dst + sh.blk * PANEL_ROWS), *dm = dd + PANEL_ROWS;
-            for (int j = 0; j < sh.blk / 4; j++)
-                for (int r = 0; r < PANEL_ROWS; r++) dq[j * PANEL_ROWS + r] = ld32(q[r] + s * sh.blk + 4 * j);
+            float *dd = (float *)(first + (size_t)s * bsz + sh.blk * PANEL_ROWS), *dm = dd + PANEL_ROWS;
             for (int r = 0; r < PANEL_ROWS; r++) dd[r] = d[r][s], dm[r] = m[r][s];
         }
     }
