@@ -152,8 +152,10 @@ static void attention_split(const se_context *c, int nth, int *T, int *g) {
         }
 }
 
-/* Attention of every (token, query head) of the ubatch, in work items dealt round-robin to the
- * threads (later tokens see more keys, so contiguous shares would be unequal). Then a barrier. */
+/* Attention of every (token, query head) of the ubatch, in work items dealt to the threads: in
+ * batches round-robin (later tokens see more keys, so contiguous shares would be unequal); for a
+ * few tokens in contiguous shares, which put a thread's heads on fewer kv heads, so that it reads
+ * less of the cache. Then a barrier. */
 void se_forward_attention(se_context *c, int il, int ith, int nth) {
     const se_hparams *hp = &c->m->hp;
     const se_layer *L = &c->m->layers[il];
@@ -162,7 +164,12 @@ void se_forward_attention(se_context *c, int il, int ith, int nth) {
     int64_t Dq = (int64_t)H * hd, per_chunk = H / g, n_items = (c->ub_n + T - 1) / T * per_chunk;
     att_row rows[ATT_TOKENS * ATT_MAX_GROUP];
     attend_fn attend = attend_kernel();
-    for (int64_t i = ith; i < n_items; i += nth) {
+    int64_t i0 = ith, i1 = n_items, step = nth;
+    if (T == 1) {
+        se_split(n_items, ith, nth, 1, &i0, &i1);
+        step = 1;
+    }
+    for (int64_t i = i0; i < i1; i += step) {
         int t0 = (int)(i / per_chunk) * T, h0 = (int)(i % per_chunk) * g, kvh = h0 / group, n = 0;
         for (int t = t0; t < t0 + T && t < c->ub_n; t++) {
             int64_t pos = c->ub_pos + t;
