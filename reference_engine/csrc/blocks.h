@@ -1,7 +1,7 @@
 /* The building blocks of the forward passes, shared by the architectures (llama.c defines them,
- * next to the llama forward pass; gemma3.c uses them). Internal: include after defining
- * SE_ENGINE_INTERNAL. Every block runs on every thread of the pool (ith of nth) and says in
- * its comment (llama.c) whether it ends with a barrier.
+ * next to the llama forward pass, and attention.c the attention; gemma3.c uses them). Internal:
+ * include after defining SE_ENGINE_INTERNAL. Every block runs on every thread of the pool (ith of
+ * nth) and says in its comment whether it ends with a barrier.
  */
 #ifndef SE_BLOCKS_H
 #define SE_BLOCKS_H
@@ -35,6 +35,12 @@ void se_forward_prologue(se_context *c, int ith, int nth);
 void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth);
 /* Attention of every (token, head), sliding window per layer, into c->att; barrier. */
 void se_forward_attention(se_context *c, int il, int ith, int nth);
+/* The KV cache (attention.c alone knows its layout): positions held per layer and kv head for a
+ * context of n_ctx; the value row of layer il, kv head h, position p; n keys (rows of head_dim)
+ * stored at positions p0.. of layer il, kv head h. */
+int64_t se_kv_positions(int64_t n_ctx);
+float *se_kv_value_row(const se_context *c, int il, int h, int64_t p);
+void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const float *k);
 /* Final norm and output head for the tokens whose logits are wanted (no barrier: the last step). */
 void se_forward_output(se_context *c, int ith, int nth);
 

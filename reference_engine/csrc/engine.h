@@ -8,8 +8,8 @@
  * types again, so a bad description is an error code, never a crash.
  *
  * A context owns everything a forward pass needs, allocated once at creation: the KV cache
- * (f32, [layer][kv head][position][head dim]), scratch buffers for n_ubatch tokens, the thread
- * pool and the sampler's state. se_decode evaluates any number of tokens in one call.
+ * (f32, per layer and kv head; attention.c has the layout), scratch buffers for n_ubatch tokens,
+ * the thread pool and the sampler's state. se_decode evaluates any number of tokens in one call.
  */
 #ifndef SE_ENGINE_H
 #define SE_ENGINE_H
@@ -131,7 +131,7 @@ SE_API int32_t se_sample(se_context *c, const se_sampling_params *sp);
 
 
 #ifdef SE_ENGINE_INTERNAL
-/* Shared by llama.c and sampling.c only. */
+/* Shared by the engine's C files only. */
 #include "threadpool.h"
 
 typedef struct {
@@ -161,7 +161,6 @@ struct se_model {
 
 /* One thread's private scratch. */
 typedef struct {
-    float *scores;     /* attention scores, n_ctx per query head attended at once */
     float *norm;       /* normalised rows for small batches, SE_PRIVATE_TOKENS x max width */
     void *act[3];      /* quantized activations for small batches, one per act type */
 } se_thread_scratch;
@@ -178,7 +177,8 @@ struct se_context {
     se_context_params cp;
     int32_t n_past;
     int32_t *tokens;         /* the n_past tokens in the cache, for the penalties */
-    float *k_cache, *v_cache;/* [n_layer][n_head_kv][n_ctx][head_dim] */
+    float *k_cache, *v_cache;/* per layer and kv head (attention.c: se_kv_positions, se_kv_*) */
+    float *k_new;            /* the ubatch's keys on their way to the cache [n_head_kv][n_ubatch][head_dim] */
     /* activations for one ubatch */
     float *x;                /* residual stream [n_ubatch][n_embd] */
     float *xb;               /* normalised rows [n_ubatch][max(n_embd, n_ff)] */

@@ -16,8 +16,9 @@
  * The matmuls go through the kernels' contract (kernels.h): activations are quantized to the
  * weight type's act_type, then se_matmul computes a range of output rows for every token.
  *
- * KV cache: f32, laid out [layer][kv head][position][head dim] so that the keys (and values) one
- * head attends over are contiguous. f32 keeps the attention exact and simple; f16 (half the bytes
+ * KV cache: f32, per layer and kv head, so that the keys (and values) one head attends over are
+ * contiguous; attention.c owns the layout (keys in transposed tiles of 16 positions, values in
+ * rows) and the attention kernel. f32 keeps the attention exact and simple; f16 (half the bytes
  * per position) is a later option.
  */
 #define _GNU_SOURCE
@@ -250,9 +251,10 @@ se_context *se_context_new(const se_model *m, const se_context_params *cp_in) {
     c->m = m;
     c->cp = cp;
     int ok = 1;
-    size_t kv = (size_t)hp->n_layer * hp->n_head_kv * (size_t)cp.n_ctx * hp->head_dim;
+    size_t kv = (size_t)hp->n_layer * hp->n_head_kv * (size_t)se_kv_positions(cp.n_ctx) * hp->head_dim;
     c->k_cache = xalloc(kv * sizeof(float), &ok);
     c->v_cache = xalloc(kv * sizeof(float), &ok);
+    c->k_new = xalloc((size_t)(U * hp->n_head_kv * hp->head_dim) * sizeof(float), &ok);
     c->tokens = xalloc((size_t)cp.n_ctx * sizeof(int32_t), &ok);
     c->x = xalloc((size_t)(U * E) * sizeof(float), &ok);
     c->xb = xalloc((size_t)(U * kmax) * sizeof(float), &ok);
@@ -272,8 +274,6 @@ se_context *se_context_new(const se_model *m, const se_context_params *cp_in) {
     c->ts = calloc((size_t)n_thr, sizeof *c->ts);
     if (!c->ts) ok = 0;
     for (int i = 0; ok && i < n_thr; i++) {
-        int group = hp->n_head / hp->n_head_kv;
-        c->ts[i].scores = xalloc((size_t)cp.n_ctx * (size_t)(group < 16 ? group : 16) * sizeof(float), &ok);
         c->ts[i].norm = xalloc((size_t)(SE_PRIVATE_TOKENS * kmax) * sizeof(float), &ok);
         for (int j = 0; j < 3; j++) c->ts[i].act[j] = xalloc(act_row * SE_PRIVATE_TOKENS, &ok);
     }
@@ -293,13 +293,12 @@ void se_context_free(se_context *c) {
     int n_thr = c->cp.n_threads > c->cp.n_threads_batch ? c->cp.n_threads : c->cp.n_threads_batch;
     if (c->ts) {
         for (int i = 0; i < n_thr; i++) {
-            free(c->ts[i].scores);
             free(c->ts[i].norm);
             for (int j = 0; j < 3; j++) free(c->ts[i].act[j]);
         }
         free(c->ts);
     }
-    free(c->k_cache); free(c->v_cache); free(c->tokens);
+    free(c->k_cache); free(c->v_cache); free(c->k_new); free(c->tokens);
     free(c->x); free(c->xb); free(c->q); free(c->att); free(c->tmp); free(c->hb); free(c->hb2);
     free(c->rope);
     for (int j = 0; j < 3; j++) free(c->act[j]);
@@ -432,12 +431,6 @@ static const float *rope_row(const se_context *c, int idx, int t) {
     return c->rope + ((size_t)idx * c->cp.n_ubatch + (size_t)t) * hp->n_rot;
 }
 
-/* Key (or value) cache row of layer il, kv head h, position p. */
-static float *kv_row(const se_context *c, float *cache, int il, int h, int64_t p) {
-    const se_hparams *hp = &c->m->hp;
-    return cache + (((size_t)il * hp->n_head_kv + h) * c->cp.n_ctx + (size_t)p) * hp->head_dim;
-}
-
 /* Token embeddings and rope tables for this thread's share of the ubatch, then a barrier. */
 void se_forward_prologue(se_context *c, int ith, int nth) {
     const se_model *m = c->m;
@@ -459,8 +452,8 @@ void se_forward_prologue(se_context *c, int ith, int nth) {
 }
 
 /* Q, K and V projections of layer il, split across threads by whole heads, so that each thread
- * can finish its heads at once: Q heads are roped in place; K heads are written straight into the
- * cache at their positions and roped there; V heads go straight into the cache. Then a barrier. */
+ * can finish its heads at once: Q heads are roped in place; K heads are roped in c->k_new, then
+ * stored into the cache's key tiles; V heads go straight into the cache. Then a barrier. */
 void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
     const se_hparams *hp = &c->m->hp;
     const se_layer *L = &c->m->layers[il];
@@ -482,12 +475,13 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
             }
         }
     }
-    /* K and V heads: one call per head, the output rows landing in the cache (row stride hd) */
+    /* K and V heads: one call per head, the output rows (row stride hd) landing in c->k_new for K,
+     * in the cache for V */
     for (int64_t u = max64(u0, H); u < u1; u++) {
         int is_k = u < H + HKV;
         int h = (int)(is_k ? u - H : u - H - HKV);
         const se_tensor *W = &L->t[is_k ? SE_T_ATTN_K : SE_T_ATTN_V];
-        float *dst = kv_row(c, is_k ? c->k_cache : c->v_cache, il, h, c->ub_pos);
+        float *dst = is_k ? c->k_new + (size_t)h * c->cp.n_ubatch * hd : se_kv_value_row(c, il, h, c->ub_pos);
         /* rows [h*hd, (h+1)*hd) of W, addressed as rows [0, hd) of the sub-matrix */
         se_tensor sub = *W;
         sub.data = (const char *)W->data + (size_t)h * hd * W->row_size;
@@ -499,106 +493,8 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
                 if (kn) se_rmsnorm(k, k, kn, hd, hp->norm_eps);
                 rope_apply(k, rope_row(c, L->rope_idx, t), hp->n_rot, hp->rope_type);
             }
+            se_kv_store_keys(c, il, h, c->ub_pos, n, dst);
         }
-    }
-    se_pool_barrier(c->pool);
-}
-
-/* The attention loops are compiled for several x86 levels and the best one is picked when the
- * library loads (GCC's target_clones): the package is built with portable flags, and these loops
- * are a third of a long prompt's time. Vectors of 8 floats (GCC vector extensions) are one AVX
- * register, or two SSE ones on the portable path. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SE_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SE_MULTIVERSION
-#endif
-
-typedef float se_v8 __attribute__((vector_size(32), aligned(4), may_alias)); /* unaligned loads */
-
-#define SE_ATT_MAX_GROUP 16 /* query heads handled in one pass over the keys */
-
-/* softmax(q.K * scale) V for the g query heads q[j*hd..] that share one kv head, over key
- * positions [p0, p1); s holds g rows of scores (stride ns), out g rows of hd (stride ldo).
- * Each key and value row is read once for all g heads. */
-SE_MULTIVERSION
-static void attend_group(const float *q, int g, const float *kc, const float *vc, int hd, int64_t p0,
-                         int64_t p1, float scale, float *s, int64_t ns, float *out, int64_t ldo) {
-    int vec = hd % 8 == 0;
-    for (int64_t p = p0; p < p1; p++) {
-        const float *k = kc + p * hd;
-        for (int j = 0; j < g; j++) {
-            const float *qj = q + (int64_t)j * hd;
-            float d = 0;
-            if (vec) {
-                se_v8 a0 = {0}, a1 = {0};
-                int i = 0;
-                for (; i + 16 <= hd; i += 16) {
-                    a0 += *(const se_v8 *)(qj + i) * *(const se_v8 *)(k + i);
-                    a1 += *(const se_v8 *)(qj + i + 8) * *(const se_v8 *)(k + i + 8);
-                }
-                if (i < hd) a0 += *(const se_v8 *)(qj + i) * *(const se_v8 *)(k + i);
-                a0 += a1;
-                d = ((a0[0] + a0[4]) + (a0[1] + a0[5])) + ((a0[2] + a0[6]) + (a0[3] + a0[7]));
-            } else {
-                for (int i = 0; i < hd; i++) d += qj[i] * k[i];
-            }
-            s[j * ns + p] = d * scale;
-        }
-    }
-    float inv[SE_ATT_MAX_GROUP];
-    for (int j = 0; j < g; j++) {
-        float *sj = s + j * ns, mx = -INFINITY;
-        for (int64_t p = p0; p < p1; p++) mx = sj[p] > mx ? sj[p] : mx;
-        double sum = 0;
-        for (int64_t p = p0; p < p1; p++) {
-            sj[p] = expf(sj[p] - mx);
-            sum += sj[p];
-        }
-        inv[j] = (float)(1.0 / sum);
-        for (int i = 0; i < hd; i++) out[j * ldo + i] = 0;
-    }
-    for (int64_t p = p0; p < p1; p++) {
-        const float *v = vc + p * hd;
-        for (int j = 0; j < g; j++) {
-            float w = s[j * ns + p] * inv[j];
-            float *o = out + j * ldo;
-            if (vec) {
-                se_v8 wv = {w, w, w, w, w, w, w, w};
-                for (int i = 0; i < hd; i += 8) *(se_v8 *)(o + i) += wv * *(const se_v8 *)(v + i);
-            } else {
-                for (int i = 0; i < hd; i++) o[i] += w * v[i];
-            }
-        }
-    }
-}
-
-/* The number of query heads attended together: all those of a kv head for batches (fewer passes
- * over the keys), one for a few tokens (so that both threads get an equal share of 9 heads). */
-static int attention_group(const se_context *c, int nth) {
-    const se_hparams *hp = &c->m->hp;
-    int group = hp->n_head / hp->n_head_kv;
-    if (c->ub_n < 4 * nth || group > SE_ATT_MAX_GROUP) return 1;
-    return group;
-}
-
-/* Attention of every (token, group of heads) of the ubatch, dealt round-robin to the threads
- * (later tokens see more keys, so contiguous shares would be unequal). Then a barrier. */
-void se_forward_attention(se_context *c, int il, int ith, int nth) {
-    const se_hparams *hp = &c->m->hp;
-    const se_layer *L = &c->m->layers[il];
-    int H = hp->n_head, hd = hp->head_dim, group = hp->n_head / hp->n_head_kv;
-    int G = attention_group(c, nth), per_tok = H / G;
-    int64_t Dq = (int64_t)H * hd;
-    float *s = c->ts[ith].scores;
-    for (int64_t i = ith; i < (int64_t)c->ub_n * per_tok; i += nth) {
-        int t = (int)(i / per_tok), h = (int)(i % per_tok) * G;
-        int64_t pos = c->ub_pos + t;
-        int64_t p0 = 0;
-        if (L->sliding_window > 0) p0 = max64(0, pos - L->sliding_window + 1);
-        attend_group(c->q + t * Dq + (int64_t)h * hd, G, kv_row(c, c->k_cache, il, h / group, 0),
-                     kv_row(c, c->v_cache, il, h / group, 0), hd, p0, pos + 1, hp->attn_scale, s,
-                     c->cp.n_ctx, c->att + t * Dq + (int64_t)h * hd, hd);
     }
     se_pool_barrier(c->pool);
 }

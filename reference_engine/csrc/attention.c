@@ -1,0 +1,188 @@
+/* Attention: softmax(q.K * scale) V for every query head of a ubatch, over the KV cache; and the
+ * KV cache's layout, which only this file knows (se_forward_qkv stores through se_kv_*).
+ *
+ * The cache is f32. Per layer and kv head:
+ *   keys    in tiles of 16 positions, each tile transposed: [position / 16][head dim][16];
+ *   values  a row per position: [position][head dim].
+ * A key tile puts dimension d of 16 keys side by side, so the scores of one query against 16 keys
+ * are one vector: the sum over d of q[d] * (row d of the tile), with no horizontal sum per score.
+ * Values are used the other way round (out += p * v, along the head dim), so rows suit them.
+ *
+ * Queries are attended in blocks of up to 4 rows (query heads that share a kv head, of one token
+ * or of a few), so that every key tile and value row loaded serves all the rows of the block.
+ * The softmax is online (flash attention): per row a running max, a running sum and the output
+ * row, rescaled when a tile raises the max; so no buffer of scores as long as the context.
+ */
+#define SE_ENGINE_INTERNAL
+#include "blocks.h"
+#include "kernels.h"
+
+#include <math.h>
+#include <string.h>
+
+#define TILE 16 /* positions per key tile; one score vector */
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* ---------------------------------------------------------------------------------------------
+ * The cache's layout
+ */
+
+int64_t se_kv_positions(int64_t n_ctx) { return (n_ctx + TILE - 1) / TILE * TILE; }
+
+/* The keys (or values) of layer il, kv head h. */
+static float *kv_head(const se_context *c, float *cache, int il, int h) {
+    const se_hparams *hp = &c->m->hp;
+    size_t head = (size_t)il * hp->n_head_kv + (size_t)h;
+    return cache + head * (size_t)se_kv_positions(c->cp.n_ctx) * (size_t)hp->head_dim;
+}
+
+float *se_kv_value_row(const se_context *c, int il, int h, int64_t p) {
+    return kv_head(c, c->v_cache, il, h) + p * c->m->hp.head_dim;
+}
+
+void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const float *k) {
+    int hd = c->m->hp.head_dim;
+    float *kc = kv_head(c, c->k_cache, il, h);
+    for (int t = 0; t < n; t++) {
+        int64_t p = p0 + t;
+        float *tile = kc + p / TILE * TILE * hd;
+        for (int d = 0; d < hd; d++) tile[d * TILE + p % TILE] = k[(int64_t)t * hd + d];
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The kernel (attention_kernel.h), once per SIMD level: the level the matmul kernels use
+ * (kernels.c chooses it from the CPU, or INFER_REF_ISA), so the portable path is tested the same
+ * way. Only these functions are compiled for AVX2 or AVX-512 (by the pragmas): the library is
+ * built with portable flags. Multiplies and adds may fuse (FMA) here: -std=c11 turns that off.
+ */
+
+/* One query row: what it reads and writes, and the key positions [lo, hi) it sees. */
+typedef struct {
+    const float *q;
+    float *out;
+    int64_t lo, hi;
+} att_row;
+
+typedef void (*attend_fn)(const att_row *rows, int n, const float *kc, const float *vc, int hd, float scale);
+
+#define SE_INLINE static inline __attribute__((always_inline))
+#define ATT_CAT(a, b) a##b
+
+#pragma GCC optimize("fp-contract=fast")
+#pragma GCC diagnostic ignored "-Wpsabi" /* wide vectors returned from inlined helpers: see the kernel */
+
+#define ATT_VL 4
+#define ATT_IOTA {0, 1, 2, 3}
+#define ATT_ROWS 2
+#define ATT_NAME(x) ATT_CAT(x, _portable)
+#include "attention_kernel.h"
+#undef ATT_VL
+#undef ATT_IOTA
+#undef ATT_ROWS
+#undef ATT_NAME
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define ATT_VL 8
+#define ATT_IOTA {0, 1, 2, 3, 4, 5, 6, 7}
+#define ATT_ROWS 4
+#define ATT_NAME(x) ATT_CAT(x, _avx2)
+#include "attention_kernel.h"
+#undef ATT_VL
+#undef ATT_IOTA
+#undef ATT_ROWS
+#undef ATT_NAME
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f")
+#define ATT_VL 16
+#define ATT_IOTA {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#define ATT_ROWS 4
+#define ATT_NAME(x) ATT_CAT(x, _avx512)
+#include "attention_kernel.h"
+#undef ATT_VL
+#undef ATT_IOTA
+#undef ATT_ROWS
+#undef ATT_NAME
+#pragma GCC pop_options
+#endif
+
+static attend_fn attend_kernel(void) {
+    const char *isa = se_isa_name();
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (!strcmp(isa, "avx512")) return attend_rows_avx512;
+    if (!strcmp(isa, "avx2")) return attend_rows_avx2;
+#endif
+    (void)isa;
+    return attend_rows_portable;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The block
+ */
+
+#define ATT_TOKENS 4     /* tokens per work item in a batch */
+#define ATT_MAX_GROUP 16 /* query heads per work item at most */
+
+/* How the (token, query head) rows are dealt out: as work items of T tokens x g query heads of one
+ * kv head. Batches: 4 tokens x all the heads of a kv head (4 rows a block even for SmolLM's 3).
+ * A few tokens: one token, and g the largest divisor of the group that gives every thread the
+ * same number of items (Gemma's 4 heads: 2 + 2 on 2 threads), else single heads (SmolLM's 9 heads:
+ * 5 + 4, better than its kv groups of 3 as 2 + 1). */
+static void attention_split(const se_context *c, int nth, int *T, int *g) {
+    const se_hparams *hp = &c->m->hp;
+    int group = hp->n_head / hp->n_head_kv;
+    *T = 1;
+    *g = 1;
+    if (group > ATT_MAX_GROUP) return;
+    if (c->ub_n >= 4 * nth) {
+        *T = ATT_TOKENS;
+        *g = group;
+        return;
+    }
+    for (int d = group; d > 1; d--)
+        if (group % d == 0 && (int64_t)c->ub_n * (hp->n_head / d) % nth == 0) {
+            *g = d;
+            return;
+        }
+}
+
+/* Attention of every (token, query head) of the ubatch, in work items dealt to the threads: in
+ * batches round-robin (later tokens see more keys, so contiguous shares would be unequal); for a
+ * few tokens in contiguous shares, which put a thread's heads on fewer kv heads, so that it reads
+ * less of the cache. Then a barrier. */
+void se_forward_attention(se_context *c, int il, int ith, int nth) {
+    const se_hparams *hp = &c->m->hp;
+    const se_layer *L = &c->m->layers[il];
+    int H = hp->n_head, hd = hp->head_dim, group = H / hp->n_head_kv, T, g;
+    attention_split(c, nth, &T, &g);
+    int64_t Dq = (int64_t)H * hd, per_chunk = H / g, n_items = (c->ub_n + T - 1) / T * per_chunk;
+    att_row rows[ATT_TOKENS * ATT_MAX_GROUP];
+    attend_fn attend = attend_kernel();
+    int64_t i0 = ith, i1 = n_items, step = nth;
+    if (T == 1) {
+        se_split(n_items, ith, nth, 1, &i0, &i1);
+        step = 1;
+    }
+    for (int64_t i = i0; i < i1; i += step) {
+        int t0 = (int)(i / per_chunk) * T, h0 = (int)(i % per_chunk) * g, kvh = h0 / group, n = 0;
+        for (int t = t0; t < t0 + T && t < c->ub_n; t++) {
+            int64_t pos = c->ub_pos + t;
+            for (int h = h0; h < h0 + g; h++) {
+                rows[n].q = c->q + t * Dq + (int64_t)h * hd;
+                rows[n].out = c->att + t * Dq + (int64_t)h * hd;
+                rows[n].lo = L->sliding_window > 0 ? max64(0, pos - L->sliding_window + 1) : 0;
+                rows[n].hi = pos + 1;
+                n++;
+            }
+        }
+        attend(rows, n, kv_head(c, c->k_cache, il, kvh), kv_head(c, c->v_cache, il, kvh), hd,
+               hp->attn_scale);
+    }
+    se_pool_barrier(c->pool);
+}
