@@ -174,9 +174,7 @@ class _Traits(ctypes.Structure):  # kernels.h se_type_traits
 
 def _traits(type_id: int) -> _Traits | None:
     p = api().se_traits(type_id)
-    # kernels.py declares se_traits on the same CDLL as returning a _Traits pointer: whichever
-    # module declared it last decides what comes back, so take either
-    return ctypes.cast(p, ctypes.POINTER(_Traits)).contents if p else None
+    return _Traits.from_address(p) if p else None
 
 
 def type_supported(type_id: int) -> bool:

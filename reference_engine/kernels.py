@@ -74,9 +74,7 @@ def traits(t: int | str) -> _Traits:
     p = _core().se_traits(type_id(t))
     if not p:
         raise ValueError(f"unknown tensor type {t!r}")
-    # core.py declares se_traits on the same CDLL as returning a void pointer: whichever module
-    # declared it last decides what comes back, so take either
-    return ctypes.cast(p, ctypes.POINTER(_Traits)).contents
+    return p.contents
 
 
 def row_size(t: int | str, n: int) -> int:
