@@ -63,20 +63,30 @@ def _loadavg() -> str:
         return "unknown"
 
 
+# Run in the child: infer-bench, then its peak resident set on stderr. VmHWM belongs to the
+# address space that exec made, so unlike ru_maxrss it does not count the pages the child
+# shared with this (large) process between fork and exec.
+_PEAK_PROBE = """
+import atexit, runpy, sys
+def report():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            sys.stderr.write("peak-rss-kib " + line.split()[1] + "\\n")
+atexit.register(report)
+sys.argv[0] = "infer-bench"
+runpy.run_module("stdengine.bench.cli", run_name="__main__")
+"""
+
+
 def peak_rss_mb(model: str, engine: str, threads: int) -> float:
-    """Peak resident set, in MiB, of one infer-bench process running pp512 and tg128 once."""
-    cmd = [sys.executable, "-m", "stdengine.bench.cli", "-m", model, "-e", engine, "-p", "512", "-n", "128"]
-    cmd += ["-r", "1", "-t", str(threads), "-o", "jsonl"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    stderr = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage, not all children's
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise RuntimeError(
-            f"{' '.join(cmd)} exited {proc.returncode}: {stderr.decode(errors='replace').strip()}"
-        )
-    return usage.ru_maxrss / 1024  # Linux reports KiB
+    """Peak resident set, in MiB, of one infer-bench process running pp512 and tg128 once (Linux)."""
+    args = ["-m", model, "-e", engine, "-p", "512", "-n", "128", "-r", "1", "-t", str(threads), "-o", "jsonl"]
+    cmd = [sys.executable, "-c", _PEAK_PROBE, *args]
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    peaks = [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("peak-rss-kib ")]
+    if proc.returncode or not peaks:
+        raise RuntimeError(f"infer-bench {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()}")
+    return int(peaks[-1]) / 1024
 
 
 def _ints(text: str) -> list[int]:
