@@ -15,6 +15,7 @@ core = Extension(
     "stdengine.reference._core",
     sources=sorted(str(p) for p in CSRC.glob("*.c")),
     include_dirs=[str(CSRC)],
+    depends=sorted(str(p) for p in CSRC.glob("*.h")),  # an edited header rebuilds the sources
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-fno-math-errno", "-pthread"],
     extra_link_args=["-pthread", "-lm"],
 )

@@ -64,6 +64,7 @@ int se_set_isa(const char *isa);
  * scalar_traits (which also names its act_type); that is enough for se_matmul, on every path.
  * SIMD is optional: a dot and a tile in kernels_avx2.c / kernels_avx512.c, one entry in their
  * table, and tests/test_kernels.py runs it against gguf on every path by adding the type there.
+ * So is the prompt GEMM (kernels_avx512.c): the type's panel shape and how to unpack its rows.
  *
  * ggml's block layouts (little-endian, fp16 stored as raw bits): */
 #define SE_QK 32    /* elements per block of the legacy types */

@@ -4,8 +4,9 @@
  * Integer products use vpdpbusd (u8 x s8 -> s32, no saturation). Weights go in the u8 operand:
  * unsigned ones (q4_1, q5_1, the K-quants' q) as they are, signed ones (q4_0, q5_0, q8_0) plus
  * an offset that is taken back through the activations' sums. Each kernel is a tile of weight rows x activation
- * rows: 4 x 1 for generation (rows share the activation loads), 2 x 4 for prompts (a weight
- * block is unpacked once for 4 tokens).
+ * rows: 4 x 1 for generation (rows share the activation loads), 2 x 4 for short batches (a weight
+ * block is unpacked once for 4 tokens). Batches of SE_GEMM_MIN_TOKENS or more take the GEMM on
+ * int8 panels (below).
  */
 #define SE_KERNELS_INTERNAL
 #include "kernels.h"
