@@ -113,21 +113,22 @@ float se_fp16_to_fp32(uint16_t h);
 uint16_t se_fp32_to_fp16(float f);
 void se_get_scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *m);
 
-/* Instances for the ISA files: with CALL defined as one kernel call on a constant type (TYPE) and
- * tile shape (nr rows x nc tokens), TILE_N(name) makes tile_name for every shape up to 4x4 that
- * the kernels use, TILE_1(name) for one row only, and DOT(name) the 1x1 dot from the tile. */
-#define SHAPE(R, C) case R * 8 + C: { const int nr = R, nc = C; CALL; break; }
-#define TILE_1(name)                                                                               \
+/* Instances for the ISA files: with CALL(TYPE) defined as one kernel call on a constant type and
+ * tile shape (nr rows x nc tokens), TILE_N(name, TYPE) makes tile_name for every shape up to 4x4
+ * that the kernels use, TILE_1(name, TYPE) for one row only, and DOT(name) the 1x1 dot from the
+ * tile. */
+#define SHAPE(T, R, C) case R * 8 + C: { const int nr = R, nc = C; CALL(T); break; }
+#define TILE_1(name, T)                                                                            \
     static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
                             int nc_, float *out) {                                                 \
-        switch (nr_ * 8 + nc_) { SHAPE(1, 1) SHAPE(1, 2) SHAPE(1, 3) default: SHAPE(1, 4) }        \
+        switch (nr_ * 8 + nc_) { SHAPE(T, 1, 1) SHAPE(T, 1, 2) SHAPE(T, 1, 3) default: SHAPE(T, 1, 4) } \
     }
-#define TILE_N(name)                                                                               \
+#define TILE_N(name, T)                                                                            \
     static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
                             int nc_, float *out) {                                                 \
         switch (nr_ * 8 + nc_) {                                                                   \
-        SHAPE(1, 1) SHAPE(1, 2) SHAPE(1, 3) SHAPE(1, 4) SHAPE(2, 1) SHAPE(2, 2) SHAPE(2, 3)        \
-        SHAPE(2, 4) SHAPE(3, 1) default: SHAPE(4, 1)                                               \
+        SHAPE(T, 1, 1) SHAPE(T, 1, 2) SHAPE(T, 1, 3) SHAPE(T, 1, 4) SHAPE(T, 2, 1) SHAPE(T, 2, 2)  \
+        SHAPE(T, 2, 3) SHAPE(T, 2, 4) SHAPE(T, 3, 1) default: SHAPE(T, 4, 1)                       \
         }                                                                                          \
     }
 #define DOT(name)                                                                                  \

@@ -620,44 +620,24 @@ GEMM(q4_K, SE_Q4_K) GEMM(q5_K, SE_Q5_K) GEMM(q6_K, SE_Q6_K)
  * Each kernel is inlined with a constant type and tile shape, so the loops over rows and tokens
  * unroll and the accumulators stay in registers. */
 
-#define CALL legacy_tile(TYPE, n, w, wr, nr, a, as, nc, out)
-#define TYPE SE_Q4_0
-TILE_N(q4_0) DOT(q4_0)
-#undef TYPE
-#define TYPE SE_Q4_1
-TILE_N(q4_1) DOT(q4_1)
-#undef TYPE
-#define TYPE SE_Q5_0
-TILE_N(q5_0) DOT(q5_0)
-#undef TYPE
-#define TYPE SE_Q5_1
-TILE_N(q5_1) DOT(q5_1)
-#undef TYPE
-#define TYPE SE_Q8_0
-TILE_N(q8_0) DOT(q8_0)
-#undef TYPE
+#define CALL(TYPE) legacy_tile(TYPE, n, w, wr, nr, a, as, nc, out)
+TILE_N(q4_0, SE_Q4_0) DOT(q4_0)
+TILE_N(q4_1, SE_Q4_1) DOT(q4_1)
+TILE_N(q5_0, SE_Q5_0) DOT(q5_0)
+TILE_N(q5_1, SE_Q5_1) DOT(q5_1)
+TILE_N(q8_0, SE_Q8_0) DOT(q8_0)
 #undef CALL
-#define CALL float_tile(TYPE, n, w, wr, nr, a, as, nc, out)
-#define TYPE SE_F32
-TILE_N(f32) DOT(f32)
-#undef TYPE
-#define TYPE SE_F16
-TILE_N(f16) DOT(f16)
-#undef TYPE
-#define TYPE SE_BF16
-TILE_N(bf16) DOT(bf16)
-#undef TYPE
+#define CALL(TYPE) float_tile(TYPE, n, w, wr, nr, a, as, nc, out)
+TILE_N(f32, SE_F32) DOT(f32)
+TILE_N(f16, SE_F16) DOT(f16)
+TILE_N(bf16, SE_BF16) DOT(bf16)
 #undef CALL
-#define CALL ((void)wr, (void)nr, q45_K_dotx(TYPE == SE_Q5_K, n, w, a, as, nc, out))
-#define TYPE SE_Q4_K
-TILE_1(q4_K) DOT(q4_K)
-#undef TYPE
-#define TYPE SE_Q5_K
-TILE_1(q5_K) DOT(q5_K)
-#undef TYPE
+#define CALL(TYPE) ((void)wr, (void)nr, q45_K_dotx(TYPE == SE_Q5_K, n, w, a, as, nc, out))
+TILE_1(q4_K, SE_Q4_K) DOT(q4_K)
+TILE_1(q5_K, SE_Q5_K) DOT(q5_K)
 #undef CALL
-#define CALL ((void)wr, (void)nr, q6_K_dotx(n, w, a, as, nc, out))
-TILE_1(q6_K) DOT(q6_K)
+#define CALL(TYPE) ((void)wr, (void)nr, q6_K_dotx(n, w, a, as, nc, out))
+TILE_1(q6_K, SE_Q6_K) DOT(q6_K)
 #undef CALL
 
 #define K(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp, NULL, NULL }
