@@ -13,6 +13,7 @@
 #define vfu ATT_NAME(vfu)
 #define NV (TILE / ATT_VL) /* vectors per key tile */
 #define ACC 8              /* independent sums in flight: hides the latency of each add */
+#define W (ACC / (ATT_ROWS * NV) > 1 ? ACC / (ATT_ROWS * NV) : 1) /* partial sums per score */
 
 typedef float vf __attribute__((vector_size(4 * ATT_VL)));
 typedef int32_t vi __attribute__((vector_size(4 * ATT_VL)));
@@ -78,11 +79,12 @@ SE_INLINE void ATT_NAME(pv)(float *const *out, const int nr, const int cw, int c
 }
 
 /* Attends nr rows (a constant 1..ATT_ROWS once inlined) over one kv head: key tiles kc, value
- * rows vc. A row with fewer than ACC sums of its own (a lone decode row) splits its dot products
- * over several: w sums, each over every w-th dimension. */
+ * rows vc. Each score is W sums, each over every W-th dimension, added in order: W is one number
+ * per SIMD level, whatever nr, so that a row's scores (and so its output) do not depend on the
+ * rows beside it in the block, which depend on the batch and the thread count. */
 SE_INLINE void ATT_NAME(block)(const att_row *rw, const int nr, const float *kc, const float *vc,
                                int hd, float scale) {
-    const int w = nr * NV >= ACC ? 1 : ACC / (nr * NV), cw = nr >= ACC ? 1 : ACC / nr;
+    const int w = W, cw = nr >= ACC ? 1 : ACC / nr;
     const float *q[ATT_ROWS];
     float *out[ATT_ROWS], m[ATT_ROWS], corr[ATT_ROWS], p[ATT_ROWS][TILE];
     vf l[ATT_ROWS];
@@ -186,6 +188,7 @@ static void ATT_NAME(attend_rows)(const att_row *rows, int n, const float *kc, c
 #undef vfu
 #undef NV
 #undef ACC
+#undef W
 #undef LOAD
 #undef STORE
 #undef SELECT

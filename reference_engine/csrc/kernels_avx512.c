@@ -3,10 +3,25 @@
  *
  * Integer products use vpdpbusd (u8 x s8 -> s32, no saturation). Weights go in the u8 operand:
  * unsigned ones (q4_1, q5_1, the K-quants' q) as they are, signed ones (q4_0, q5_0, q8_0) plus
- * an offset that is taken back through the activations' sums. Each kernel is a tile of weight rows x activation
- * rows: 4 x 1 for generation (rows share the activation loads), 2 x 4 for short batches (a weight
- * block is unpacked once for 4 tokens). Batches of SE_GEMM_MIN_TOKENS or more take the GEMM on
- * int8 panels (below).
+ * an offset that is taken back through the activations' sums. Each kernel is a tile of weight
+ * rows x activation rows: 4 x 1 for generation, 2 x 4 for short batches (a weight block is
+ * unpacked once for 4 tokens). Batches of SE_GEMM_MIN_TOKENS or more take the GEMM on int8
+ * panels (below).
+ *
+ * The summation order. Every quantized kernel here (tiles, the dots made from them, the GEMM)
+ * adds a row's products in one order, so that an output's bits depend on its weight row and
+ * activation row alone: never on the tile, the batch, the thread's row range or the path.
+ *   - A scale block b (32 quants; 16 for Q6_K) gives an exact integer isum_b (offset corrections
+ *     included), its scale D_b = wd_b * ad_b (one float multiply of the weight's and the
+ *     activation's scale) and, for the types with a min, M_b and S_b.
+ *   - Block b goes to float lane p of 16, where LANE32[p] (LANE16[p] for Q6_K) == b % 16; a
+ *     lane takes its blocks in increasing order: lane = fma(isum_b, D_b, lane), then
+ *     lane = fma(M_b, S_b, lane).
+ *   - The 16 lanes are added in hsum16's tree.
+ * The tiles hold quants in vector lanes: per group of 16 blocks they reduce the integer sums to
+ * one vector whose lane p is block LANE[p] (blocks16_*), then take one fma per group. The GEMM
+ * holds rows in lanes: it runs the 16 lane chains one after another and adds them in the tree.
+ * Blocks past a row's end get zero scales: their fma adds an exact zero.
  */
 #define SE_KERNELS_INTERNAL
 #include "kernels.h"
@@ -93,77 +108,6 @@ static int legacy_size(int type) {
     }
 }
 
-/* [d, m] of 4 blocks as fp16 pairs -> 8 floats. Reading 4 bytes from a block's start gives d and
- * the next field: m (or s) for the _1 types, the first quants otherwise (junk, never used). */
-INLINE __m256 scales4(const uint8_t *b, int size, int cnt) {
-    const uint8_t *last = b + (cnt - 1) * size; /* blocks past the row's end re-read its last block */
-    return _mm256_cvtph_ps(_mm_setr_epi32((int)ld32(b), (int)ld32(cnt > 1 ? b + size : last),
-                                          (int)ld32(cnt > 2 ? b + 2 * size : last),
-                                          (int)ld32(cnt > 3 ? b + 3 * size : last)));
-}
-
-/* nr weight rows (stride wr) x nc activation rows (stride as) -> out[r * nc + c]; nr * nc <= 8.
- * Weights go into vpdpbusd's u8 operand as stored plus an offset (8, 16 or 128 for the signed
- * types); the offset's share, offset * sum(a), starts each accumulation, so it is computed once
- * per activation block rather than once per row. Four blocks per step (two vpdpbusd of two blocks each), so that the fp16 scales of both
- * operands convert in one instruction each. A short last step re-reads the row's last block
- * and gives the extra copies a zero scale. Several rows per call (token generation) share the
- * activation loads and spread the final reductions; several tokens (prompts) share the unpacking. */
-INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
-                        int nc, float *out) {
-    const int is1 = type == SE_Q4_1 || type == SE_Q5_1; /* has a min; activations are Q8_1 */
-    const int ws = legacy_size(type), asz = is1 ? 36 : 34, aq = is1 ? 4 : 2;
-    const int64_t nb = n / 32;
-    const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-    const __m512i hi = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
-    const __m512i zero = _mm512_setzero_si512();
-    /* One accumulator per output, so that a 2 x 4 tile fits in 32 registers. Every output takes
-     * the same operations in the same order whatever the tile, so a token's results do not
-     * depend on the batch around it. */
-    __m512 acc[8];
-    for (int k = 0; k < nr * nc; k++) acc[k] = _mm512_setzero_ps();
-
-    for (int64_t i = 0; i < nb; i += 4) {
-        const int cnt = nb - i < 4 ? (int)(nb - i) : 4;
-        const __mmask8 valid = (__mmask8)((1u << (2 * cnt)) - 1);
-        __m512i q0[4], q1[4];
-        __m256 wd[4];
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *x = w + r * wr + i * ws, *xl = x + (cnt - 1) * ws;
-            q0[r] = unpack2(type, x, cnt > 1 ? x + ws : xl);
-            q1[r] = unpack2(type, cnt > 2 ? x + 2 * ws : xl, cnt > 3 ? x + 3 * ws : xl);
-            wd[r] = scales4(x, ws, cnt); /* [d0, m0, d1, m1, ...] */
-        }
-        for (int c = 0; c < nc; c++) {
-            const uint8_t *y = a + c * as + i * asz, *yl = y + (cnt - 1) * asz;
-            const __m512i a0 = load2x32(y + aq, (cnt > 1 ? y + asz : yl) + aq);
-            const __m512i a1 = load2x32((cnt > 2 ? y + 2 * asz : yl) + aq, (cnt > 3 ? y + 3 * asz : yl) + aq);
-            const __m256 ad = _mm256_maskz_mov_ps(valid, scales4(y, asz, cnt));
-            __m512i base0 = zero, base1 = zero; /* -offset * sum(a), 4 quants per lane */
-            if (offset(type)) {
-                const __m512i off = _mm512_set1_epi8((char)offset(type));
-                base0 = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, off, a0));
-                base1 = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, off, a1));
-            }
-            for (int r = 0; r < nr; r++) {
-                const int k = r * nc + c;
-                const __m512i p0 = _mm512_dpbusd_epi32(base0, q0[r], a0);
-                const __m512i p1 = _mm512_dpbusd_epi32(base1, q1[r], a1);
-                /* [d0*da0, m0*s0, d1*da1, m1*s1, ...], zero for the padding blocks */
-                __m256 s = _mm256_mul_ps(wd[r], ad);
-                __m512 s512 = _mm512_castps256_ps512(s);
-                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(lo, s512), acc[k]);
-                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(hi, s512), acc[k]);
-                if (is1) /* the min terms m*s (odd lanes of s) join the sum as they are */
-                    acc[k] = _mm512_mask_add_ps(acc[k], 0xAA, acc[k], s512);
-            }
-        }
-    }
-    int k = 0;
-    for (; k + 4 <= nr * nc; k += 4) hsum16x4(acc[k], acc[k + 1], acc[k + 2], acc[k + 3], out + k);
-    for (; k < nr * nc; k++) out[k] = hsum16(acc[k]);
-}
-
 /* ---------------------------------------------------------------- K-quants */
 
 /* The 8 six-bit scales and mins of a Q4_K/Q5_K super-block, as bytes (ggml's get_scale_min_k4
@@ -208,85 +152,189 @@ INLINE void unpack_q6_K(const se_blk_q6_K *x, __m512i q[4]) {
     }
 }
 
-/* Q4_K (qh == 0) and Q5_K: per super-block, 4 chunks of 64 quants; each chunk is two
- * sub-blocks of 32, so a vpdpbusd's lanes 0-7 take one scale and lanes 8-15 the next. */
-INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
-                       float *out) {
-    const int ws = q5 ? 176 : 144;
+/* ---------------------------------------------------------------- the summation order's helpers */
+
+/* Which block of a group of 16 each lane holds (see the summation order above). */
+static const int LANE32[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+static const int LANE16[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+/* Integer adds, so any order gives the same sums. pairsum: per 128-bit lane [x0+x2, y0+y2,
+ * x1+x3, y1+y3]; quadsum of pairsum(v0, v1) and pairsum(v2, v3): per 128-bit lane the sums of
+ * that lane's 4 elements of v0, v1, v2, v3. */
+INLINE __m512i pairsum(__m512i x, __m512i y) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y));
+}
+INLINE __m512i quadsum(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+/* 16 blocks of 32: v[k] holds block 2k in its lower 8 lanes, block 2k+1 in its upper 8. Returns
+ * the blocks' sums, lane p = block LANE32[p]. */
+INLINE __m512i blocks16_32(const __m512i v[8]) {
+    const __m512i b0 = quadsum(pairsum(v[0], v[1]), pairsum(v[2], v[3]));
+    const __m512i b1 = quadsum(pairsum(v[4], v[5]), pairsum(v[6], v[7]));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(b0, b1, 0x88), _mm512_shuffle_i32x4(b0, b1, 0xDD));
+}
+/* 16 blocks of 16: v[k] holds blocks 4k..4k+3, one per 128-bit lane; lane p = block LANE16[p]. */
+INLINE __m512i blocks16_16(const __m512i v[4]) { return quadsum(pairsum(v[0], v[1]), pairsum(v[2], v[3])); }
+
+/* The first 4 bytes of the legacy blocks of a group (block LANE32[p] in lane p, zero for the
+ * blocks at or past cnt): the fp16 d in each lane's low half, the next fp16 (m or s for the
+ * types with a min) in its high half. */
+INLINE __m512i heads16(const uint8_t *b, int size, int cnt) {
+    if (cnt == 16) {
+#define H(p) (int)ld32(b + LANE32[p] * size)
+        return _mm512_setr_epi32(H(0), H(1), H(2), H(3), H(4), H(5), H(6), H(7), H(8), H(9), H(10), H(11), H(12),
+                                 H(13), H(14), H(15));
+#undef H
+    }
+    uint32_t h[16];
+    for (int p = 0; p < 16; p++) h[p] = LANE32[p] < cnt ? ld32(b + LANE32[p] * size) : 0;
+    return _mm512_loadu_si512(h);
+}
+INLINE __m512 low_halves(__m512i h) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)); }
+INLINE __m512 high_halves(__m512i h) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16))); }
+
+/* 16 bytes (block order) -> 16 int32 in lane order */
+INLINE __m512i lanes_u8(__m128i v, const int *lane) {
+    return _mm512_permutexvar_epi32(_mm512_loadu_si512(lane), _mm512_cvtepu8_epi32(v));
+}
+
+/* The 16 lanes of nk outputs added in the tree, 4 at a time where possible. */
+INLINE void hsum_tiles(const __m512 *acc, int nk, float *out) {
+    int k = 0;
+    for (; k + 4 <= nk; k += 4) hsum16x4(acc[k], acc[k + 1], acc[k + 2], acc[k + 3], out + k);
+    for (; k < nk; k++) out[k] = hsum16(acc[k]);
+}
+
+/* ---------------------------------------------------------------- tiles */
+
+/* nr weight rows (stride wr) x nc activation rows (stride as) -> out[r * nc + c]; nr * nc <= 8.
+ * Per group of 16 blocks: the activations' quants are copied side by side (two blocks per vector)
+ * once for all rows, and for the signed types their offset correction -offset * sum(a) is
+ * reduced once per token; each row's 16 blocks are unpacked once for all tokens. */
+INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
+                        int nc, float *out) {
+    const int is1 = type == SE_Q4_1 || type == SE_Q5_1; /* has a min; activations are Q8_1 */
+    const int ws = legacy_size(type), asz = is1 ? 36 : 34, aq = is1 ? 4 : 2, off = offset(type);
+    const int64_t nb = n / 32;
     const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[8];
+    for (int k = 0; k < nr * nc; k++) acc[k] = _mm512_setzero_ps();
+
+    for (int64_t g = 0; g < nb; g += 16) {
+        const int cnt = nb - g < 16 ? (int)(nb - g) : 16, nv = (cnt + 1) / 2; /* vectors of two blocks */
+        __m512i aq2[4][8]; /* quants of blocks 2k, 2k+1 (a lone last block read twice) */
+        __m512i bias[4];
+        __m512 ad[4], asum[4];
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *y = a + c * as + g * asz;
+            for (int k = 0; k < 8; k++) {
+                const uint8_t *y0 = y + 2 * k * asz + aq;
+                aq2[c][k] = k < nv ? load2x32(y0, 2 * k + 1 < cnt ? y0 + asz : y0) : zero;
+            }
+            const __m512i h = heads16(y, asz, cnt);
+            ad[c] = low_halves(h);
+            asum[c] = is1 ? high_halves(h) : _mm512_setzero_ps();
+            bias[c] = zero;
+            if (off) {
+                __m512i s[8];
+                for (int k = 0; k < 8; k++) s[k] = _mm512_dpbusd_epi32(zero, _mm512_set1_epi8((char)off), aq2[c][k]);
+                bias[c] = _mm512_sub_epi32(zero, blocks16_32(s));
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *x = w + r * wr + g * ws;
+            __m512i q[8];
+            for (int k = 0; k < 8; k++) {
+                const uint8_t *x0 = x + 2 * k * ws;
+                q[k] = k < nv ? unpack2(type, x0, 2 * k + 1 < cnt ? x0 + ws : x0) : zero;
+            }
+            const __m512i h = heads16(x, ws, cnt);
+            const __m512 wd = low_halves(h), wm = high_halves(h);
+            for (int c = 0; c < nc; c++) {
+                __m512i p[8];
+                for (int k = 0; k < 8; k++) p[k] = _mm512_dpbusd_epi32(zero, q[k], aq2[c][k]);
+                const __m512i isum = _mm512_add_epi32(blocks16_32(p), bias[c]);
+                __m512 *o = &acc[r * nc + c];
+                *o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd, ad[c]), *o);
+                if (is1) *o = _mm512_fmadd_ps(wm, asum[c], *o);
+            }
+        }
+    }
+    hsum_tiles(acc, nr * nc, out);
+}
+
+/* Q4_K (q5 = 0) and Q5_K, one row x nc tokens: per group of two super-blocks (16 sub-blocks of
+ * 32), 8 vpdpbusd; the scales d*sc and mins -dmin*m are exact products, the mins' partner is
+ * S = d_a * (the sub-block's sum of activations, from the bsums). */
+INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    const int ws = q5 ? 176 : 144;
+    const int64_t nsb = n / 256;
+    const __m512i zero = _mm512_setzero_si512(), lane = _mm512_loadu_si512(LANE32);
     __m512 acc[4];
     for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
 
-    for (int64_t i = 0; i < n / 256; i++) {
-        const uint8_t *x = w + i * ws;
-        uint64_t sc8, mn8;
-        scales_mins_k4(x + 4, &sc8, &mn8);
-        const __m512i sc = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8));
-        const __m256i mn = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
-        const float d = h2f(x), dmin = h2f(x + 2);
-        __m512i q[4], sv[4];
-        unpack_q45_K(q5, x, q);
-        for (int j = 0; j < 4; j++) {
-            sv[j] = _mm512_permutexvar_epi32(_mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
-                                                               2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-                                                               2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1), sc);
-        }
+    for (int64_t g = 0; g < nsb; g += 2) {
+        const int two = g + 1 < nsb; /* a lone last super-block: the second half gets zero scales */
+        const uint8_t *xa = w + g * ws, *xb = two ? xa + ws : xa;
+        __m512i q[8];
+        unpack_q45_K(q5, xa, q);
+        unpack_q45_K(q5, xb, q + 4);
+        uint64_t sca, mna, scb, mnb;
+        scales_mins_k4(xa + 4, &sca, &mna);
+        scales_mins_k4(xb + 4, &scb, &mnb);
+        const __mmask16 half = two ? 0xffff : 0x00ff;
+        /* lanes 0-7 hold sub-blocks of the first super-block, lanes 8-15 of the second */
+        const __m512 d = _mm512_maskz_mov_ps(half, _mm512_insertf32x8(_mm512_set1_ps(h2f(xa)), _mm256_set1_ps(h2f(xb)), 1));
+        const __m512 dmin = _mm512_insertf32x8(_mm512_set1_ps(-h2f(xa + 2)), _mm256_set1_ps(-h2f(xb + 2)), 1);
+        const __m512 wd = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes_u8(_mm_set_epi64x((long long)scb, (long long)sca), LANE32)), d);
+        const __m512 wm = _mm512_maskz_mul_ps(half, dmin,
+                                              _mm512_cvtepi32_ps(lanes_u8(_mm_set_epi64x((long long)mnb, (long long)mna), LANE32)));
         for (int c = 0; c < nc; c++) {
-            const se_blk_q8_K *y = (const se_blk_q8_K *)(a + c * as) + i;
-            __m512i sumi = zero;
-            for (int j = 0; j < 4; j++) {
-                __m512i dp = _mm512_dpbusd_epi32(zero, q[j], _mm512_loadu_si512(y->qs + 64 * j));
-                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(dp, sv[j]));
-            }
-            /* mins: m_j * (sum of the 32 activations of sub-block j), from the bsums */
-            __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), _mm256_set1_epi16(1));
-            __m256i mins = _mm256_mullo_epi32(bs, mn);
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * y->d), acc[c]);
-            /* the mins' 8 lanes come off the same accumulator (its upper lanes take 0) */
-            acc[c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(mins)), _mm512_set1_ps(dmin * y->d),
-                                      acc[c]);
+            const se_blk_q8_K *ya = (const se_blk_q8_K *)(a + c * as) + g, *yb = two ? ya + 1 : ya;
+            __m512i p[8];
+            for (int k = 0; k < 8; k++)
+                p[k] = _mm512_dpbusd_epi32(zero, q[k], _mm512_loadu_si512((k < 4 ? ya : yb)->qs + 64 * (k % 4)));
+            const __m512 ad = _mm512_maskz_mov_ps(half, _mm512_insertf32x8(_mm512_set1_ps(ya->d), _mm256_set1_ps(yb->d), 1));
+            /* each sub-block's activation sum: two bsums of 16 */
+            const __m512i bs = _mm512_madd_epi16(
+                _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)ya->bsums)),
+                                   _mm256_loadu_si256((const __m256i *)yb->bsums), 1),
+                _mm512_set1_epi16(1));
+            const __m512 sa = _mm512_mul_ps(ad, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane, bs)));
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blocks16_32(p)), _mm512_mul_ps(wd, ad), acc[c]);
+            acc[c] = _mm512_fmadd_ps(wm, sa, acc[c]);
         }
     }
-    if (nc == 4) hsum16x4(acc[0], acc[1], acc[2], acc[3], out);
-    else for (int c = 0; c < nc; c++) out[c] = hsum16(acc[c]);
+    hsum_tiles(acc, nc, out);
 }
 
-/* Q6_K: quants taken unsigned (0..63), the -32 applied through the bsums. A vpdpbusd over 64
- * quants covers 4 scales (16 quants each), so its lanes take scales 4 at a time. */
+/* Q6_K, one row x nc tokens: per super-block (16 blocks of 16), quants taken unsigned (0..63),
+ * the -32 applied through the bsums; scales d*sc are exact products. */
 INLINE void q6_K_dotx(int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
-    const __m512i zero = _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512(), lane = _mm512_loadu_si512(LANE16);
     __m512 acc[4];
     for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
 
     for (int64_t i = 0; i < n / 256; i++) {
         const se_blk_q6_K *x = (const se_blk_q6_K *)w + i;
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x->scales);
-        const __m512i sc = _mm512_cvtepi8_epi32(sc8);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-        const float d = h2f((const uint8_t *)&x->d);
-        __m512i q[4], sv[4];
+        __m512i q[4];
         unpack_q6_K(x, q);
-        for (int j = 0; j < 4; j++) {
-            const int b = 4 * j;
-            sv[j] = _mm512_permutexvar_epi32(_mm512_setr_epi32(b, b, b, b, b + 1, b + 1, b + 1, b + 1, b + 2, b + 2,
-                                                               b + 2, b + 2, b + 3, b + 3, b + 3, b + 3), sc);
-        }
+        const __m512i sc = _mm512_permutexvar_epi32(lane, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x->scales)));
+        const __m512 wd = _mm512_mul_ps(_mm512_set1_ps(h2f((const uint8_t *)&x->d)), _mm512_cvtepi32_ps(sc));
         for (int c = 0; c < nc; c++) {
             const se_blk_q8_K *y = (const se_blk_q8_K *)(a + c * as) + i;
-            __m512i sumi = zero;
-            for (int j = 0; j < 4; j++) {
-                __m512i dp = _mm512_dpbusd_epi32(zero, q[j], _mm512_loadu_si512(y->qs + 64 * j));
-                sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(dp, sv[j]));
-            }
-            __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), sc16);
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * y->d), acc[c]);
-            /* the -32 offset's 8 lanes come off the same accumulator (its upper lanes take 0) */
-            acc[c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(off)), _mm512_set1_ps(32 * d * y->d),
-                                      acc[c]);
+            __m512i p[4];
+            for (int k = 0; k < 4; k++) p[k] = _mm512_dpbusd_epi32(zero, q[k], _mm512_loadu_si512(y->qs + 64 * k));
+            const __m512i bias = _mm512_sub_epi32(
+                zero, _mm512_slli_epi32(_mm512_permutexvar_epi32(
+                                            lane, _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)y->bsums))),
+                                        5)); /* -32 * bsum */
+            const __m512i isum = _mm512_add_epi32(blocks16_16(p), bias);
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd, _mm512_set1_ps(y->d)), acc[c]);
         }
     }
-    if (nc == 4) hsum16x4(acc[0], acc[1], acc[2], acc[3], out);
-    else for (int c = 0; c < nc; c++) out[c] = hsum16(acc[c]);
+    hsum_tiles(acc, nc, out);
 }
 
 /* ---------------------------------------------------------------- float weights x f32 */
@@ -545,28 +593,42 @@ static void build_side(panel_shape sh, int64_t nb, const uint8_t *a, size_t arow
     }
 }
 
-/* nt tokens (<= 8) x one panel: y[t * ldy + r] for the panel's rows r < 16 in mask. */
+/* nt tokens (<= 8) x one panel: y[t * ldy + r] for the panel's rows r < 16 in mask. The
+ * summation order with rows in lanes: lane chain p takes blocks lane[p], lane[p] + 16, ... (one
+ * accumulator per token), and the 16 chains are added in hsum16's tree as vertical adds. */
 INLINE void gemm_tile(int blk, int min, int nt, const uint8_t *panel, int64_t nb, const uint8_t *a, size_t arow,
                       const int32_t *qoff, const side_t *side, float *y, int64_t ldy, __mmask16 mask) {
     const size_t bsz = (size_t)blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
-    __m512 acc[8];
-    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = panel + (size_t)b * bsz;
-        __m512i w[8];
-        for (int j = 0; j < blk / 4; j++) w[j] = _mm512_load_si512(p + 64 * j);
-        const __m512 wd = _mm512_load_ps(p + blk * PANEL_ROWS);
-        const __m512 wm = _mm512_load_ps(p + blk * PANEL_ROWS + 64);
-        for (int t = 0; t < nt; t++) {
-            const side_t *st = side + (size_t)t * nb + b;
-            const uint8_t *q = a + (size_t)t * arow + qoff[b];
-            __m512i sum = min ? _mm512_setzero_si512() : _mm512_set1_epi32(st->bias);
-            for (int j = 0; j < blk / 4; j++) sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32((int)ld32(q + 4 * j)));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(wd, _mm512_set1_ps(st->d)), acc[t]);
-            if (min) acc[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(st->s), acc[t]);
+    const int *lane = blk == 16 ? LANE16 : LANE32;
+    __m512 chain[16][8];
+    for (int p = 0; p < 16; p++) {
+        __m512 acc[8];
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t b = lane[p]; b < nb; b += 16) {
+            const uint8_t *w8 = panel + (size_t)b * bsz;
+            __m512i w[8];
+            for (int j = 0; j < blk / 4; j++) w[j] = _mm512_load_si512(w8 + 64 * j);
+            const __m512 wd = _mm512_load_ps(w8 + blk * PANEL_ROWS);
+            const __m512 wm = _mm512_load_ps(w8 + blk * PANEL_ROWS + 64);
+            for (int t = 0; t < nt; t++) {
+                const side_t *st = side + (size_t)t * nb + b;
+                const uint8_t *q = a + (size_t)t * arow + qoff[b];
+                __m512i sum = min ? _mm512_setzero_si512() : _mm512_set1_epi32(st->bias);
+                for (int j = 0; j < blk / 4; j++)
+                    sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32((int)ld32(q + 4 * j)));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(wd, _mm512_set1_ps(st->d)), acc[t]);
+                if (min) acc[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(st->s), acc[t]);
+            }
         }
+        for (int t = 0; t < nt; t++) chain[p][t] = acc[t];
     }
-    for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy, mask, acc[t]);
+    for (int t = 0; t < nt; t++) {
+        __m512 q[4];
+        for (int k = 0; k < 4; k++)
+            q[k] = _mm512_add_ps(_mm512_add_ps(chain[4 * k][t], chain[4 * k + 2][t]),
+                                 _mm512_add_ps(chain[4 * k + 1][t], chain[4 * k + 3][t]));
+        _mm512_mask_storeu_ps(y + t * ldy, mask, _mm512_add_ps(_mm512_add_ps(q[0], q[2]), _mm512_add_ps(q[1], q[3])));
+    }
 }
 
 INLINE int gemm(int type, int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
