@@ -168,10 +168,12 @@ INLINE __m512i quadsum(__m512i a, __m512i b) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 /* 16 blocks of 32: v[k] holds block 2k in its lower 8 lanes, block 2k+1 in its upper 8. Returns
- * the blocks' sums, lane p = block LANE32[p]. */
-INLINE __m512i blocks16_32(const __m512i v[8]) {
-    const __m512i b0 = quadsum(pairsum(v[0], v[1]), pairsum(v[2], v[3]));
-    const __m512i b1 = quadsum(pairsum(v[4], v[5]), pairsum(v[6], v[7]));
+ * the blocks' sums, lane p = block LANE32[p]. Only v[0..nv) are read (the rest count as zero). */
+INLINE __m512i blocks16_32(const __m512i v[8], int nv) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i b0 = quadsum(pairsum(v[0], nv > 1 ? v[1] : zero), nv > 2 ? pairsum(v[2], nv > 3 ? v[3] : zero) : zero);
+    const __m512i b1 = nv > 4 ? quadsum(pairsum(v[4], nv > 5 ? v[5] : zero), nv > 6 ? pairsum(v[6], nv > 7 ? v[7] : zero) : zero)
+                              : zero;
     return _mm512_add_epi32(_mm512_shuffle_i32x4(b0, b1, 0x88), _mm512_shuffle_i32x4(b0, b1, 0xDD));
 }
 /* 16 blocks of 16: v[k] holds blocks 4k..4k+3, one per 128-bit lane; lane p = block LANE16[p]. */
@@ -181,15 +183,11 @@ INLINE __m512i blocks16_16(const __m512i v[4]) { return quadsum(pairsum(v[0], v[
  * blocks at or past cnt): the fp16 d in each lane's low half, the next fp16 (m or s for the
  * types with a min) in its high half. */
 INLINE __m512i heads16(const uint8_t *b, int size, int cnt) {
-    if (cnt == 16) {
-#define H(p) (int)ld32(b + LANE32[p] * size)
-        return _mm512_setr_epi32(H(0), H(1), H(2), H(3), H(4), H(5), H(6), H(7), H(8), H(9), H(10), H(11), H(12),
-                                 H(13), H(14), H(15));
+#define H(p) (int)ld32(b + (LANE32[p] < cnt ? LANE32[p] : cnt - 1) * size)
+    const __m512i h = _mm512_setr_epi32(H(0), H(1), H(2), H(3), H(4), H(5), H(6), H(7), H(8), H(9), H(10), H(11),
+                                        H(12), H(13), H(14), H(15));
 #undef H
-    }
-    uint32_t h[16];
-    for (int p = 0; p < 16; p++) h[p] = LANE32[p] < cnt ? ld32(b + LANE32[p] * size) : 0;
-    return _mm512_loadu_si512(h);
+    return cnt == 16 ? h : _mm512_maskz_mov_epi32(_mm512_cmplt_epi32_mask(_mm512_loadu_si512(LANE32), _mm512_set1_epi32(cnt)), h);
 }
 INLINE __m512 low_halves(__m512i h) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)); }
 INLINE __m512 high_halves(__m512i h) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16))); }
@@ -208,58 +206,66 @@ INLINE void hsum_tiles(const __m512 *acc, int nk, float *out) {
 
 /* ---------------------------------------------------------------- tiles */
 
-/* nr weight rows (stride wr) x nc activation rows (stride as) -> out[r * nc + c]; nr * nc <= 8.
- * Per group of 16 blocks: the activations' quants are copied side by side (two blocks per vector)
- * once for all rows, and for the signed types their offset correction -offset * sum(a) is
- * reduced once per token; each row's 16 blocks are unpacked once for all tokens. */
-INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
-                        int nc, float *out) {
+/* One group of cnt <= 16 blocks of nr weight rows x nc activation rows, added to acc[r * nc + c].
+ * nv (a constant once inlined) vectors of two blocks are computed, nv >= cnt / 2: blocks at or
+ * past cnt re-read the last one and get zero scales. The activations' quants are copied side by
+ * side once for all rows, and for the signed types their offset correction -offset * sum(a) is
+ * reduced once per token; each row's blocks are unpacked once for all tokens. */
+INLINE void legacy_group(int type, const int nv, int cnt, const uint8_t *x, size_t wr, int nr, const uint8_t *y,
+                         size_t as, int nc, __m512 *acc) {
     const int is1 = type == SE_Q4_1 || type == SE_Q5_1; /* has a min; activations are Q8_1 */
     const int ws = legacy_size(type), asz = is1 ? 36 : 34, aq = is1 ? 4 : 2, off = offset(type);
-    const int64_t nb = n / 32;
     const __m512i zero = _mm512_setzero_si512();
+    __m512i aq2[4][8], bias[4];
+    __m512 ad[4], asum[4];
+    for (int c = 0; c < nc; c++) {
+        const uint8_t *yc = y + c * as + aq;
+        for (int k = 0; k < nv; k++)
+            aq2[c][k] = load2x32(yc + (2 * k < cnt ? 2 * k : cnt - 1) * asz, yc + (2 * k + 1 < cnt ? 2 * k + 1 : cnt - 1) * asz);
+        const __m512i h = heads16(y + c * as, asz, cnt);
+        ad[c] = low_halves(h);
+        asum[c] = is1 ? high_halves(h) : _mm512_setzero_ps();
+        bias[c] = zero;
+        if (off) {
+            __m512i s[8];
+            for (int k = 0; k < nv; k++) s[k] = _mm512_dpbusd_epi32(zero, _mm512_set1_epi8((char)off), aq2[c][k]);
+            bias[c] = _mm512_sub_epi32(zero, blocks16_32(s, nv));
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *xr = x + r * wr;
+        __m512i q[8];
+        for (int k = 0; k < nv; k++)
+            q[k] = unpack2(type, xr + (2 * k < cnt ? 2 * k : cnt - 1) * ws, xr + (2 * k + 1 < cnt ? 2 * k + 1 : cnt - 1) * ws);
+        const __m512i h = heads16(xr, ws, cnt);
+        const __m512 wd = low_halves(h), wm = high_halves(h);
+        for (int c = 0; c < nc; c++) {
+            __m512i p[8];
+            for (int k = 0; k < nv; k++) p[k] = _mm512_dpbusd_epi32(zero, q[k], aq2[c][k]);
+            const __m512i isum = _mm512_add_epi32(blocks16_32(p, nv), bias[c]);
+            __m512 *o = &acc[r * nc + c];
+            *o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd, ad[c]), *o);
+            if (is1) *o = _mm512_fmadd_ps(wm, asum[c], *o);
+        }
+    }
+}
+
+/* nr weight rows (stride wr) x nc activation rows (stride as) -> out[r * nc + c]; nr * nc <= 8;
+ * groups of 16 blocks, a short last group with fewer vectors. */
+INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
+                        int nc, float *out) {
+    const int is1 = type == SE_Q4_1 || type == SE_Q5_1;
+    const int ws = legacy_size(type), asz = is1 ? 36 : 34;
+    const int64_t nb = n / 32;
     __m512 acc[8];
     for (int k = 0; k < nr * nc; k++) acc[k] = _mm512_setzero_ps();
-
     for (int64_t g = 0; g < nb; g += 16) {
-        const int cnt = nb - g < 16 ? (int)(nb - g) : 16, nv = (cnt + 1) / 2; /* vectors of two blocks */
-        __m512i aq2[4][8]; /* quants of blocks 2k, 2k+1 (a lone last block read twice) */
-        __m512i bias[4];
-        __m512 ad[4], asum[4];
-        for (int c = 0; c < nc; c++) {
-            const uint8_t *y = a + c * as + g * asz;
-            for (int k = 0; k < 8; k++) {
-                const uint8_t *y0 = y + 2 * k * asz + aq;
-                aq2[c][k] = k < nv ? load2x32(y0, 2 * k + 1 < cnt ? y0 + asz : y0) : zero;
-            }
-            const __m512i h = heads16(y, asz, cnt);
-            ad[c] = low_halves(h);
-            asum[c] = is1 ? high_halves(h) : _mm512_setzero_ps();
-            bias[c] = zero;
-            if (off) {
-                __m512i s[8];
-                for (int k = 0; k < 8; k++) s[k] = _mm512_dpbusd_epi32(zero, _mm512_set1_epi8((char)off), aq2[c][k]);
-                bias[c] = _mm512_sub_epi32(zero, blocks16_32(s));
-            }
-        }
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *x = w + r * wr + g * ws;
-            __m512i q[8];
-            for (int k = 0; k < 8; k++) {
-                const uint8_t *x0 = x + 2 * k * ws;
-                q[k] = k < nv ? unpack2(type, x0, 2 * k + 1 < cnt ? x0 + ws : x0) : zero;
-            }
-            const __m512i h = heads16(x, ws, cnt);
-            const __m512 wd = low_halves(h), wm = high_halves(h);
-            for (int c = 0; c < nc; c++) {
-                __m512i p[8];
-                for (int k = 0; k < 8; k++) p[k] = _mm512_dpbusd_epi32(zero, q[k], aq2[c][k]);
-                const __m512i isum = _mm512_add_epi32(blocks16_32(p), bias[c]);
-                __m512 *o = &acc[r * nc + c];
-                *o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd, ad[c]), *o);
-                if (is1) *o = _mm512_fmadd_ps(wm, asum[c], *o);
-            }
-        }
+        const int cnt = nb - g < 16 ? (int)(nb - g) : 16;
+        const uint8_t *x = w + g * ws, *y = a + g * asz;
+        if (cnt > 8) legacy_group(type, 8, cnt, x, wr, nr, y, as, nc, acc);
+        else if (cnt > 4) legacy_group(type, 4, cnt, x, wr, nr, y, as, nc, acc);
+        else if (cnt > 2) legacy_group(type, 2, cnt, x, wr, nr, y, as, nc, acc);
+        else legacy_group(type, 1, cnt, x, wr, nr, y, as, nc, acc);
     }
     hsum_tiles(acc, nr * nc, out);
 }
@@ -302,7 +308,7 @@ INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, si
                                    _mm256_loadu_si256((const __m256i *)yb->bsums), 1),
                 _mm512_set1_epi16(1));
             const __m512 sa = _mm512_mul_ps(ad, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane, bs)));
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blocks16_32(p)), _mm512_mul_ps(wd, ad), acc[c]);
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blocks16_32(p, two ? 8 : 4)), _mm512_mul_ps(wd, ad), acc[c]);
             acc[c] = _mm512_fmadd_ps(wm, sa, acc[c]);
         }
     }
@@ -593,42 +599,49 @@ static void build_side(panel_shape sh, int64_t nb, const uint8_t *a, size_t arow
     }
 }
 
-/* nt tokens (<= 8) x one panel: y[t * ldy + r] for the panel's rows r < 16 in mask. The
- * summation order with rows in lanes: lane chain p takes blocks lane[p], lane[p] + 16, ... (one
- * accumulator per token), and the 16 chains are added in hsum16's tree as vertical adds. */
+/* One lane chain of the summation order for nt tokens: blocks b0, b0 + 16, ... of the panel. */
+INLINE void gemm_chain(int blk, int min, int nt, const uint8_t *panel, int64_t nb, int64_t b0, const uint8_t *a,
+                       size_t arow, const int32_t *qoff, const side_t *side, __m512 *acc) {
+    const size_t bsz = (size_t)blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < nb; b += 16) {
+        const uint8_t *p = panel + (size_t)b * bsz;
+        __m512i w[8];
+        for (int j = 0; j < blk / 4; j++) w[j] = _mm512_load_si512(p + 64 * j);
+        const __m512 wd = _mm512_load_ps(p + blk * PANEL_ROWS);
+        const __m512 wm = _mm512_load_ps(p + blk * PANEL_ROWS + 64);
+        for (int t = 0; t < nt; t++) {
+            const side_t *st = side + (size_t)t * nb + b;
+            const uint8_t *q = a + (size_t)t * arow + qoff[b];
+            __m512i sum = min ? _mm512_setzero_si512() : _mm512_set1_epi32(st->bias);
+            for (int j = 0; j < blk / 4; j++) sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32((int)ld32(q + 4 * j)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(wd, _mm512_set1_ps(st->d)), acc[t]);
+            if (min) acc[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(st->s), acc[t]);
+        }
+    }
+}
+
+/* nt tokens (<= 4) x one panel: y[t * ldy + r] for the panel's rows r < 16 in mask. The
+ * summation order with rows in lanes: the 16 lane chains, added as they come in hsum16's tree
+ * ((c0 + c2) + (c1 + c3) per quad of chains, then (q0 + q2) + (q1 + q3)). */
 INLINE void gemm_tile(int blk, int min, int nt, const uint8_t *panel, int64_t nb, const uint8_t *a, size_t arow,
                       const int32_t *qoff, const side_t *side, float *y, int64_t ldy, __mmask16 mask) {
-    const size_t bsz = (size_t)blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
     const int *lane = blk == 16 ? LANE16 : LANE32;
-    __m512 chain[16][8];
-    for (int p = 0; p < 16; p++) {
-        __m512 acc[8];
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
-        for (int64_t b = lane[p]; b < nb; b += 16) {
-            const uint8_t *w8 = panel + (size_t)b * bsz;
-            __m512i w[8];
-            for (int j = 0; j < blk / 4; j++) w[j] = _mm512_load_si512(w8 + 64 * j);
-            const __m512 wd = _mm512_load_ps(w8 + blk * PANEL_ROWS);
-            const __m512 wm = _mm512_load_ps(w8 + blk * PANEL_ROWS + 64);
+    __m512 half[2][4], quad[4], x[4], z[4];
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 2; j++) {
+            const int qd = h + 2 * j; /* quads 0 and 2 make the first half, 1 and 3 the second */
+            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd], a, arow, qoff, side, x);
+            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd + 2], a, arow, qoff, side, z);
+            for (int t = 0; t < nt; t++) quad[t] = _mm512_add_ps(x[t], z[t]);
+            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd + 1], a, arow, qoff, side, x);
+            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd + 3], a, arow, qoff, side, z);
             for (int t = 0; t < nt; t++) {
-                const side_t *st = side + (size_t)t * nb + b;
-                const uint8_t *q = a + (size_t)t * arow + qoff[b];
-                __m512i sum = min ? _mm512_setzero_si512() : _mm512_set1_epi32(st->bias);
-                for (int j = 0; j < blk / 4; j++)
-                    sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32((int)ld32(q + 4 * j)));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(wd, _mm512_set1_ps(st->d)), acc[t]);
-                if (min) acc[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(st->s), acc[t]);
+                quad[t] = _mm512_add_ps(quad[t], _mm512_add_ps(x[t], z[t]));
+                half[h][t] = j ? _mm512_add_ps(half[h][t], quad[t]) : quad[t];
             }
         }
-        for (int t = 0; t < nt; t++) chain[p][t] = acc[t];
-    }
-    for (int t = 0; t < nt; t++) {
-        __m512 q[4];
-        for (int k = 0; k < 4; k++)
-            q[k] = _mm512_add_ps(_mm512_add_ps(chain[4 * k][t], chain[4 * k + 2][t]),
-                                 _mm512_add_ps(chain[4 * k + 1][t], chain[4 * k + 3][t]));
-        _mm512_mask_storeu_ps(y + t * ldy, mask, _mm512_add_ps(_mm512_add_ps(q[0], q[2]), _mm512_add_ps(q[1], q[3])));
-    }
+    for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy, mask, _mm512_add_ps(half[0][t], half[1][t]));
 }
 
 INLINE int gemm(int type, int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
@@ -647,8 +660,8 @@ INLINE int gemm(int type, int64_t k, const void *W, size_t wrow, const void *act
         const int nr = r1 - r < PANEL_ROWS ? (int)(r1 - r) : PANEL_ROWS;
         const __mmask16 mask = (__mmask16)((1u << nr) - 1);
         build_panel(type, sh, (const uint8_t *)W + (size_t)r * wrow, wrow, nr, k, panel);
-        for (int t = 0; t < n_tok; t += 8) {
-            const int nt = n_tok - t < 8 ? n_tok - t : 8;
+        for (int t = 0; t < n_tok; t += 4) {
+            const int nt = n_tok - t < 4 ? n_tok - t : 4;
             const uint8_t *at = a + (size_t)t * arow;
             const side_t *st = side + (size_t)t * nb;
             float *yt = y + t * ldy + r;
@@ -657,11 +670,7 @@ INLINE int gemm(int type, int64_t k, const void *W, size_t wrow, const void *act
             case 1: GEMM_TILE(1); break;
             case 2: GEMM_TILE(2); break;
             case 3: GEMM_TILE(3); break;
-            case 4: GEMM_TILE(4); break;
-            case 5: GEMM_TILE(5); break;
-            case 6: GEMM_TILE(6); break;
-            case 7: GEMM_TILE(7); break;
-            default: GEMM_TILE(8);
+            default: GEMM_TILE(4);
             }
 #undef GEMM_TILE
         }
