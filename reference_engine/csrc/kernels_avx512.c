@@ -181,9 +181,10 @@ INLINE __m512i blocks16_16(const __m512i v[4]) { return quadsum(pairsum(v[0], v[
 
 /* The first 4 bytes of the legacy blocks of a group (block LANE32[p] in lane p, zero for the
  * blocks at or past cnt): the fp16 d in each lane's low half, the next fp16 (m or s for the
- * types with a min) in its high half. */
-INLINE __m512i heads16(const uint8_t *b, int size, int cnt) {
-#define H(p) (int)ld32(b + (LANE32[p] < cnt ? LANE32[p] : cnt - 1) * size)
+ * types with a min) in its high half. Lanes of blocks at or past 2 * nv (a constant once inlined)
+ * are not read. */
+INLINE __m512i heads16(const uint8_t *b, int size, int cnt, const int nv) {
+#define H(p) (LANE32[p] < 2 * nv ? (int)ld32(b + (LANE32[p] < cnt ? LANE32[p] : cnt - 1) * size) : 0)
     const __m512i h = _mm512_setr_epi32(H(0), H(1), H(2), H(3), H(4), H(5), H(6), H(7), H(8), H(9), H(10), H(11),
                                         H(12), H(13), H(14), H(15));
 #undef H
@@ -222,7 +223,7 @@ INLINE void legacy_group(int type, const int nv, int cnt, const uint8_t *x, size
         const uint8_t *yc = y + c * as + aq;
         for (int k = 0; k < nv; k++)
             aq2[c][k] = load2x32(yc + (2 * k < cnt ? 2 * k : cnt - 1) * asz, yc + (2 * k + 1 < cnt ? 2 * k + 1 : cnt - 1) * asz);
-        const __m512i h = heads16(y + c * as, asz, cnt);
+        const __m512i h = heads16(y + c * as, asz, cnt, nv);
         ad[c] = low_halves(h);
         asum[c] = is1 ? high_halves(h) : _mm512_setzero_ps();
         bias[c] = zero;
@@ -237,7 +238,7 @@ INLINE void legacy_group(int type, const int nv, int cnt, const uint8_t *x, size
         __m512i q[8];
         for (int k = 0; k < nv; k++)
             q[k] = unpack2(type, xr + (2 * k < cnt ? 2 * k : cnt - 1) * ws, xr + (2 * k + 1 < cnt ? 2 * k + 1 : cnt - 1) * ws);
-        const __m512i h = heads16(xr, ws, cnt);
+        const __m512i h = heads16(xr, ws, cnt, nv);
         const __m512 wd = low_halves(h), wm = high_halves(h);
         for (int c = 0; c < nc; c++) {
             __m512i p[8];
