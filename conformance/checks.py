@@ -185,6 +185,46 @@ def logits_top1(ctx: Context, out: Outcome) -> None:
     )
 
 
+def logits_stable(ctx: Context, out: Outcome) -> None:
+    """decode()'s arrays belong to the caller: later calls (and reset()) leave them as they were."""
+    engine = ctx.engine
+    ids = engine.tokenize(completion_prompt(ctx), add_special=True, parse_special=True)[:16]
+    if len(ids) < 2:
+        raise Skip("the completion prompt is a single token")
+    kept: list[tuple[str, np.ndarray, np.ndarray]] = []  # what, the array returned, a copy made at once
+    shared: list[str] = []
+
+    def call(what: str, tokens: list[int], all_logits: bool = False) -> None:
+        got = np.asarray(engine.decode(tokens, all_logits=all_logits))
+        shared.extend(f"{what} and {w}" for w, earlier, _ in kept if np.shares_memory(got, earlier))
+        kept.append((what, got, got.copy()))
+
+    engine.reset()
+    call(f"decode({len(ids) - 1} tokens)", ids[:-1])
+    call("decode(1 token, all_logits=True)", ids[-1:], all_logits=True)
+    call("decode(1 more token)", ids[:1])
+    engine.reset()
+    call("decode(1 token) after reset()", ids[:1])
+    engine.reset()
+    changed = [
+        f"{what} (by up to {np.nanmax(np.abs(got - copy)):.4g})"
+        for what, got, copy in kept
+        if not np.array_equal(got, copy, equal_nan=True)
+    ]
+    out.expect(
+        not shared,
+        "each decode() returns an array of its own"
+        + (f"; sharing memory: {'; '.join(shared)}" if shared else ""),
+    )
+    out.expect(
+        not changed,
+        f"the logits of {len(kept)} decode() calls are unchanged by the later calls"
+        + (f"; changed: {'; '.join(changed)}" if changed else ""),
+    )
+    if shared or changed:
+        out.details["hint"] = "return a new array from each decode(), not the engine's logits buffer"
+
+
 # --- batch invariance ---------------------------------------------------------------------------
 def _compare_batches(ctx: Context, base: np.ndarray, other: np.ndarray, what: str, out: Outcome) -> None:
     lp, lq = metrics.log_softmax(base), metrics.log_softmax(other)
@@ -543,6 +583,13 @@ def plan(ctx: Context) -> list[Check]:
         logits_top1,
         ("logits",),
         "top-1 agreement with the exact reference on confident positions",
+    )
+    add(
+        "logits.stable",
+        "core",
+        logits_stable,
+        ("logits", "tokenize"),
+        "logits returned by decode() are not changed by later decode() calls",
     )
     add(
         "batch.invariance:mode=odd_chunks",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +39,25 @@ def machine() -> dict[str, Any]:
     }
 
 
+def source_commit() -> str:
+    """The short git commit of the stdengine checkout this runs from ("-dirty" when tracked files
+    differ from it), or "unknown" outside a git checkout."""
+    root = str(Path(__file__).resolve().parent.parent)
+
+    def git(*args: str) -> subprocess.CompletedProcess[str] | None:
+        try:
+            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    head = git("rev-parse", "--short=7", "HEAD")
+    if head is None or head.returncode != 0 or not head.stdout.strip():
+        return "unknown"
+    status = git("status", "--porcelain", "--untracked-files=no")
+    dirty = status is not None and bool(status.stdout.strip())
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
 def bundle_meta(
     engine_info: dict[str, Any] | None,
     adapter: str | None,
@@ -54,6 +74,7 @@ def bundle_meta(
     return {
         "suite_version": SUITE_VERSION,
         "stdengine": __version__,
+        "commit": source_commit(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "engine": engine_info or {},
         "adapter": adapter,
@@ -130,7 +151,8 @@ def summary_md(results: Sequence[Result], meta: dict[str, Any]) -> str:
         f"- engine: {eng.get('name', meta.get('adapter'))} {eng.get('version', '')}".rstrip(),
         f"- model: {meta.get('model')} ({meta.get('golden')})",
         f"- level: {meta.get('level')}" + (f", only `{meta['only']}`" if meta.get("only") else ""),
-        f"- date: {meta.get('date')}, suite {meta.get('suite_version')}, stdengine {meta.get('stdengine')}",
+        f"- date: {meta.get('date')}, suite {meta.get('suite_version')}, stdengine {meta.get('stdengine')}"
+        f" (commit {meta.get('commit', 'unknown')})",
         f"- **{verdict}** — " + ", ".join(f"{n} {s}" for s, n in c.items() if n),
         "",
         "| group | status |",
@@ -171,6 +193,7 @@ def engine_yaml(meta: dict[str, Any]) -> str:
     lines += [
         f"suite_version: {_yaml_value(meta.get('suite_version'))}",
         f"stdengine: {_yaml_value(meta.get('stdengine'))}",
+        f"commit: {_yaml_value(meta.get('commit'))}",
         f"date: {_yaml_value(meta.get('date'))}",
     ]
     return "\n".join(lines) + "\n"

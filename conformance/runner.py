@@ -17,7 +17,7 @@ from stdengine.conformance import checks, http
 from stdengine.conformance.golden import GOLDEN_DIR, golden_path, load_golden, sha256_file
 from stdengine.conformance.suite import Check, Context, Result, run_check, select
 
-SUITE_VERSION = "1.0"
+SUITE_VERSION = "1.1"  # 1.1: logits.stable
 
 
 def find_golden(model_ref: str | None, model_path: Path | None) -> tuple[dict[str, Any] | None, str]:

@@ -57,6 +57,13 @@ class ReferenceEngine(LocalEngine):
     def version(cls) -> str:
         return __version__
 
+    @classmethod
+    def build_info(cls) -> str:
+        """The kernels' SIMD path chosen for this CPU (INFER_REF_ISA may force a lower one)."""
+        from stdengine.reference.core import isa_name
+
+        return f"isa={isa_name()}"
+
     def __init__(self, model: Any, tokenizer: Any, ctx: Any, options: Options, events: Emitter) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -70,7 +77,7 @@ class ReferenceEngine(LocalEngine):
 
     @classmethod
     def load(cls, options: Options, events: Emitter) -> ReferenceEngine:
-        from stdengine.reference.core import Context
+        from stdengine.reference.core import Context, isa_name
         from stdengine.reference.model import Model
         from stdengine.reference.tokenizer import Tokenizer
 
@@ -98,18 +105,17 @@ class ReferenceEngine(LocalEngine):
             n_params=engine.n_params,
             n_ctx=n_ctx,
             threads=threads,
+            isa=isa_name(),
             load_ms=round(now_ms() - t0, 1),
         )
         return engine
 
     # --- adapter surface -----------------------------------------------------------------
     def info(self) -> EngineInfo:
-        from stdengine.reference.core import isa_name
-
         return EngineInfo(
             name=self.name,
             version=__version__,
-            build=f"isa={isa_name()}",
+            build=self.build_info(),
             backend="CPU",
             model={
                 "path": self.options.model,
@@ -132,7 +138,9 @@ class ReferenceEngine(LocalEngine):
         self.check_fits(len(self.tokens) + len(tokens))
         out = self.ctx.decode(list(tokens), all_logits=all_logits)
         self.tokens.extend(tokens)
-        return out
+        # the last-token logits are a view of the context's buffer, which the next decode
+        # overwrites; the caller gets its own array (n_vocab floats: a cheap copy)
+        return out if all_logits else out.copy()
 
     def reset(self) -> None:
         self.ctx.reset()

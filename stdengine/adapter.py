@@ -160,6 +160,13 @@ class Engine(ABC):
         return True, None
 
     @classmethod
+    def build_info(cls) -> str:
+        """A short line saying which build of the engine this machine runs (e.g. the SIMD path or
+        the CPU features a library was compiled with), shown by `infer engines`; "" when there is
+        nothing to say. Called only when availability() is true; it must not load a model."""
+        return ""
+
+    @classmethod
     @abstractmethod
     def load(cls, options: Options, events: Emitter) -> Engine:
         """Load the model named by options.model (already resolved to a local path for file engines)."""
@@ -176,7 +183,9 @@ class Engine(ABC):
     @abstractmethod
     def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Append tokens to the context (llama_decode's role) and return the logits of the last
-        token, shape (n_vocab,), or of every token, shape (len(tokens), n_vocab)."""
+        token, shape (n_vocab,), or of every token, shape (len(tokens), n_vocab). The array
+        belongs to the caller: no later call changes it (never return a view of an engine buffer
+        that the next decode() overwrites)."""
 
     @abstractmethod
     def reset(self) -> None:

@@ -23,7 +23,8 @@ KNOWN_EVENTS: dict[str, str] = {
     "run.start": "a command started (command, argv)",
     "config.resolved": "the effective options and where each came from",
     "model.pull": "a catalogue model is being fetched (name, package, bytes)",
-    "model.loaded": "a model is loaded (path, architecture, n_params, load_ms)",
+    "model.loaded": "a model is loaded (path, architecture, n_params, load_ms; the engine's build: "
+    "the reference engine's `isa`, llama.cpp's `build`)",
     "prompt.evaluated": "a prompt was processed (prompt_n, prompt_ms, prompt_per_second)",
     "generation.done": "a generation ended (finish_reason, timings)",
     "request.start": "the server accepted a request (method, route)",

@@ -78,7 +78,7 @@ def engine_class(name: str) -> type[Engine]:
 
 
 def describe() -> list[dict[str, Any]]:
-    """Every engine with its version, capabilities, honoured options and whether it can load here."""
+    """Every engine with its version, build, capabilities, honoured options and whether it can load here."""
     out = []
     for entry in entries().values():
         row: dict[str, Any] = {"name": entry.name, "distribution": entry.distribution}
@@ -87,6 +87,7 @@ def describe() -> list[dict[str, Any]]:
             available, reason = cls.availability()
             row.update(
                 version=cls.version(),
+                build=_build_info(cls) if available else "",
                 description=cls.description,
                 capabilities=sorted(cls.capabilities),
                 honoured_options=sorted(cls.honoured_options()),
@@ -96,6 +97,7 @@ def describe() -> list[dict[str, Any]]:
         except Exception as e:
             row.update(
                 version=None,
+                build="",
                 description="",
                 capabilities=[],
                 honoured_options=[],
@@ -104,6 +106,13 @@ def describe() -> list[dict[str, Any]]:
             )
         out.append(row)
     return out
+
+
+def _build_info(cls: type[Engine]) -> str:
+    try:
+        return cls.build_info()
+    except Exception as e:  # a broken build is reported in the row, never fatal
+        return f"unknown ({type(e).__name__}: {e})"
 
 
 # Options that are about the command itself, not the engine, and so never refused.

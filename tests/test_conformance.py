@@ -351,6 +351,59 @@ def test_exact_gemma3_matches_llama_cpp_on_a_tiny_model(tmp_path):
     assert kl_nowin[6:].max() > 10 * kl.max()
 
 
+# --- logits.stable on the reference engine and on one that returns its buffer ------------------
+@pytest.fixture(scope="module")
+def tiny_bytes(tmp_path_factory):
+    """A tiny llama model whose vocabulary spells any text in bytes (the check tokenizes a prompt)."""
+    from gguf_factory import write_llama_gguf
+
+    path = tmp_path_factory.mktemp("tiny") / "bytes.gguf"
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    write_llama_gguf(path, weight_type="Q8_0", tokens=tokens, n_embd=64, n_ff=128, n_head=4, n_head_kv=2)
+    return path
+
+
+def _run_logits_stable(engine_cls: Any, path: Path) -> Result:
+    from stdengine.conformance.checks import plan
+
+    from stdengine.events import null_emitter
+    from stdengine.options import Options
+
+    engine = engine_cls.load(Options(model=str(path), ctx_size=64, threads=1), null_emitter())
+    try:
+        ctx = Context(engine=engine)
+        (check,) = [c for c in plan(ctx) if c.id == "logits.stable"]
+        assert check.level == "core"
+        return run_check(check, ctx)
+    finally:
+        engine.close()
+
+
+def test_logits_stable_passes_an_engine_that_returns_its_own_arrays(tiny_bytes):
+    from stdengine.reference.adapter import ReferenceEngine
+
+    r = _run_logits_stable(ReferenceEngine, tiny_bytes)
+    assert r.status == "pass", r.message
+
+
+def test_logits_stable_fails_an_engine_that_returns_its_logits_buffer(tiny_bytes):
+    from stdengine.reference.adapter import ReferenceEngine
+
+    class SharesBuffer(ReferenceEngine):
+        """The bug of issue 13: the last-token logits are the context's buffer, which the next
+        decode() overwrites."""
+
+        def decode(self, tokens: Any, all_logits: bool = False) -> np.ndarray:
+            out = self.ctx.decode(list(tokens), all_logits=all_logits)
+            self.tokens.extend(tokens)
+            return out
+
+    r = _run_logits_stable(SharesBuffer, tiny_bytes)
+    assert r.status == "fail"
+    assert "share memory" in r.message or "sharing memory" in r.message
+    assert "changed:" in r.message and "hint" in r.details
+
+
 # --- report bundle ------------------------------------------------------------------------------
 def test_report_bundle(tmp_path):
     from stdengine.conformance.report import bundle_meta
@@ -375,6 +428,55 @@ def test_report_bundle(tmp_path):
     assert "FAIL" in summary and "`logits.kl:text=all`" in summary
     yaml_text = (d / "ENGINE.yaml").read_text()
     assert 'engine: "toy"' in yaml_text and "machine:" in yaml_text and 'model: "m"' in yaml_text
+    assert f'commit: "{data["commit"]}"' in yaml_text and data["commit"]
+
+
+def test_results_table_from_bundles(tmp_path, capsys):
+    from stdengine.conformance import results_table
+    from stdengine.conformance.report import bundle_meta
+
+    def bundle(name: str, build: str, results: list[Result]) -> None:
+        info = {"name": name, "version": "1", "build": build}
+        meta = bundle_meta(info, name, "m1", "golden m1", None, "core", None)
+        write_bundle(tmp_path / f"{name}-m1", results, meta)
+
+    kl = {"engine": {"kl_mean": 0.00201}, "llama_cpp": {"kl_mean": 0.00199}}
+    bundle(
+        "good",
+        "isa=avx512",
+        [
+            Result("tokenizer.ids:case=a", "core", "pass", "ok", 1.0),
+            Result("logits.kl:text=all", "core", "pass", "ok", 1.0, kl),
+            Result("chat.template:conv=single,gen=1", "core", "skip", "no template", 0.0),
+        ],
+    )
+    bundle("bad", "CPU AMX_INT8=0", [Result("logits.stable", "core", "fail", "changed", 1.0)])
+    assert results_table.main([str(tmp_path)]) == 1  # a bundle with a failing core check
+    out = capsys.readouterr().out
+    assert out == (tmp_path / "results.md").read_text()
+    rows = [line for line in out.splitlines() if line.startswith("| bad") or line.startswith("| good")]
+    assert rows == [
+        "| bad | CPU AMX_INT8=0 | m1 | 1 fail | — | `logits.stable` | — |",
+        "| good | isa=avx512 | m1 | 2 pass, 1 skip | — | — | 0.00201 (0.00199) |",
+    ]
+    from stdengine.conformance.report import machine, source_commit
+
+    header = out.splitlines()[0]
+    assert f"at commit {source_commit()} on {machine()['cpu']}, {machine()['cores']} cores" in header
+
+    (tmp_path / "bad-m1" / "results.json").unlink()
+    assert results_table.main([str(tmp_path)]) == 0
+
+
+def test_results_table_run_fails_when_a_run_does_not_complete(tmp_path):
+    from stdengine.conformance import results_table
+
+    stale = tmp_path / "nosuch-m1"
+    stale.mkdir()
+    (stale / "results.json").write_text("{}")
+    bad = results_table.run_all(tmp_path, "core", (("nosuch", "m1"),))
+    assert bad == ["nosuch on m1 (exit status 2)"]  # unknown engine: a usage error
+    assert not stale.exists()  # a stale bundle is never reported as this run's
 
 
 # --- HTTP checks against small stdlib servers ---------------------------------------------------

@@ -136,6 +136,23 @@ def test_position_bug_across_decode_calls_fails_batch_invariance(llamacpp_cls, s
     assert failing(results) == {"batch.invariance:mode=odd_chunks", "batch.invariance:mode=token_by_token"}
 
 
+def test_returning_llama_cpps_logits_buffer_fails_logits_stable(llamacpp_cls, smollm2_path, golden):
+    class SharesBuffer(llamacpp_cls):  # type: ignore[misc]
+        """Returns llama.cpp's own logits row (llama_get_logits_ith), which the next llama_decode
+        overwrites, instead of a copy."""
+
+        def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+            out = super().decode(tokens, all_logits)
+            if all_logits:
+                return out
+            ptr = self.lib.llama_get_logits_ith(self.ctx, -1)
+            return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    results = run(SharesBuffer, smollm2_path, golden, only="logits.stable")
+    assert failing(results) == {"logits.stable"}
+    assert "changed:" in results["logits.stable"].message
+
+
 def test_silent_truncation_fails_the_overflow_check(llamacpp_cls, smollm2_path, golden):
     class Truncates(llamacpp_cls):  # type: ignore[misc]
         """Keeps the last tokens of an over-long prompt instead of refusing it."""

@@ -255,17 +255,43 @@ def test_info_names_llama_cpp_and_its_build(smol):
 
     info = smol.info()
     assert info.name == "llamacpp" and info.version == llama_cpp.__version__
-    assert llama_cpp.llama_print_system_info().decode().strip() in info.build
+    assert info.build == f"llama-cpp-python {llama_cpp.__version__}; {LlamaCppEngine.build_info()}"
+    # each x86 feature that decides where a build runs, as llama.cpp's own system info says
+    system = " " + llama_cpp.llama_print_system_info().decode()
+    shown = info.build.split()
+    for feature in ("AVX2", "AVX512", "AVX512_VNNI", "AVX_VNNI", "AMX_INT8"):
+        assert f"{feature}={int(f' {feature} = 1 |' in system)}" in shown, (feature, system)
     assert info.model["architecture"] == "llama" and info.model["n_vocab"] == 49152
 
 
-def test_listed_as_available_by_infer_engines():
+def test_model_loaded_names_the_build(smollm2_path):
+    import io
+
+    log = io.StringIO()
+    opts = Options(model=str(smollm2_path), engine="llamacpp", threads=1, ctx_size=256)
+    LlamaCppEngine.load(opts, Emitter(log_format="json", stream=log)).close()
+    (loaded,) = [e for e in map(json.loads, log.getvalue().splitlines()) if e["event"] == "model.loaded"]
+    assert loaded["build"] == LlamaCppEngine.build_info()
+
+
+def test_build_summary_of_a_gpu_build_with_amx():
+    from stdengine.engines.llamacpp import build_summary
+
+    system = (
+        "CUDA : ARCHS = 890 | USE_GRAPHS = 1 | PEER_MAX_BATCH_SIZE = 128 | "
+        "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | OPENMP = 1 | "
+    )
+    assert build_summary(system) == "CUDA CPU AVX2=1 AVX512=1 AVX512_VNNI=1 AVX_VNNI=0 AMX_INT8=1"
+
+
+def test_listed_as_available_by_infer_engines_with_its_build():
     code = (
         "import sys; from stdengine.registry import describe; "
-        "rows = {r['name']: r for r in describe()}; print(rows['llamacpp']['available'])"
+        "rows = {r['name']: r for r in describe()}; print(rows['llamacpp']['available'], rows['llamacpp']['build'])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "True"
+    assert out.strip() == f"True {LlamaCppEngine.build_info()}"
+    assert "AMX_INT8=" in out
 
 
 # --- the CLI --------------------------------------------------------------------------------

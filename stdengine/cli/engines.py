@@ -12,8 +12,9 @@ import click
 def engines(as_json: bool) -> None:
     """List every engine registered under the `stdengine.engines` entry point.
 
-    For each: version, capabilities, the canonical options it honours, and whether it can load on
-    this machine (with the reason when not, e.g. an extra that is not installed).
+    For each: version, the build it found on this machine (e.g. the reference engine's SIMD path,
+    llama.cpp's CPU features), capabilities, the canonical options it honours, and whether it can
+    load here (with the reason when not, e.g. an extra that is not installed).
     """
     from stdengine.registry import describe
 
@@ -25,13 +26,14 @@ def engines(as_json: bool) -> None:
     from rich.table import Table
 
     table = Table()
-    for col in ("engine", "version", "available", "capabilities", "honoured options"):
+    for col in ("engine", "version", "build", "available", "capabilities", "honoured options"):
         table.add_column(col, overflow="fold")
     for r in rows:
         avail = "yes" if r["available"] else f"no: {r['reason']}"
         table.add_row(
             r["name"],
             r["version"] or "?",
+            r["build"],
             avail,
             ", ".join(r["capabilities"]),
             ", ".join(r["honoured_options"]),

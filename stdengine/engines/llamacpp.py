@@ -76,6 +76,31 @@ def _install_log_callback(verbose: bool) -> None:
     lib.llama_log_set(_log_callback, ctypes.c_void_p(0))
 
 
+# The CPU features that decide whether a llama.cpp build runs on an x86 machine, in the order
+# shown. llama.cpp's system info lists only the features a build has ("AVX512 = 1 | ..."); one it
+# lacks is shown here as 0. A native build (pip's default) on an Intel Xeon with AMX has
+# AMX_INT8=1 and died with SIGILL in ggml's AMX matmul on such a machine (a KVM guest); a build
+# with AVX_VNNI=1 cannot run on AMD Zen 4. README, "The llama.cpp extra on x86", says how to build.
+BUILD_FEATURES = ("AVX2", "AVX512", "AVX512_VNNI", "AVX_VNNI", "AMX_INT8")
+
+
+def build_summary(system_info: str) -> str:
+    """A short line from llama_print_system_info(): the backends, and the x86 features above
+    as 0/1, e.g. "CPU AVX2=1 AVX512=1 AVX512_VNNI=1 AVX_VNNI=0 AMX_INT8=0"."""
+    backends: list[str] = []
+    features: set[str] = set()
+    for section in system_info.split("|"):
+        if ":" in section:  # "CPU : SSE3 = 1" opens the CPU backend's list
+            backend, section = (part.strip() for part in section.split(":", 1))
+            if backend and backend not in backends:
+                backends.append(backend)
+        name, sep, value = section.partition("=")
+        if sep and value.strip() not in ("", "0"):
+            features.add(name.strip())
+    flags = " ".join(f"{f}={int(f in features)}" for f in BUILD_FEATURES)
+    return " ".join([*backends, flags])
+
+
 def _recent_errors() -> str:
     lines = [ln.strip() for ln in _log_tail if len(ln.strip()) > 1]  # not the progress dots
     return "; ".join(lines[-3:])
@@ -129,6 +154,10 @@ class LlamaCppEngine(LocalEngine):
         except Exception as e:  # a broken build, e.g. a missing shared library
             return False, f"llama-cpp-python failed to load: {type(e).__name__}: {e} ({INSTALL_HINT})"
         return True, None
+
+    @classmethod
+    def build_info(cls) -> str:
+        return build_summary(_lib().llama_print_system_info().decode("utf-8", errors="replace"))
 
     def __init__(self, model: Any, ctx: Any, options: Options, events: Emitter) -> None:
         lib = _lib()
@@ -225,6 +254,7 @@ class LlamaCppEngine(LocalEngine):
             n_ctx=engine.n_ctx(),
             threads=threads,
             load_ms=round(now_ms() - t0, 1),
+            build=cls.build_info(),
         )
         return engine
 
@@ -233,12 +263,11 @@ class LlamaCppEngine(LocalEngine):
         lib = self.lib
         desc = ctypes.create_string_buffer(256)
         lib.llama_model_desc(self.model, desc, len(desc))
-        system = lib.llama_print_system_info().decode("utf-8", errors="replace").strip()
         offloading = "gpu" in self.capabilities and self.options.n_gpu_layers != 0
         return EngineInfo(
             name=self.name,
             version=lib.__version__,
-            build=f"llama-cpp-python {lib.__version__}; {system}",
+            build=f"llama-cpp-python {lib.__version__}; {self.build_info()}",
             backend="GPU" if offloading else "CPU",
             model={
                 "path": self.options.model,

@@ -1,0 +1,117 @@
+"""The reference engine behind the adapter interface, on a tiny synthetic model: decode() gives
+the caller arrays of its own, and the kernels' SIMD path is visible (info, model.loaded, `infer
+engines`)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from stdengine.events import Emitter
+from stdengine.options import Options
+
+TOKENS = [1, 17, 42, 5, 63, 8, 21, 50]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from gguf_factory import write_llama_gguf
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_llama_gguf(path, weight_type="Q8_0", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2)
+    return path
+
+
+def load(path, stream: io.StringIO | None = None):
+    from stdengine.reference.adapter import ReferenceEngine
+
+    events = Emitter(log_format="json", stream=stream or io.StringIO())
+    return ReferenceEngine.load(Options(model=str(path), ctx_size=64, threads=1), events)
+
+
+def test_logits_returned_earlier_do_not_change_after_later_calls(tiny):
+    engine = load(tiny)
+    try:
+        kept, copies = [], []
+        for t in TOKENS:
+            logits = engine.decode([t])
+            kept.append(logits)
+            copies.append(np.array(logits, copy=True))
+        rows = engine.decode(TOKENS[:3], all_logits=True)
+        rows_copy = rows.copy()
+        engine.reset()
+        last = engine.decode(TOKENS[:2])
+        last_copy = last.copy()
+        engine.decode(TOKENS[2:4])
+        # the inputs differ, so the logits do: a shared buffer would show the last call's values
+        assert all(not np.array_equal(a, b) for a, b in zip(copies, copies[1:], strict=False))
+        for i, (got, copy) in enumerate(zip(kept, copies, strict=True)):
+            np.testing.assert_array_equal(got, copy, err_msg=f"logits of decode() call {i} changed")
+        np.testing.assert_array_equal(rows, rows_copy)
+        np.testing.assert_array_equal(last, last_copy)
+        # the caller may write into its array without touching the engine's next result
+        last[:] = 0.0
+        engine.reset()
+        np.testing.assert_array_equal(engine.decode(TOKENS[:2]), last_copy)
+    finally:
+        engine.close()
+
+
+def test_the_isa_is_in_info_and_model_loaded(tiny):
+    from stdengine.reference.core import isa_name
+
+    log = io.StringIO()
+    engine = load(tiny, log)
+    try:
+        assert isa_name() in ("scalar", "avx2", "avx512")
+        assert engine.info().build == f"isa={isa_name()}"
+        loaded = [json.loads(line) for line in log.getvalue().splitlines()]
+        loaded = [e for e in loaded if e["event"] == "model.loaded"]
+        assert len(loaded) == 1 and loaded[0]["isa"] == isa_name()
+    finally:
+        engine.close()
+
+
+def engines_build(env_isa: str | None) -> str:
+    """The reference engine's build column of `infer engines --json`, INFER_REF_ISA unset or set."""
+    env = {k: v for k, v in os.environ.items() if k != "INFER_REF_ISA"}
+    if env_isa:
+        env["INFER_REF_ISA"] = env_isa
+    out = subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", "engines", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    return str({r["name"]: r for r in json.loads(out)}["reference"]["build"])
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    pytest.skip("no CPU flags in /proc/cpuinfo")
+
+
+def test_infer_engines_shows_the_isa_this_cpu_allows():
+    """The best path this CPU's flags allow (the kernels' rule: AVX-512 with BW, VL and VNNI, or AVX2;
+    both with FMA and F16C), and a lower one when INFER_REF_ISA forces it."""
+    flags = cpu_flags()
+    best = "scalar"
+    if {"avx2", "fma", "f16c"} <= flags:
+        best = "avx2"
+        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+            best = "avx512"
+    assert engines_build(None) == f"isa={best}"
+    assert engines_build("scalar") == "isa=scalar"
