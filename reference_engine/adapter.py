@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from stdengine import __version__
 from stdengine.adapter import EngineInfo, SamplingParams, now_ms
+from stdengine.errors import UnsupportedOption
 from stdengine.generation import choose_chat_template
 from stdengine.local_engine import LocalEngine
 
@@ -77,13 +78,21 @@ class ReferenceEngine(LocalEngine):
 
     @classmethod
     def load(cls, options: Options, events: Emitter) -> ReferenceEngine:
-        from stdengine.reference.core import Context, isa_name
+        from stdengine.reference.core import Context, check_isa_env, isa_name
         from stdengine.reference.model import Model
         from stdengine.reference.tokenizer import Tokenizer
 
         from stdengine.engines import physical_cores
 
         assert options.model is not None
+        if options.engine_args:
+            raise UnsupportedOption(
+                f"engine 'reference' takes no -E settings, got: {', '.join(sorted(options.engine_args))}",
+                hint="remove the -E flags (and any [engine_args] table of the config file); "
+                "the reference engine's settings are the canonical options (`infer engines`)",
+                options=sorted(options.engine_args),
+            )
+        check_isa_env()
         t0 = now_ms()
         model = Model.load(options.model)
         tokenizer = Tokenizer.from_gguf(options.model)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stdengine.adapter import SamplingParams
-from stdengine.errors import ContextOverflow, EngineFailure, InvalidRequest
+from stdengine.errors import ConfigError, ContextOverflow, EngineFailure, InvalidRequest
 
 from ._lib import lib
 
@@ -207,6 +208,34 @@ def hparams_struct(hp: HParams) -> _HParams:
 def isa_name() -> str:
     """The kernels' SIMD path in use: scalar, avx2 or avx512."""
     return api().se_isa_name().decode()
+
+
+ISAS = ("scalar", "avx2", "avx512")
+
+
+def check_isa_env(env: Mapping[str, str] | None = None) -> None:
+    """INFER_REF_ISA, when set, must name a path this CPU can run: the C core alone would fall back
+    to the best path, silently; the engine refuses instead (ConfigError, before any model loads)."""
+    env = os.environ if env is None else env
+    want = env.get("INFER_REF_ISA", "")
+    if not want:
+        return
+    if want not in ISAS:
+        raise ConfigError(
+            f"INFER_REF_ISA={want!r} is not a SIMD path of the reference engine",
+            hint="set INFER_REF_ISA to scalar|avx2|avx512 (a path this CPU can run), or unset it for the best one",
+            key="INFER_REF_ISA",
+        )
+    # the C core read the same variable at start-up: it runs the wanted path or, when this CPU
+    # cannot, falls back to a lower one (the best here)
+    have = isa_name()
+    if have in ISAS and ISAS.index(have) < ISAS.index(want):
+        runnable = ISAS[: ISAS.index(have) + 1] if have in ISAS else ("scalar",)
+        raise ConfigError(
+            f"INFER_REF_ISA={want} asks for a SIMD path this CPU cannot run",
+            hint=f"this CPU runs {'|'.join(runnable)}: set INFER_REF_ISA to one of them, or unset it for the best one",
+            key="INFER_REF_ISA",
+        )
 
 
 class Context:

@@ -191,6 +191,16 @@ def resolve(
         values[name] = list(value) if isinstance(value, tuple) else value
         sources[name] = "flag"
 
+    model = values.get("model")
+    if isinstance(model, str) and not model.strip():
+        src = sources["model"]
+        where = {"flag": "-m", f"env {env_var('model')}": env_var("model")}.get(src, src)
+        raise ConfigError(
+            f"the model reference is empty ({where} {model!r})",
+            hint="give a .gguf path, a catalogue alias (`infer models list`) or hf://owner/repo/file, "
+            "or leave the option out for the default model",
+            key="model",
+        )
     _validate(values, where="options")
     return Resolved(options=Options.model_validate(values), sources=sources, config_path=path, match=match)
 
@@ -202,7 +212,8 @@ def parse_engine_args(items: tuple[str, ...] | list[str]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(
-                f"-E expects key=value, got {item!r}", hint="for example: -E kv_layout=interleaved"
+                f"-E expects key=value, got {item!r}",
+                hint="for example: -E timeout=120 (each engine's settings are in spec/engines.md)",
             )
         out[key.strip()] = value
     return out

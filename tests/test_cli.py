@@ -75,3 +75,14 @@ def test_engines_json_lists_reference():
     rows = {e["name"]: e for e in json.loads(r.stdout)}
     ref = rows["reference"]
     assert "logits" in ref["capabilities"] and "ctx_size" in ref["honoured_options"]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "where"), [(["-m", ""], {}, "-m ''"), ([], {"INFER_MODEL": " "}, "INFER_MODEL ' '")]
+)
+def test_empty_model_reference_is_an_error_not_the_default(tmp_path, args, env, where):
+    r = infer("run", *args, "-n", "2", "-p", "hi", env=env, cwd=str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: the model reference is empty ({where})")
+    assert "hint: give a .gguf path, a catalogue alias" in r.stderr
+    assert "model.loaded" not in r.stderr and r.stdout == ""

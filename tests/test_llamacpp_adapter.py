@@ -328,3 +328,10 @@ def test_cli_refuses_load_options_for_the_openai_engine():
     r = infer("run", "-e", "openai", "--url", "http://127.0.0.1:9", "-c", "100", "-p", "hi")
     assert r.returncode == 2
     assert "engine 'openai' cannot honour ctx_size" in r.stderr
+
+
+def test_engine_args_are_refused_not_ignored(tmp_path):
+    """llama.cpp takes no -E settings through this adapter: a key is an error naming it."""
+    options = Options(engine="llamacpp", model=str(tmp_path / "any.gguf"), engine_args={"n_gqa": "8"})
+    with pytest.raises(UnsupportedOption, match="takes no -E settings, got: n_gqa"):
+        LlamaCppEngine.load(options, Emitter(log_format="json"))

@@ -115,3 +115,70 @@ def test_infer_engines_shows_the_isa_this_cpu_allows():
             best = "avx512"
     assert engines_build(None) == f"isa={best}"
     assert engines_build("scalar") == "isa=scalar"
+
+
+def infer_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if k != "INFER_REF_ISA"}
+    full.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", "run", *args],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
+    )
+
+
+def test_unknown_engine_args_are_refused_not_ignored(tiny):
+    """The reference engine has no -E settings: any key is an unsupported_option error naming it
+    (spec/options.md: engines refuse keys they do not know), in the API and on the command line."""
+    from stdengine.reference.adapter import ReferenceEngine
+
+    from stdengine.errors import UnsupportedOption
+
+    options = Options(model=str(tiny), ctx_size=64, threads=1, engine_args={"kv_layout": "interleaved"})
+    with pytest.raises(UnsupportedOption, match="kv_layout"):
+        ReferenceEngine.load(options, Emitter(log_format="json", stream=io.StringIO()))
+    r = infer_run("-m", str(tiny), "-E", "foo=bar", "-n", "2", "-p", "hi")
+    assert r.returncode == 2, r.stderr
+    assert "error: engine 'reference' takes no -E settings, got: foo" in r.stderr
+    assert "hint: remove the -E flags" in r.stderr and r.stdout == ""
+    # the same key from a config file's [engine_args] table
+    cfg = tiny.parent / "with-args.toml"
+    cfg.write_text('[engine_args]\nkv_layout = "interleaved"\n')
+    r = infer_run("--config", str(cfg), "-m", str(tiny), "-n", "2", "-p", "hi")
+    assert r.returncode == 2 and "got: kv_layout" in r.stderr
+
+
+def test_unknown_infer_ref_isa_is_an_error_with_the_valid_names(tiny):
+    r = infer_run("-m", str(tiny), "-n", "2", "-p", "hi", env={"INFER_REF_ISA": "bogus"})
+    assert r.returncode == 2, r.stderr
+    assert "error: INFER_REF_ISA='bogus' is not a SIMD path" in r.stderr
+    assert "scalar|avx2|avx512" in r.stderr and r.stdout == ""
+    # a valid, runnable path still runs
+    r = infer_run("-m", str(tiny), "-n", "2", "--raw", "-p", "hi", env={"INFER_REF_ISA": "scalar"})
+    assert "isa=scalar" in r.stderr and "INFER_REF_ISA" not in r.stderr, r.stderr
+
+
+def test_infer_ref_isa_this_cpu_cannot_run_is_an_error(monkeypatch):
+    """The C core falls back to the best path when asked for one the CPU lacks; the engine sees the
+    difference and refuses, naming the paths this CPU runs."""
+    from stdengine.reference import core
+
+    from stdengine.errors import ConfigError
+
+    monkeypatch.setattr(core, "isa_name", lambda: "avx2")  # as on a CPU without AVX-512
+    with pytest.raises(ConfigError, match="cannot run") as e:
+        core.check_isa_env({"INFER_REF_ISA": "avx512"})
+    assert e.value.hint is not None and "this CPU runs scalar|avx2" in e.value.hint
+    core.check_isa_env({"INFER_REF_ISA": "avx2"})  # what runs is what was asked: no error
+    core.check_isa_env({})
+
+
+def test_infer_ref_isa_above_this_cpu_fails_the_run(tiny):
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        pytest.skip("this CPU runs every path")
+    want = "avx512" if {"avx2", "fma", "f16c"} <= flags else "avx2"
+    r = infer_run("-m", str(tiny), "-n", "2", "-p", "hi", env={"INFER_REF_ISA": want})
+    assert r.returncode == 2 and "cannot run" in r.stderr, r.stderr

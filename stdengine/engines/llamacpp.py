@@ -190,6 +190,13 @@ class LlamaCppEngine(LocalEngine):
     def load(cls, options: Options, events: Emitter) -> LlamaCppEngine:
         from stdengine.engines import physical_cores
 
+        if options.engine_args:
+            raise UnsupportedOption(
+                f"engine 'llamacpp' takes no -E settings, got: {', '.join(sorted(options.engine_args))}",
+                hint="remove the -E flags (and any [engine_args] table of the config file); "
+                "llama.cpp's settings here are the canonical options (`infer engines`)",
+                options=sorted(options.engine_args),
+            )
         lib = _lib()
         _install_log_callback(options.verbosity > 0)
         lib.llama_backend_init()
