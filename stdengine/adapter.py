@@ -160,6 +160,17 @@ class Engine(ABC):
         return True, None
 
     @classmethod
+    def decided_defaults(cls, options: Options) -> dict[str, Any]:
+        """The values this engine will use for options left at a null default ("the engine
+        decides"), shown by `infer config show`; options not named here stay null. The default:
+        the catalogue's default model, for engines that load a model file."""
+        if cls.needs_model_file and options.model is None:
+            from stdengine import DEFAULT_MODEL
+
+            return {"model": DEFAULT_MODEL}
+        return {}
+
+    @classmethod
     def build_info(cls) -> str:
         """A short line saying which build of the engine this machine runs (e.g. the SIMD path or
         the CPU features a library was compiled with), shown by `infer engines`; "" when there is

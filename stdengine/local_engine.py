@@ -8,7 +8,7 @@ bottom (how to evaluate tokens, sample one, and turn tokens into text).
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stdengine.adapter import (
     DoneEvent,
@@ -25,6 +25,9 @@ from stdengine.adapter import (
 from stdengine.errors import ContextOverflow, InvalidRequest
 from stdengine.generation import StopMatcher, render_chat_template, request_tokens
 
+if TYPE_CHECKING:
+    from stdengine.options import Options
+
 
 class TextStream(Protocol):
     def push(self, token: int) -> str: ...  # the complete UTF-8 text this token adds
@@ -40,6 +43,19 @@ class LocalEngine(Engine):
     eos_id: int | None
     add_bos: bool
     tokens: list[int]
+
+    @classmethod
+    def decided_defaults(cls, options: Options) -> dict[str, Any]:
+        """Threads: the physical cores (llama.cpp's rule); threads_batch: threads."""
+        from stdengine.engines import physical_cores
+
+        out = super().decided_defaults(options)
+        threads = options.threads or physical_cores()
+        if options.threads is None:
+            out["threads"] = threads
+        if options.threads_batch is None:
+            out["threads_batch"] = threads
+        return out
 
     # --- chat templates --------------------------------------------------------------------
     def has_chat_template(self) -> bool:

@@ -86,3 +86,58 @@ def test_empty_model_reference_is_an_error_not_the_default(tmp_path, args, env, 
     assert r.stderr.startswith(f"error: the model reference is empty ({where})")
     assert "hint: give a .gguf path, a catalogue alias" in r.stderr
     assert "model.loaded" not in r.stderr and r.stdout == ""
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("INFER_")}
+
+
+def config_show(*args: str, cwd: str) -> dict:
+    r = subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", "config", "show", "--json", *args],
+        capture_output=True,
+        text=True,
+        env={**_clean_env(), "XDG_CONFIG_HOME": cwd},
+        cwd=cwd,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["options"]
+
+
+def test_config_show_prints_the_model_and_threads_the_engine_will_use(tmp_path):
+    """Not `null`: the catalogue's default model, and threads as the local engines choose them
+    (physical cores, counted here from /proc/cpuinfo's distinct physical id/core id pairs)."""
+    cores: set[tuple[str, str]] = set()
+    phys = ""
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            key, _, value = line.partition(":")
+            if key.strip() == "physical id":
+                phys = value.strip()
+            elif key.strip() == "core id":
+                cores.add((phys, value.strip()))
+    expected = len(cores) or os.cpu_count()
+    opts = config_show(cwd=str(tmp_path))
+    assert opts["model"] == {"value": "smollm2-135m-instruct", "source": "default"}
+    assert opts["threads"] == {"value": expected, "source": "default"}
+    assert opts["threads_batch"] == {"value": expected, "source": "default"}
+    opts = config_show("-t", "3", cwd=str(tmp_path))
+    assert opts["threads"] == {"value": 3, "source": "flag"}
+    assert opts["threads_batch"] == {"value": 3, "source": "default"}  # threads_batch follows threads
+    # the text table says the same
+    r = infer(
+        "config", "show", env={"COLUMNS": "120", "INFER_MODEL": "", "INFER_THREADS": ""}, cwd=str(tmp_path)
+    )
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in r.stdout.splitlines()
+        if "│" in line
+    }
+    assert rows["model"] == "smollm2-135m-instruct" and rows["threads"] == str(expected)
+
+
+def test_config_show_leaves_what_a_remote_engine_decides_null(tmp_path):
+    """The openai engine's model defaults to the server's first model, unknown without asking it."""
+    opts = config_show("-e", "openai", cwd=str(tmp_path))
+    assert opts["model"] == {"value": None, "source": "default"}

@@ -19,6 +19,19 @@ def config() -> None:
     """
 
 
+def decided_defaults(options: Any) -> dict[str, Any]:
+    """What the chosen engine will use for options left at null (model, threads...); nothing
+    when the engine cannot be imported (`infer engines` says why)."""
+    from stdengine import registry
+    from stdengine.errors import InferError
+
+    try:
+        cls = registry.engine_class(options.engine)
+    except InferError:
+        return {}
+    return cls.decided_defaults(options)
+
+
 @config.command("show")
 @canonical_options()
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object: {option: {value, source}}")
@@ -26,10 +39,13 @@ def show(as_json: bool, **kwargs: Any) -> None:
     """Print every option with its effective value and source.
 
     Any canonical flag may be given, to see how it combines with the environment and the file:
-    `INFER_THREADS=3 infer config show -t 5` reports threads 5 from the flag.
+    `INFER_THREADS=3 infer config show -t 5` reports threads 5 from the flag. An option whose
+    default is "the engine decides" shows what the chosen engine will use (the default model,
+    the physical cores for threads), with the source `default`.
     """
     resolved = resolve_cli(kwargs)
     values = resolved.options.model_dump()
+    values.update(decided_defaults(resolved.options))
     if as_json:
         out = {name: {"value": values[name], "source": resolved.sources[name]} for name in values}
         click.echo(
