@@ -141,3 +141,31 @@ def test_config_show_leaves_what_a_remote_engine_decides_null(tmp_path):
     """The openai engine's model defaults to the server's first model, unknown without asking it."""
     opts = config_show("-e", "openai", cwd=str(tmp_path))
     assert opts["model"] == {"value": None, "source": "default"}
+
+
+def test_engines_is_readable_at_80_columns():
+    """One block per engine: no line wider than the terminal, no option name split across lines."""
+    r = infer("engines", env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    words = {w.strip(",") for line in lines for w in line.split()}
+    for row in json.loads(infer("engines", "--json").stdout):
+        assert row["name"] in words
+        for option in row["honoured_options"]:
+            assert option in words, f"{row['name']}: option {option} is not shown whole"
+
+
+def test_engines_shows_the_install_hint_of_an_engine_that_cannot_load():
+    """rich markup would read `[llamacpp]` as a tag and print `pip install 'stdengine'`."""
+    code = (
+        "import sys\nsys.modules['llama_cpp'] = None  # as if llama-cpp-python were not installed\n"
+        "from stdengine.cli.main import main\nmain(['engines'])\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"}
+    )
+    assert r.returncode == 0, r.stderr
+    block = r.stdout.split("llamacpp", 1)[1].split("\n\n")[0]
+    assert "not available" in block
+    assert "pip install 'stdengine[llamacpp]'" in block

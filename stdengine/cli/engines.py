@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
@@ -23,19 +24,30 @@ def engines(as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2))
         return
     from rich.console import Console
+
+    render(rows, Console())
+
+
+def render(rows: list[dict[str, Any]], console: Any) -> None:
+    """One block per engine, so that it reads at 80 columns: a heading line (name, version,
+    whether it loads here), then build, capabilities and honoured options as wrapped lines.
+    Every text from an engine is escaped: rich markup would swallow `[llamacpp]` in a hint."""
+    from rich.markup import escape
+    from rich.padding import Padding
     from rich.table import Table
 
-    table = Table()
-    for col in ("engine", "version", "build", "available", "capabilities", "honoured options"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        avail = "yes" if r["available"] else f"no: {r['reason']}"
-        table.add_row(
-            r["name"],
-            r["version"] or "?",
-            r["build"],
-            avail,
-            ", ".join(r["capabilities"]),
-            ", ".join(r["honoured_options"]),
-        )
-    Console().print(table)
+    for i, r in enumerate(rows):
+        state = "[green]available[/green]" if r["available"] else "[red]not available[/red]"
+        console.print(f"[bold]{escape(r['name'])}[/bold] {escape(r['version'] or '?')}  {state}")
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="dim", no_wrap=True)
+        grid.add_column(overflow="fold")
+        if not r["available"]:
+            grid.add_row("why", escape(str(r["reason"])))
+        if r.get("description"):
+            grid.add_row("what", escape(r["description"]))
+        if r["build"]:
+            grid.add_row("build", escape(r["build"]))
+        grid.add_row("capabilities", escape(", ".join(r["capabilities"])) or "-")
+        grid.add_row("options", escape(", ".join(r["honoured_options"])) or "-")
+        console.print(Padding(grid, (0, 0, 0 if i == len(rows) - 1 else 1, 2)))
