@@ -169,3 +169,42 @@ def test_engines_shows_the_install_hint_of_an_engine_that_cannot_load():
     block = r.stdout.split("llamacpp", 1)[1].split("\n\n")[0]
     assert "not available" in block
     assert "pip install 'stdengine[llamacpp]'" in block
+
+
+def help_text(*verb: str) -> str:
+    r = infer(*verb, "--help", env={"COLUMNS": "100"})
+    assert r.returncode == 0, r.stderr
+    return " ".join(r.stdout.split())  # click wraps lines: compare on single spaces
+
+
+def shown_flags(text: str) -> set[str]:
+    return {w.rstrip(",") for w in text.split() if w.startswith("-") and len(w) > 1}
+
+
+@pytest.mark.parametrize("verb", ["run", "chat"])
+def test_run_and_chat_help_show_no_server_options_and_their_defaults(verb):
+    text = help_text(verb)
+    flags = shown_flags(text)
+    for server_only in ("--host", "--port", "-np", "--parallel"):
+        assert server_only not in flags, f"infer {verb} --help shows {server_only}"
+    # a remote engine's URL and key are still options of run/chat (-e openai --url URL)
+    assert {"--url", "--api-key", "-p", "-n", "--temp"} <= flags
+    # the standard's defaults (spec/options.md), not what the code computes
+    assert "temperature (0 = greedy) [default: 0.8; env: INFER_TEMP]" in text
+    assert "[default: -1; env: INFER_N_PREDICT]" in text
+    assert "[default: 4096; env: INFER_CTX_SIZE]" in text
+    assert "[default: smollm2-135m-instruct" in text
+    assert "[default: off; env: INFER_FLASH_ATTN]" in text
+
+
+def test_serve_help_shows_server_options_and_no_prompt_options():
+    text = help_text("serve")
+    flags = shown_flags(text)
+    assert {"--host", "--port", "-np", "--api-key"} <= flags
+    assert not {"-p", "--prompt", "-f", "-sys"} & flags
+    assert "[default: 127.0.0.1; env: INFER_HOST]" in text and "[default: 8080; env: INFER_PORT]" in text
+
+
+def test_conformance_help_shows_no_sampling_or_server_options():
+    flags = shown_flags(help_text("conformance"))
+    assert not {"--temp", "-p", "--host", "--port", "-np"} & flags

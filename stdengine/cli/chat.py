@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from stdengine.adapter import DoneEvent, GenerateRequest, TokenEvent
-from stdengine.cli.common import canonical_options, load_engine, make_emitter, resolve_cli
+from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load_engine, make_emitter, resolve_cli
 from stdengine.cli.run import sampling_from, summary_line
 from stdengine.errors import InferError, UsageError
 
@@ -16,7 +16,7 @@ HELP = "commands: /exit (or Ctrl-D) leaves, /reset forgets the conversation, /he
 
 
 @click.command()
-@canonical_options()
+@canonical_options(*CLIENT_OPTIONS)
 def chat(**kwargs: Any) -> None:
     """Talk with a model: each answer streams as it is generated, and the whole conversation is
     sent every turn under the model's chat template.

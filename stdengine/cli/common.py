@@ -12,7 +12,7 @@ from typing import Any, get_args, get_origin
 import click
 
 from stdengine.errors import InferError, Interrupted
-from stdengine.options import OPTION_NAMES, Options, env_var, flags
+from stdengine.options import DEFAULTS, OPTION_NAMES, Options, env_var, flags
 
 F = Callable[..., Any]
 
@@ -23,7 +23,8 @@ def _click_option(name: str) -> Callable[[F], F]:
     ann = info.annotation
     args = [a for a in get_args(ann) if a is not type(None)]
     base = args[0] if get_origin(ann) is not None and args else ann
-    help_text = f"{info.description} [env: {env_var(name)}]"
+    shown = default_text(name)
+    help_text = f"{info.description} [{f'default: {shown}; ' if shown else ''}env: {env_var(name)}]"
     if name == "engine_args":
         return click.option("-E", "engine_args", multiple=True, metavar="KEY=VALUE", help=info.description)
     if base is bool:
@@ -36,6 +37,28 @@ def _click_option(name: str) -> Callable[[F], F]:
         return click.option(*names, name, type=click.Choice(get_args(base)), default=None, help=help_text)
     click_type: Any = base if base in (int, float, str) else str
     return click.option(*names, name, type=click_type, default=None, help=help_text)
+
+
+def default_text(name: str) -> str:
+    """An option's default as its --help shows it; "" when there is none to show (null: the
+    engine decides, which the option's help says; an empty list or table)."""
+    value = DEFAULTS[name]
+    if name == "model":
+        from stdengine import DEFAULT_MODEL
+
+        return f"{DEFAULT_MODEL} (engines that load a file)"
+    if value is None or value == [] or value == {}:
+        return ""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+# Options of `infer serve` alone: where it listens and how many requests it serves at once.
+# (--url and --api-key also name a remote engine and its key, so `infer run -e openai` takes them.)
+SERVER_ONLY = ("host", "port", "parallel")
+# Options of a verb that runs one engine for one user (run, chat): all but the server's.
+CLIENT_OPTIONS = tuple(n for n in OPTION_NAMES if n not in SERVER_ONLY)
 
 
 def canonical_options(*names: str) -> Callable[[F], F]:

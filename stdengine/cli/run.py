@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
-from stdengine.cli.common import canonical_options, load_engine, make_emitter, resolve_cli
+from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load_engine, make_emitter, resolve_cli
 from stdengine.errors import InvalidRequest, UsageError
 from stdengine.options import Options
 
@@ -57,7 +57,7 @@ def summary_line(done: DoneEvent) -> str:
 
 
 @click.command()
-@canonical_options()
+@canonical_options(*CLIENT_OPTIONS)
 @click.option("--raw", is_flag=True, help="complete the prompt exactly as given, without the chat template")
 @click.option(
     "--json", "as_json", is_flag=True, help="print one JSON result object instead of streaming text"
