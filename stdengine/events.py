@@ -29,6 +29,7 @@ KNOWN_EVENTS: dict[str, str] = {
     "generation.done": "a generation ended (finish_reason, timings)",
     "request.start": "the server accepted a request (method, route)",
     "request.done": "the server answered a request (status, tokens, ttft_ms, duration_ms)",
+    "server.stop": "`infer serve` stopped listening and answered the requests in flight (url, signal)",
     "bench.result": "one benchmark test finished (a benchmark record)",
     "conformance.check": "one conformance check finished (id, level, status)",
     "error": "an error ended the command (code, message, hint)",

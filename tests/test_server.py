@@ -500,3 +500,48 @@ def test_without_the_server_extra(tmp_path: Path) -> None:
     )
     assert r.returncode == 6, r.stderr
     assert "server extra" in r.stderr and "pip install 'stdengine[server]'" in r.stderr
+
+
+def test_listening_is_announced_once_the_socket_listens(tmp_path: Path) -> None:
+    """A client that connects as soon as the "listening on" line is emitted must get through, on a
+    port the OS picked (port 0): the callback connects, with no retry, before anything else runs."""
+    code = f"""
+import os, signal, socket, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_server_toy import ToyEngine, Weights
+from stdengine.adapter import SamplingParams
+from stdengine.events import null_emitter
+from stdengine.server.app import build_state, run_server
+
+state = build_state(ToyEngine(Weights(), 64, 0, True), parallel=1, defaults=SamplingParams(),
+                    events=null_emitter(), model_ref="toy")
+
+def listening(url):
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        print("connected", port, flush=True)
+    except OSError as e:
+        print("refused", port, e, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+run_server(state, "127.0.0.1", 0, on_listening=listening,
+           on_stopped=lambda url, sig: print("stopped", url.rsplit(":", 1)[1], sig, flush=True))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split("\n")
+    first, second = lines[0].split(), lines[1].split()
+    assert first[0] == "connected", r.stdout
+    assert int(first[1]) > 0  # the real port, not 0
+    assert second == ["stopped", first[1], "SIGTERM"]
+
+
+def test_shutdown_is_logged(tmp_path: Path) -> None:
+    s = toy_server(tmp_path)
+    assert s.stop() == 0
+    names = [e["event"] for e in s.events()]
+    assert names.index("run.start") < names.index("server.stop")
+    (stop,) = s.events("server.stop")
+    assert stop["url"] == s.url and stop["signal"] == "SIGTERM" and stop["level"] == "info"
+    assert stop["summary"].startswith(f"stopped listening on {s.url} (SIGTERM)")

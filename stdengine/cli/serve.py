@@ -106,7 +106,15 @@ def serve(queue_size: int | None, **kwargs: Any) -> None:
                 f"queue {state.slots.queue_size if state else 0}{turns} | web chat at {url}/",
             )
 
-        run_server(state, options.host, options.port, on_listening=listening)
+        def stopped(url: str, sig: str | None) -> None:
+            events.info(
+                "server.stop",
+                url=url,
+                signal=sig,
+                summary=f"stopped listening on {url}{f' ({sig})' if sig else ''}; requests in flight answered",
+            )
+
+        run_server(state, options.host, options.port, on_listening=listening, on_stopped=stopped)
     finally:
         if state is not None:
             close_state(state)
