@@ -110,12 +110,24 @@ def test_logits_do_not_depend_on_threads_or_split(model, isa):
 
 
 def test_long_sequences_and_window(model):
-    """Past 512 positions (Gemma's sliding window, the default ubatch): one ubatch of 512 then the
-    rest, ubatches of 64, and a prefix of 590 reused, on the fastest path."""
-    tokens = _tokens(model, 600)
-    want = _logits(model, tokens)
-    _same_bytes(_logits(model, tokens, ubatch=64, threads=1), want, "ubatch=64 threads=1")
-    _same_bytes(_logits(model, tokens, reuse_prefix=590, ubatch=1), want[590:], "prefix=590")
+    """Past 512 positions (Gemma's sliding window, the default ubatch), on the fastest path: the
+    last 48 positions of 560 tokens decoded after one ubatch of 512, after ubatches of 64 on one
+    thread, and after a reused prefix of 540 (logits of the tail only: Gemma's rows are 1 MB)."""
+    tokens = _tokens(model, 560)
+
+    def tail(threads=2, ubatch=512, reuse_prefix=None):
+        with Context(model, n_ctx=1024, n_threads=threads, n_batch=512, n_ubatch=ubatch) as ctx:
+            if reuse_prefix is not None:
+                ctx.decode(tokens)
+                ctx.truncate(reuse_prefix)
+                ctx.decode(tokens[reuse_prefix:512])
+            else:
+                ctx.decode(tokens[:512])
+            return ctx.decode(tokens[512:], all_logits=True)
+
+    want = tail()
+    _same_bytes(tail(threads=1, ubatch=64), want, "ubatch=64 threads=1")
+    _same_bytes(tail(ubatch=7, reuse_prefix=500), want, "prefix=500")
 
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
