@@ -209,6 +209,12 @@ class Engine(ABC):
     def n_ctx(self) -> int:
         raise NotImplementedError
 
+    def partial_timings(self) -> Timings | None:
+        """Optional: the timings of the generation in progress, or of the last one if it was cut
+        short (Ctrl-C): the prompt once it is evaluated, the tokens generated so far. None when
+        the engine cannot say (the caller then counts what it received)."""
+        return None
+
     def has_chat_template(self) -> bool:
         return False
 

@@ -26,7 +26,8 @@ KNOWN_EVENTS: dict[str, str] = {
     "model.loaded": "a model is loaded (path, architecture, n_params, load_ms; the engine's build: "
     "the reference engine's `isa`, llama.cpp's `build`)",
     "prompt.evaluated": "a prompt was processed (prompt_n, prompt_ms, prompt_per_second)",
-    "generation.done": "a generation ended (finish_reason, timings)",
+    "generation.done": "a generation ended (finish_reason, timings); after Ctrl-C in `infer run`, "
+    "finish_reason `interrupted` and the timings of what was generated so far",
     "request.start": "the server accepted a request (method, route)",
     "request.done": "the server answered a request (status, tokens, ttft_ms, duration_ms)",
     "server.stop": "`infer serve` stopped listening and answered the requests in flight (url, signal)",

@@ -77,9 +77,11 @@ class LocalEngine(Engine):
         s = request.sampling
         prompt = request_tokens(self, request, self.bos_id, self.add_bos)
         self.check_fits(len(prompt), generating=True)
+        self._progress: tuple[int, float, float, int] | None = None
         t0 = now_ms()
         prompt_n = self._prefill(prompt)
         t1 = now_ms()
+        self._progress = (prompt_n, t1 - t0, t1, 0)  # prompt_n, prompt_ms, start of generation, n_gen
         stops = StopMatcher(s.stop)
         text = self._text_stream()
         n_gen = 0
@@ -93,6 +95,7 @@ class LocalEngine(Engine):
                     finish = "stop"
                     break
                 n_gen += 1
+                self._progress = (prompt_n, t1 - t0, t1, n_gen)
                 delta, matched = stops.feed(text.push(tok))
                 yield TokenEvent(tok, delta)
                 if matched is not None:
@@ -116,6 +119,13 @@ class LocalEngine(Engine):
             usage=Usage(prompt_tokens=len(prompt), completion_tokens=n_gen),
             timings=Timings(prompt_n=prompt_n, prompt_ms=t1 - t0, predicted_n=n_gen, predicted_ms=t2 - t1),
         )
+
+    def partial_timings(self) -> Timings | None:
+        progress = getattr(self, "_progress", None)
+        if progress is None:
+            return None  # no generation yet, or its prompt is still being evaluated
+        prompt_n, prompt_ms, t1, n_gen = progress
+        return Timings(prompt_n=prompt_n, prompt_ms=prompt_ms, predicted_n=n_gen, predicted_ms=now_ms() - t1)
 
     def check_fits(self, n: int, *, generating: bool = False) -> None:
         """ContextOverflow unless n tokens fit the context (one more when generating after them)."""

@@ -208,3 +208,56 @@ def test_serve_help_shows_server_options_and_no_prompt_options():
 def test_conformance_help_shows_no_sampling_or_server_options():
     flags = shown_flags(help_text("conformance"))
     assert not {"--temp", "-p", "--host", "--port", "-np"} & flags
+
+
+def interrupt_after_words(cmd: list[str], words: int) -> tuple[int, str, list[dict]]:
+    """Start a run, wait for `words` words of its output, press Ctrl-C (SIGINT); returns the exit
+    status, everything it printed and its JSON log events."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    seen = ""
+    while len(seen.split()) <= words:  # one more: the last word seen is complete
+        c = proc.stdout.read(1)
+        assert c, f"the run ended before {words} words: {seen!r}"
+        seen += c
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert err.rstrip().endswith("interrupted"), err
+    return proc.returncode, seen + out, events
+
+
+def test_ctrl_c_prints_the_timings_so_far_for_any_engine():
+    """The toy engine (tests/test_server_toy.py) gives no partial timings: `infer run` counts the
+    tokens it received."""
+    toy = os.path.join(os.path.dirname(__file__), "test_server_toy.py")
+    cmd = [sys.executable, toy, "run", "-e", "toy", "-m", "toy", "-E", "delay_ms=20", "-n", "100000"]
+    rc, out, events = interrupt_after_words([*cmd, "--log-format", "json", "-p", "hi"], 4)
+    assert rc == 130
+    (done,) = [e for e in events if e["event"] == "generation.done"]
+    assert done["finish_reason"] == "interrupted"
+    assert done["timings"]["predicted_n"] >= 4  # one word per token
+    assert done["timings"]["predicted_n"] < 100000
+    assert done["summary"].endswith("finish: interrupted")
+
+
+@pytest.mark.models
+def test_ctrl_c_prints_the_timings_so_far_of_the_reference_engine(smollm2_path):
+    cmd = [sys.executable, "-m", "stdengine.cli.main", "run", "-m", str(smollm2_path), "--temp", "0"]
+    cmd += [
+        "-n",
+        "2000",
+        "--log-format",
+        "json",
+        "-p",
+        "Write a very long story about a dragon who learns to read.",
+    ]
+    rc, out, events = interrupt_after_words(cmd, 5)
+    assert rc == 130
+    (done,) = [e for e in events if e["event"] == "generation.done"]
+    t = done["timings"]
+    assert done["finish_reason"] == "interrupted"
+    assert t["prompt_n"] > 10 and t["prompt_ms"] > 0  # the prompt was evaluated, and says so
+    assert 5 <= t["predicted_n"] < 2000 and t["predicted_per_second"] > 0

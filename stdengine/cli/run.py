@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
+from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, Timings, TokenEvent, now_ms
 from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load_engine, make_emitter, resolve_cli
 from stdengine.errors import InvalidRequest, UsageError
 from stdengine.options import Options
@@ -48,11 +48,15 @@ def read_prompt(options: Options) -> str:
 
 
 def summary_line(done: DoneEvent) -> str:
-    t = done.timings.to_dict()
+    return timings_line(done.timings, done.finish_reason)
+
+
+def timings_line(timings: Timings, finish: str) -> str:
+    t = timings.to_dict()
     return (
         f"prompt: {t['prompt_n']} tokens, {t['prompt_per_second']:.1f} t/s | "
         f"generation: {t['predicted_n']} tokens, {t['predicted_per_second']:.1f} t/s | "
-        f"finish: {done.finish_reason}"
+        f"finish: {finish}"
     )
 
 
@@ -100,14 +104,41 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
             request = GenerateRequest(prompt=prompt, sampling=sampling_from(options))
         pieces: list[str] = []
         done: DoneEvent | None = None
-        for ev in engine.generate(request):
-            if isinstance(ev, TokenEvent):
-                pieces.append(ev.text)
-                if not as_json and ev.text:
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-            else:
-                done = ev
+        received = 0
+        t_start = now_ms()
+        t_first: float | None = None
+        try:
+            for ev in engine.generate(request):
+                if isinstance(ev, TokenEvent):
+                    if ev.id >= 0:
+                        received += 1
+                        t_first = t_first or now_ms()
+                    pieces.append(ev.text)
+                    if not as_json and ev.text:
+                        sys.stdout.write(ev.text)
+                        sys.stdout.flush()
+                else:
+                    done = ev
+        except KeyboardInterrupt:
+            # Ctrl-C: the timings of what was generated so far, then "interrupted" (exit 130)
+            timings = engine.partial_timings()
+            if timings is None:  # the engine cannot say: what this loop received
+                t_now = now_ms()
+                timings = Timings(
+                    prompt_ms=(t_first or t_now) - t_start,
+                    predicted_n=received,
+                    predicted_ms=t_now - t_first if t_first else 0.0,
+                )
+            if not as_json:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            events.info(
+                "generation.done",
+                finish_reason="interrupted",
+                summary=timings_line(timings, "interrupted"),
+                timings=timings.to_dict(),
+            )
+            raise
         assert done is not None, "an engine must end generate() with a DoneEvent"
         if not as_json:
             sys.stdout.write("\n")
