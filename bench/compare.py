@@ -247,6 +247,14 @@ def _kind(p: Pair) -> str:
     return "prompt + generation (pp+tg)"
 
 
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot(pairs: list[Pair], path: str, title: str | None = None) -> None:
     """One panel per kind of test (pp, tg, pp+tg); in each, bars per test for base and candidate
     side by side with their standard deviations, and the speedup above the candidate's bar."""
@@ -345,6 +353,16 @@ def main(argv: list[str]) -> int:
             raise CompareError("compare takes two results files: BASE CANDIDATE")
         if opts["output"] not in ("md", "csv", "json"):
             raise CompareError(f"invalid parameter for argument: -o {opts['output']} (md, csv or json)")
+        if "plot" in opts and not _have_matplotlib():
+            # before the table: a run that cannot do all it was asked does none of it
+            from stdengine.errors import UsageError
+
+            print("error: --plot needs matplotlib, which is not installed", file=sys.stderr)
+            print(
+                "hint: pip install 'stdengine[plot]' (or pip install matplotlib), or leave out --plot",
+                file=sys.stderr,
+            )
+            return UsageError.exit_status
         pairs = pair_rows(
             load_rows(files[0]), load_rows(files[1]), opts.get("base_engine"), opts.get("candidate_engine")
         )

@@ -206,6 +206,24 @@ def human_params(n: int) -> str:
     return f"{n / 1e6:.2f} M" if n < 1000**3 else f"{n / 1e9:.2f} B"
 
 
+def md_model(model_type: str, n_params: int) -> str:
+    """The md printer's model column: llama.cpp's model_type, with the real parameter count after
+    the size class when the class is far from it (llama.cpp picks the class from the layer count,
+    so SmolLM2-135M is `llama 256M`): `llama 256M (real 135M) Q4_1`. Other formats keep
+    model_type as llama-bench writes it; model_n_params has the exact count."""
+    parts = model_type.split(" ", 2)
+    if len(parts) < 3 or n_params <= 0 or not parts[1][:-1].replace(".", "", 1).isdigit():
+        return model_type
+    unit = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(parts[1][-1])
+    if unit is None:
+        return model_type
+    label = float(parts[1][:-1]) * unit
+    if abs(label - n_params) <= 0.25 * n_params:
+        return model_type
+    real = f"{n_params / 1e6:.0f}M" if n_params < 1e9 else f"{n_params / 1e9:.1f}B"
+    return f"{parts[0]} {parts[1]} (real {real}) {parts[2]}"
+
+
 def test_name(n_prompt: int, n_gen: int, n_depth: int) -> str:
     if n_prompt > 0 and n_gen == 0:
         name = f"pp{n_prompt}"
@@ -257,7 +275,7 @@ class MarkdownPrinter(Printer):
         line = "|"
         for c in self.columns:
             if c == "model":
-                text = str(rec["model_type"])
+                text = md_model(str(rec["model_type"]), int(rec["model_n_params"]))
             elif c == "size":
                 text = human_size(int(rec["model_size"]))
             elif c == "params":

@@ -222,9 +222,9 @@ def test_markdown_layout():
         "            test |                  t/s |\n"
         "| ------------------------------ | ---------: | ---------: | ---------- | ---------- | ------: |"
         " --------------: | -------------------: |\n"
-        "| llama 256M Q4_1                |  92.10 MiB |   134.52 M | CPU        | reference  |       2 |"
+        "| llama 256M (real 135M) Q4_1    |  92.10 MiB |   134.52 M | CPU        | reference  |       2 |"
         "           pp512 |      768.00 ± 362.04 |\n"
-        "| llama 256M Q4_1                |  92.10 MiB |   134.52 M | CPU        | llamacpp   |       2 |"
+        "| llama 256M (real 135M) Q4_1    |  92.10 MiB |   134.52 M | CPU        | llamacpp   |       2 |"
         "    tg128 @ d512 |        128.00 ± 0.00 |\n"
         "\n"
         "build: abc1234 (0)\n"
@@ -252,9 +252,26 @@ def test_markdown_shows_options_with_several_or_non_default_values():
         " ------: | -: | --------------: | -------------------: |"
     )
     assert row == (
-        "| llama 256M Q4_1                |   5.00 GiB |     7.62 B | CUDA       | reference  |  99 |"
+        "| llama 256M (real 7.6B) Q4_1    |   5.00 GiB |     7.62 B | CUDA       | reference  |  99 |"
         "     512 |  1 |           pp512 |      768.00 ± 362.04 |"
     )
+
+
+def test_markdown_model_column_says_the_real_parameter_count_beside_a_far_size_class():
+    """llama.cpp's size class comes from the layer count (SmolLM2-135M is `llama 256M`); md adds the
+    real count where the class is more than 25% off, and the machine formats keep llama-bench's
+    model_type (model_n_params has the exact count)."""
+    from stdengine.bench.printers import md_model
+
+    assert md_model("llama 256M Q4_1", 134_515_008) == "llama 256M (real 135M) Q4_1"
+    assert md_model("gemma3 270M Q4_K - Medium", 268_098_176) == "gemma3 270M Q4_K - Medium"
+    assert md_model("llama 8B Q4_0", 8_030_261_248) == "llama 8B Q4_0"
+    assert md_model("llama 1B Q8_0", 3_210_000_000) == "llama 1B (real 3.2B) Q8_0"
+    assert md_model("llama ?B all F32", 82_240) == "llama ?B all F32"
+    rec = fixed_record()
+    for fmt in ("csv", "json", "jsonl", "sql"):
+        text = render(fmt, [rec])
+        assert "llama 256M Q4_1" in text and "real" not in text, fmt
 
 
 def test_csv():
@@ -582,3 +599,29 @@ def test_an_engine_that_cannot_decode_is_refused(counting, capsys):
     assert (
         code == 2 and "engine nologits cannot decode in-process" in err and "server mode" in err and out == ""
     )
+
+
+def test_compare_plot_without_matplotlib_is_a_usage_error_before_the_table(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    base, cand = tmp_path / "base.jsonl", tmp_path / "cand.jsonl"
+    base.write_text(json.dumps(fixed_record(engine="llamacpp")) + "\n")
+    cand.write_text(json.dumps(fixed_record()) + "\n")
+    code = (
+        "import sys\nsys.modules['matplotlib'] = None  # as if matplotlib were not installed\n"
+        "from stdengine.bench.cli import main\nmain()\n"
+    )
+    argv = ["compare", str(base), str(cand), "--plot", str(tmp_path / "cmp.png")]
+    r = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=dict(os.environ)
+    )
+    assert r.returncode == 2, r.stderr  # spec/errors.md's usage status
+    assert r.stdout == ""  # no table first
+    assert "error: --plot needs matplotlib" in r.stderr
+    assert "hint: pip install 'stdengine[plot]'" in r.stderr
+    assert not (tmp_path / "cmp.png").exists()
+    # without --plot the same files compare
+    r = subprocess.run([sys.executable, "-c", code, *argv[:3]], capture_output=True, text=True)
+    assert r.returncode == 0 and "speedup" in r.stdout, r.stderr
