@@ -159,3 +159,37 @@ def test_real_engine_served(served: tuple[str, RealServer], smollm2_path: Path) 
         assert "stdengine:tokens_predicted_total" in http.get("/metrics").text
     again = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
     assert again.choices[0].message.content == text  # the context was left clean for the next request
+
+
+QUESTIONS = ["What is the capital of France?", "Write a short poem about rain.", "List three uses of copper."]
+
+
+@pytest.mark.models
+def test_reference_answers_repeat_exactly(smollm2_path: Path, tmp_path: Path) -> None:
+    """The reference engine's determinism contract, through the server: a greedy 64-token answer is
+    the same text asked again (the prompt cache reuses the prefix), streamed, and after other
+    questions in between, for several questions."""
+    server = RealServer("reference", smollm2_path, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+
+        def ask(question: str, stream: bool = False) -> str:
+            kw: Any = dict(
+                model=model, messages=[{"role": "user", "content": question}], max_tokens=64, temperature=0
+            )
+            if stream:
+                return "".join(
+                    c.choices[0].delta.content or ""
+                    for c in client.chat.completions.create(**kw, stream=True)
+                    if c.choices
+                )
+            return client.chat.completions.create(**kw).choices[0].message.content or ""
+
+        first = {q: ask(q) for q in QUESTIONS}
+        assert all(len(a.split()) >= 20 for a in first.values()), first  # long answers, not stops
+        for q in QUESTIONS:
+            assert ask(q) == first[q], q
+            assert ask(q, stream=True) == first[q], q
+    finally:
+        assert server.stop() == 0
