@@ -37,6 +37,23 @@ KNOWN_EVENTS: dict[str, str] = {
 }
 
 
+# The fields each event always carries, after the fixed ones (the event schema requires them).
+EVENT_FIELDS: dict[str, tuple[str, ...]] = {
+    "run.start": ("command",),
+    "config.resolved": ("options", "sources"),
+    "model.pull": ("name", "step"),
+    "model.loaded": ("path",),
+    "prompt.evaluated": ("prompt_n", "prompt_ms", "prompt_per_second"),
+    "generation.done": ("finish_reason", "timings"),
+    "request.start": ("method", "route"),
+    "request.done": ("method", "route", "status", "duration_ms"),
+    "server.stop": ("url", "signal"),
+    "bench.result": ("model_type", "n_prompt", "n_gen", "avg_ts", "engine"),
+    "conformance.check": ("id", "check_level", "status"),
+    "error": ("code", "message"),
+}
+
+
 class LogEvent(BaseModel):
     """The shape of one JSON log line; event-specific fields follow the fixed ones."""
 
@@ -65,9 +82,12 @@ class Emitter:
         self.threshold = LEVELS["debug"] if verbosity > 0 else LEVELS["info"]
         self.stream = stream if stream is not None else sys.stderr
         self.file: IO[str] | None = open(log_file, "a", encoding="utf-8") if log_file else None  # noqa: SIM115
+        self.log_file = log_file
         self.run_id = uuid.uuid4().hex[:12]
         self.engine = engine
         self.model = model
+        global _last
+        _last = self
 
     def emit(self, event: str, level: Level = "info", **fields: Any) -> dict[str, Any]:
         record: dict[str, Any] = {
@@ -97,6 +117,26 @@ class Emitter:
     def warn(self, event: str, **fields: Any) -> None:
         self.emit(event, "warn", **fields)
 
+    def error(self, fields: dict[str, Any], *, console: bool) -> None:
+        """The `error` event that ends a command (code, message, hint...): to the log file, and to
+        the console when `console` (the CLI prints its own plain lines in the text format). Works
+        after close(): a command's cleanup closes the log before its error reaches the CLI."""
+        reopened = False
+        if self.file is None and self.log_file is not None:
+            self.file = open(self.log_file, "a", encoding="utf-8")  # noqa: SIM115
+            reopened = True
+        stream = self.stream
+        if not console:
+            import io
+
+            self.stream = io.StringIO()
+        try:
+            self.emit("error", "error", **fields)
+        finally:
+            self.stream = stream
+            if reopened:
+                self.close()
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
@@ -121,6 +161,19 @@ def _short(value: Any) -> str:
         text = json.dumps(value, default=str, ensure_ascii=False)
         return text if len(text) <= 200 else text[:197] + "..."
     return str(value)
+
+
+_last: Emitter | None = None
+
+
+def last_emitter() -> Emitter | None:
+    """The emitter made last in this process (the CLI reports a command's error through it)."""
+    return _last
+
+
+def forget_emitters() -> None:
+    global _last
+    _last = None
 
 
 # A quiet emitter for library use where no CLI set one up.

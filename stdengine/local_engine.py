@@ -26,6 +26,7 @@ from stdengine.errors import ContextOverflow, InvalidRequest
 from stdengine.generation import StopMatcher, render_chat_template, request_tokens
 
 if TYPE_CHECKING:
+    from stdengine.events import Emitter
     from stdengine.options import Options
 
 
@@ -35,10 +36,12 @@ class TextStream(Protocol):
 
 
 class LocalEngine(Engine):
-    """Subclasses set, in __init__: template (str or None), bos_id, eos_id, add_bos, and
-    tokens = [] (what the KV cache holds, kept up to date by the hooks)."""
+    """Subclasses set, in __init__: template (str or None), events (the Emitter given to load),
+    bos_id, eos_id, add_bos, and tokens = [] (what the KV cache holds, kept up to date by the
+    hooks)."""
 
     template: str | None
+    events: Emitter
     bos_id: int | None
     eos_id: int | None
     add_bos: bool
@@ -82,6 +85,14 @@ class LocalEngine(Engine):
         prompt_n = self._prefill(prompt)
         t1 = now_ms()
         self._progress = (prompt_n, t1 - t0, t1, 0)  # prompt_n, prompt_ms, start of generation, n_gen
+        pt = Timings(prompt_n=prompt_n, prompt_ms=t1 - t0).to_dict()
+        self.events.debug(
+            "prompt.evaluated",
+            prompt_n=prompt_n,
+            prompt_ms=round(t1 - t0, 3),
+            prompt_per_second=round(float(pt["prompt_per_second"]), 2),
+            prompt_tokens=len(prompt),  # the prompt's length; prompt_n omits a reused prefix
+        )
         stops = StopMatcher(s.stop)
         text = self._text_stream()
         n_gen = 0

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stdengine.errors import all_error_classes
-from stdengine.events import KNOWN_EVENTS, LogEvent
+from stdengine.events import EVENT_FIELDS, KNOWN_EVENTS, LogEvent
 from stdengine.options import GROUPS, ConfigFile, Options, env_var, flags, group
 
 # Built-in engines documented in the options table, in column order (module:Class, so that a
@@ -32,8 +32,18 @@ def schemas() -> dict[str, dict[str, Any]]:
     return {
         "options.schema.json": Options.model_json_schema(),
         "config.schema.json": ConfigFile.model_json_schema(),
-        "event.schema.json": LogEvent.model_json_schema(),
+        "event.schema.json": event_schema(),
     }
+
+
+def event_schema() -> dict[str, Any]:
+    """A log line: the fixed fields, and for each event of the standard the fields it carries."""
+    schema = LogEvent.model_json_schema()
+    schema["allOf"] = [
+        {"if": {"properties": {"event": {"const": name}}}, "then": {"required": list(fields)}}
+        for name, fields in EVENT_FIELDS.items()
+    ]
+    return schema
 
 
 def _type_name(name: str) -> str:
@@ -110,8 +120,11 @@ def errors_table() -> str:
 
 
 def events_table() -> str:
-    lines = ["| event | meaning |", "|---|---|"]
-    lines += [f"| `{name}` | {meaning} |" for name, meaning in KNOWN_EVENTS.items()]
+    lines = ["| event | meaning | always carries |", "|---|---|---|"]
+    lines += [
+        f"| `{name}` | {meaning} | {', '.join(f'`{f}`' for f in EVENT_FIELDS.get(name, ()))} |"
+        for name, meaning in KNOWN_EVENTS.items()
+    ]
     return "\n".join(lines)
 
 

@@ -225,7 +225,7 @@ def interrupt_after_words(cmd: list[str], words: int) -> tuple[int, str, list[di
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
-    assert err.rstrip().endswith("interrupted"), err
+    assert events[-1]["event"] == "error" and events[-1]["code"] == "interrupted", err
     return proc.returncode, seen + out, events
 
 

@@ -143,34 +143,80 @@ def _verbose(argv: list[str]) -> bool:
     )
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def report_error(err: InferError, argv: list[str]) -> bool:
+    """The `error` event (spec/events.md) of an error that ends a command: to --log-file, and on
+    stderr with --log-format json. Returns True when stderr got it (as a JSON line), so the plain
+    `error:` and `hint:` lines are not printed as well. An error raised before the command made
+    its emitter (a bad flag or config file) finds the log settings in argv and the environment."""
+    from stdengine.events import Emitter, last_emitter
+
+    em = last_emitter()
+    if em is None:
+        fmt = _flag_value(argv, "--log-format") or os.environ.get("INFER_LOG_FORMAT") or "text"
+        log_file = _flag_value(argv, "--log-file") or os.environ.get("INFER_LOG_FILE") or None
+        if fmt != "json" and log_file is None:
+            return False
+        try:
+            em = Emitter(log_format="json" if fmt == "json" else "text", log_file=log_file)
+        except OSError:
+            return False
+        em.close()
+    console = em.log_format == "json"
+    try:
+        em.error(err.to_dict(), console=console)
+    except OSError:  # an unwritable log file must not hide the error itself
+        return False
+    return console
+
+
 def run_cli(cmd: click.Command, argv: list[str], prog_name: str) -> None:
-    """Run a click command; an InferError becomes one line (and a hint) and its exit status."""
+    """Run a click command; an InferError becomes one line (and a hint) and its exit status, and
+    the `error` event in the log."""
+    from stdengine.events import forget_emitters
+
+    forget_emitters()
     try:
         cmd.main(args=argv, prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:
-        e.show()
+        from stdengine.errors import UsageError
+
+        usage = UsageError(e.format_message(), hint=f"see `{prog_name} --help`")
+        if not report_error(usage, argv):
+            e.show()
         sys.exit(2)
-    except click.exceptions.Abort:
-        click.echo("interrupted", err=True)
-        sys.exit(Interrupted.exit_status)
-    except KeyboardInterrupt:
-        click.echo("\ninterrupted", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt) as e:
+        if not report_error(Interrupted("interrupted"), argv):
+            click.echo("\ninterrupted" if isinstance(e, KeyboardInterrupt) else "interrupted", err=True)
         sys.exit(Interrupted.exit_status)
     except InferError as e:
         if _verbose(argv):
             traceback.print_exc()
-        click.echo(f"error: {e.message}", err=True)
-        if e.hint:
-            click.echo(f"hint: {e.hint}", err=True)
+        if not report_error(e, argv):
+            click.echo(f"error: {e.message}", err=True)
+            if e.hint:
+                click.echo(f"hint: {e.hint}", err=True)
         sys.exit(e.exit_status)
     except BrokenPipeError:
         sys.exit(0)
     except Exception as e:  # a bug: one line unless -v
         if _verbose(argv):
             traceback.print_exc()
-        click.echo(f"error: internal error: {type(e).__name__}: {e}", err=True)
-        click.echo("hint: rerun with -v for a traceback, and report it", err=True)
+        bug = InferError(
+            f"internal error: {type(e).__name__}: {e}", hint="rerun with -v for a traceback, and report it"
+        )
+        if not report_error(bug, argv):
+            click.echo(f"error: {bug.message}", err=True)
+            click.echo(f"hint: {bug.hint}", err=True)
         sys.exit(1)
     sys.exit(0)
