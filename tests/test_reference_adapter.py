@@ -182,3 +182,22 @@ def test_infer_ref_isa_above_this_cpu_fails_the_run(tiny):
     want = "avx512" if {"avx2", "fma", "f16c"} <= flags else "avx2"
     r = infer_run("-m", str(tiny), "-n", "2", "-p", "hi", env={"INFER_REF_ISA": want})
     assert r.returncode == 2 and "cannot run" in r.stderr, r.stderr
+
+
+def test_generation_that_fills_the_context_ends_with_length(smollm2_path):
+    """n_predict -1 generates until the context is full, then finishes with "length" (no
+    ContextOverflow mid-stream): the n_ctx positions hold prompt and answer, and the last token is
+    sampled from the last of them."""
+    from stdengine.reference.adapter import ReferenceEngine
+
+    from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams
+
+    engine = ReferenceEngine.load(
+        Options(model=str(smollm2_path), ctx_size=48, threads=2), Emitter(stream=io.StringIO())
+    )
+    request = GenerateRequest(prompt="1, 2, 3, 4, 5,", sampling=SamplingParams(temp=0, n_predict=-1))
+    events = list(engine.generate(request))
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.finish_reason == "length"
+    assert done.usage.prompt_tokens + done.usage.completion_tokens == 48 + 1
+    assert "".join(e.text for e in events[:-1]).startswith(" 6, 7, 8")  # a real answer, not garbage

@@ -403,23 +403,44 @@ def test_sampling_distribution_follows_softmax(syn_ctx):
     assert freq[p > 0.01].min() > 0  # every likely token does come up
 
 
+def _follows(draws, kept, logits, temp):
+    """The draws come from softmax(logits[kept] / temp) and nothing else: every token outside kept
+    never, every kept one at its probability (3000 draws: within 0.04, over 4 standard deviations)."""
+    q = np.exp(log_softmax(logits[kept] / temp))
+    assert set(draws.tolist()) <= set(kept.tolist())
+    freq = np.array([(draws == t).mean() for t in kept])
+    assert np.abs(freq - q).max() < 0.04, (freq, q)
+    assert (freq[q > 0.02] > 0).all()  # nothing likely is filtered away
+
+
 def test_sampling_filters(syn_ctx):
+    """Each filter keeps exactly llama.cpp's set (top-k, then top-p and min-p on the softmax before
+    the temperature) and the draw follows the renormalised softmax over it."""
     logits = syn_ctx.logits.astype(np.float64)
     order = np.argsort(-logits)
     p = np.exp(log_softmax(logits))
-    # top-k
-    got = set(_draws(syn_ctx, SamplingParams(temp=5.0, top_k=5, top_p=1.0, min_p=0.0, seed=1), 1000))
-    assert got <= set(order[:5].tolist()) and len(got) > 1
-    # top-p: the smallest prefix reaching p
-    top_p = 0.6
+    draws = _draws(syn_ctx, SamplingParams(temp=5.0, top_k=5, top_p=1.0, min_p=0.0, seed=1))
+    _follows(draws, order[:5], logits, 5.0)
+    top_p = 0.6  # the smallest prefix reaching p
     keep = int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)
-    got = set(_draws(syn_ctx, SamplingParams(temp=1.0, top_k=0, top_p=top_p, min_p=0.0, seed=2), 1000))
-    assert got <= set(order[:keep].tolist())
-    # min-p
+    assert keep > 1
+    draws = _draws(syn_ctx, SamplingParams(temp=1.0, top_k=0, top_p=top_p, min_p=0.0, seed=2))
+    _follows(draws, order[:keep], logits, 1.0)
     min_p = 0.3
-    allowed = set(np.nonzero(p >= min_p * p.max())[0].tolist())
-    got = set(_draws(syn_ctx, SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=min_p, seed=3), 1000))
-    assert got <= allowed
+    allowed = np.nonzero(p >= min_p * p.max())[0]
+    assert len(allowed) > 1
+    draws = _draws(syn_ctx, SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=min_p, seed=3))
+    _follows(draws, allowed, logits, 1.0)
+
+
+def test_sampling_seed_replays_after_a_reused_prefix(syn_ctx):
+    """A continuation after a kept prefix (the prompt cache) is a new one: the same seed gives the
+    same draws as in a fresh context."""
+    params = SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=77)
+    a = _draws(syn_ctx, params, 30)
+    syn_ctx.truncate(len(SYN_TOKENS) - 3)
+    syn_ctx.decode(SYN_TOKENS[-3:])
+    np.testing.assert_array_equal(_draws(syn_ctx, params, 30), a)
 
 
 def test_sampling_seed_reproducible(syn_ctx):
