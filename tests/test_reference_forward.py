@@ -202,6 +202,21 @@ def test_synthetic_logits_match_numpy(tmp_path, wtype, tied):
         np.testing.assert_allclose(last, got[-1], rtol=0, atol=1e-5 * same.std())
 
 
+def test_synthetic_long_context_matches_numpy(tmp_path):
+    """1100 positions, past every length the real-model tests reach: the KV cache and attention
+    keep every key (a cache that lost position 0, or any other, after a few hundred positions would
+    move the last positions' logits far past float rounding)."""
+    path = tmp_path / "m.gguf"
+    W = write_llama(path, wtype=Q.F32, seed=5)
+    tokens = [int(t) for t in np.random.default_rng(7).integers(0, SYN["n_vocab"], 1100)]
+    with Model.load(path) as m:
+        ctx = Context(m, n_ctx=1100, n_threads=2, n_ubatch=256)
+        got = ctx.decode(tokens, all_logits=True)[-64:]
+    want = numpy_forward(W, tokens)[-64:]
+    err = np.abs(got - want).max() / want.std()
+    assert err < 2e-5, f"max logit error {err:.2e} of the logits' std"
+
+
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 @pytest.mark.parametrize("n_ubatch", [1, 3, 7, 64])
 def test_synthetic_batching_and_threads_agree(tmp_path, n_ubatch, n_threads):
