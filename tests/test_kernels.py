@@ -445,6 +445,6 @@ def test_gemma3_tensors(gemma3_path):
 
 
 def test_tests_leave_the_forced_path():
-    """After the per-ISA tests, the process is back on INFER_REF_ISA's path (CI's forced scalar run)."""
+    """After the per-ISA tests, the process is back on INFER_REF_ISA's path (the best one when unset)."""
     forced = os.environ.get("INFER_REF_ISA")
     assert K.isa() == (forced if forced in ISAS else ISAS[-1])
