@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -209,7 +210,7 @@ def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
             "command": f"python -m stdengine.conformance.golden --model {alias}",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "llama_cpp_python": llama_cpp.__version__,
-            "gguf": getattr(gguf, "__version__", None),
+            "gguf": importlib.metadata.version("gguf"),  # the package has no __version__
             "numpy": np.__version__,
             "python": platform.python_version(),
             "seconds": round(time.time() - t0, 1),
