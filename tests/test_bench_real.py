@@ -274,8 +274,10 @@ def test_plot(two_files, tmp_path, capsys):
 
 def test_plot_without_matplotlib_is_a_clear_error(two_files, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert compare_main([*two_files, "--plot", str(tmp_path / "x.png")]) == 1
-    assert "--plot needs matplotlib: pip install 'stdengine[plot]'" in capsys.readouterr().err
+    assert compare_main([*two_files, "--plot", str(tmp_path / "x.png")]) == 2  # usage (spec/errors.md)
+    out = capsys.readouterr()
+    assert out.out == ""  # no table before the error
+    assert "error: --plot needs matplotlib" in out.err and "hint: pip install 'stdengine[plot]'" in out.err
 
 
 @pytest.mark.models
