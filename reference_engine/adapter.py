@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from stdengine import __version__
 from stdengine.adapter import EngineInfo, SamplingParams, now_ms
 from stdengine.errors import UnsupportedOption
-from stdengine.generation import choose_chat_template
+from stdengine.generation import choose_chat_template, template_level
 from stdengine.local_engine import LocalEngine
 
 if TYPE_CHECKING:
@@ -107,14 +107,16 @@ class ReferenceEngine(LocalEngine):
             n_ubatch=options.ubatch_size,
         )
         engine = cls(model, tokenizer, ctx, options, events)
-        events.info(
+        events.emit(
             "model.loaded",
+            template_level(engine.template_source),
             path=options.model,
             architecture=model.arch,
             n_params=engine.n_params,
             n_ctx=n_ctx,
             threads=threads,
             isa=isa_name(),
+            chat_template=engine.template_source,
             load_ms=round(now_ms() - t0, 1),
         )
         return engine

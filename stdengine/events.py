@@ -24,7 +24,9 @@ KNOWN_EVENTS: dict[str, str] = {
     "config.resolved": "the effective options and where each came from",
     "model.pull": "a catalogue model is being fetched (name, package, bytes)",
     "model.loaded": "a model is loaded (path, architecture, n_params, load_ms; the engine's build: "
-    "the reference engine's `isa`, llama.cpp's `build`)",
+    "the reference engine's `isa`, llama.cpp's `build`; `chat_template`: the template runs use, "
+    "`model file`, `--chat-template`, `built-in 'NAME'`, or `none`); level `warn` when the file has "
+    "no template and a built-in one stands in (a base model may not follow it: `--raw`)",
     "prompt.evaluated": "a prompt was processed (prompt_n, prompt_ms, prompt_per_second)",
     "generation.done": "a generation ended (finish_reason, timings); after Ctrl-C in `infer run`, "
     "finish_reason `interrupted` and the timings of what was generated so far",

@@ -8,7 +8,7 @@ part of the text, and the finish reason is "stop".
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from stdengine.errors import InvalidRequest
 
@@ -202,5 +202,18 @@ def choose_chat_template(option: str | None, metadata: dict[str, Any]) -> tuple[
         return from_file, "model file"
     name = ARCH_DEFAULT_TEMPLATES.get(str(metadata.get("general.architecture")))
     if name:
-        return BUILTIN_TEMPLATES[name], f"built-in '{name}' (the model file has none)"
+        return BUILTIN_TEMPLATES[name], f"{FALLBACK_PREFIX}'{name}' (the model file has none)"
     return None, "none"
+
+
+FALLBACK_PREFIX = "built-in "
+
+
+def template_level(source: str) -> Literal["info", "warn"]:
+    """model.loaded's level: `warn` when a run falls back to a built-in template because the file
+    has none (a base model, such as the catalogue's Gemma-3-270M, may not follow it)."""
+    return (
+        "warn"
+        if source.startswith(FALLBACK_PREFIX) and source.endswith("(the model file has none)")
+        else "info"
+    )

@@ -22,6 +22,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from stdengine.generation import choose_chat_template
 from stdengine.gguf_file import GGUFHeader, scan_gguf
 
 DEFAULT_CTX_SIZE = 4096
@@ -123,7 +124,10 @@ class ModelInfo:
     n_vocab: int | None
     tokenizer_model: str | None
     tokenizer_pre: str | None
-    has_chat_template: bool
+    has_chat_template: bool  # the file carries tokenizer.chat_template
+    # The template a run uses without --chat-template: "model file", the built-in fallback by name
+    # ("built-in 'gemma' (the model file has none)"), or "none" (see choose_chat_template).
+    chat_template: str
     memory: MemoryEstimate
 
     def to_dict(self) -> dict[str, Any]:
@@ -203,6 +207,7 @@ def info_from_header(h: GGUFHeader, ctx_size: int = DEFAULT_CTX_SIZE) -> ModelIn
         tokenizer_model=tok_model if isinstance(tok_model, str) else None,
         tokenizer_pre=tok_pre if isinstance(tok_pre, str) else None,
         has_chat_template=isinstance(md.get("tokenizer.chat_template"), str),
+        chat_template=choose_chat_template(None, md)[1],
         memory=MemoryEstimate(n_ctx, weights, kv, compute, total),
     )
 

@@ -42,3 +42,36 @@ def test_infer_chat_answers_and_exits(smollm2_path):
     r = infer(smollm2_path, "chat", stdin="What is the capital of France?\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.split()) >= 10, r.stdout  # the answer, then a clean exit at /exit
+
+
+def loaded_event(stderr: str) -> dict:
+    import json
+
+    events = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    return next(e for e in events if e["event"] == "model.loaded")
+
+
+def test_model_loaded_says_the_file_template_is_used(smollm2_path):
+    r = infer(smollm2_path, "run", "--log-format", "json", "-p", "Hi")
+    assert r.returncode == 0, r.stderr
+    ev = loaded_event(r.stderr)
+    assert ev["chat_template"] == "model file" and ev["level"] == "info"
+
+
+def test_model_loaded_warns_when_a_builtin_template_stands_in(gemma3_path):
+    # Gemma-3-270M's file has no template: the run uses the built-in gemma one, and says so.
+    r = infer(gemma3_path, "run", "--log-format", "json", "-p", "Name three rivers")
+    assert r.returncode == 0, r.stderr
+    ev = loaded_event(r.stderr)
+    assert ev["chat_template"] == "built-in 'gemma' (the model file has none)"
+    assert ev["level"] == "warn"
+    r = infer(gemma3_path, "run", "--log-format", "json", "--chat-template", "gemma", "-p", "Hi")
+    ev = loaded_event(r.stderr)  # chosen by the user: no warning
+    assert ev["chat_template"] == "built-in 'gemma'" and ev["level"] == "info"
+
+
+def test_readme_gemma_example_completes_the_text(gemma3_path):
+    # The README's Gemma line: raw completion of a base model continues the sentence.
+    r = infer(gemma3_path, "run", "--raw", "-p", "The Nile, the Amazon and the")
+    assert r.returncode == 0, r.stderr
+    assert "river" in r.stdout.lower(), r.stdout

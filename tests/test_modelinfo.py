@@ -347,3 +347,30 @@ def test_tensor_type_counts_match_reader_on_real_file(smollm2_path):
     theirs = Counter(t.tensor_type.name for t in gguf.GGUFReader(smollm2_path).tensors)
     ours = {t.type: t.count for t in model_info(smollm2_path).tensor_types}
     assert ours == {GGML_NAME[k]: v for k, v in theirs.items()}
+
+
+def test_info_says_which_chat_template_a_run_uses(tmp_path):
+    with_template, without = tmp_path / "t.gguf", tmp_path / "n.gguf"
+    write_llama_gguf(with_template, chat_template="{{ messages[0].content }}")
+    write_llama_gguf(without)
+    assert model_info(with_template).chat_template == "model file"
+    assert model_info(without).chat_template == "none"  # llama has no built-in fallback
+    r = CliRunner().invoke(models, ["info", str(without)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if "chat template" in x)
+    assert "none: runs complete the prompt as given" in line
+
+
+@pytest.mark.models
+def test_info_on_gemma3_names_the_builtin_template_runs_fall_back_to(gemma3_path):
+    # The catalogue's Gemma-3-270M is a base model whose GGUF has no chat template; a run (without
+    # --raw) renders the built-in gemma turn format, and `models info` must say so, not just "no".
+    info = model_info(gemma3_path)
+    assert not info.has_chat_template
+    assert info.chat_template == "built-in 'gemma' (the model file has none)"
+    r = CliRunner().invoke(models, ["info", str(gemma3_path)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if "chat template" in x)
+    assert "built-in 'gemma' template" in line and "--raw" in line
+    r = CliRunner().invoke(models, ["info", "--json", str(gemma3_path)])
+    assert json.loads(r.output)["chat_template"] == "built-in 'gemma' (the model file has none)"

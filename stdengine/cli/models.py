@@ -104,6 +104,18 @@ def _print_info(mi: Any) -> None:
     def num(v: Any) -> str:
         return "-" if v is None else str(v)
 
+    def template_line(source: str) -> str:
+        """Which chat template `infer run` / `chat` / `serve` will use (without --chat-template)."""
+        if source == "model file":
+            return "the model file's (runs apply it; --raw completes text as given)"
+        if source.startswith("built-in"):
+            name = source.split("'")[1]
+            return (
+                f"none in the file: runs use the built-in '{name}' template "
+                "(a base model may not follow it: --raw completes text as given)"
+            )
+        return "none: runs complete the prompt as given (--chat-template NAME|JINJA adds one)"
+
     head_dim = (
         num(mi.n_embd_head_k)
         if mi.n_embd_head_k == mi.n_embd_head_v
@@ -125,7 +137,7 @@ def _print_info(mi: Any) -> None:
         ("feed-forward width", num(mi.n_ff)),
         ("vocabulary", num(mi.n_vocab)),
         ("tokenizer", tokenizer),
-        ("chat template", "yes" if mi.has_chat_template else "no"),
+        ("chat template", template_line(mi.chat_template)),
     ]
     console = Console()
     table = Table(title="model", show_header=False)

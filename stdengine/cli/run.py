@@ -78,7 +78,7 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
     \b
     Examples:
       infer run -p "Write a haiku about the sea"
-      infer run -m gemma-3-270m -n 64 --temp 0 -p "Name three rivers"
+      infer run -m gemma-3-270m --raw -n 32 --temp 0 -p "The Nile, the Amazon and the"
       echo "Once upon a time" | infer run --raw -n 32
     """
     resolved = resolve_cli(kwargs)

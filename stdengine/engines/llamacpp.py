@@ -20,7 +20,7 @@ import numpy as np
 
 from stdengine.adapter import EngineInfo, SamplingParams, now_ms
 from stdengine.errors import BadModelFile, EngineFailure, InvalidRequest, UnsupportedOption
-from stdengine.generation import Utf8Stream, choose_chat_template
+from stdengine.generation import Utf8Stream, choose_chat_template, template_level
 from stdengine.local_engine import LocalEngine
 
 if TYPE_CHECKING:
@@ -253,8 +253,9 @@ class LlamaCppEngine(LocalEngine):
                 ],
             )
         engine = cls(model, ctx, options, events)
-        events.info(
+        events.emit(
             "model.loaded",
+            template_level(engine.template_source),
             path=options.model,
             architecture=engine.meta("general.architecture"),
             n_params=int(lib.llama_model_n_params(model)),
@@ -262,6 +263,7 @@ class LlamaCppEngine(LocalEngine):
             threads=threads,
             load_ms=round(now_ms() - t0, 1),
             build=cls.build_info(),
+            chat_template=engine.template_source,
         )
         return engine
 
