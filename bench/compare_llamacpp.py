@@ -1,22 +1,25 @@
 """The project's own comparison: the reference engine and llama.cpp side by side, same machine, same run.
 
-    python -m stdengine.bench.compare_llamacpp [--reps N] [--out DIR] [--models A,B] [--threads 1,2]
-                                               [--depths 0,512] [--name NAME]
+    infer bench compare [--reps N] [--out DIR] [--models A,B] [--threads 1,2] [--depths 0,512] [--name NAME]
+    (also: python -m stdengine.bench.compare_llamacpp ...)
 
 Runs llama-bench's pp512 and tg128 through infer-bench for both engines on both catalogue models
 (by default at 1 and 2 threads, at depth 0 and 512; the engines take turns per model and thread
-count, so that both meet the machine in the same state), and writes under bench/results/:
+count, so that both meet the machine in the same state), and writes into the --out folder
+(default ./bench-results, in the current directory; the project's measurements are in its
+bench/results/, written with --out bench/results):
 
     NAME.jsonl   the records (infer-bench -o jsonl; `infer-bench compare` reads it)
     NAME.md      the machine (CPU model, cores, date), the table, the reference/llama.cpp ratios
                  and each engine's peak memory
     NAME.png     the plot (when matplotlib is installed)
 
-Peak memory is the peak resident set (ru_maxrss) of a separate `infer-bench` process per engine
-and model that runs pp512 and tg128 once at the largest thread count: the same Python harness
-around each engine, so the difference between the two is the engines'.
+Peak memory is the peak resident set (VmHWM of /proc/self/status, Linux) of a separate
+`infer-bench` process per engine and model that runs pp512 and tg128 once at the largest thread
+count: the same Python harness around each engine, so the difference between the two is the
+engines'.
 
-and prints the table and the ratios. NAME defaults to compare-llamacpp-<UTC date>.
+It prints the table and the ratios. NAME defaults to compare-llamacpp-<UTC date>.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from stdengine.bench.record import cpu_info, stdengine_commit
 from stdengine.bench.runner import run
 
 MODELS = ("smollm2-135m-instruct", "gemma-3-270m")
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path("bench-results")  # relative to the current directory, never the installed package
 
 
 def machine() -> dict[str, Any]:
@@ -68,6 +71,8 @@ def _loadavg() -> str:
 # shared with this (large) process between fork and exec.
 _PEAK_PROBE = """
 import atexit, runpy, sys
+if sys.path and sys.path[0] in ("", "."):
+    del sys.path[0]  # a source checkout in the current directory must not shadow the installed stdengine
 def report():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
@@ -93,9 +98,9 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x != ""]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m stdengine.bench.compare_llamacpp") -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m stdengine.bench.compare_llamacpp",
+        prog=prog,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -105,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="0,512", help="depths (default 0,512)")
     ap.add_argument("-p", "--n-prompt", default="512", help="prompt sizes (default 512)")
     ap.add_argument("-n", "--n-gen", default="128", help="generation lengths (default 128)")
-    ap.add_argument("--out", default=str(RESULTS), help="output folder (default bench/results)")
+    ap.add_argument("--out", default=str(RESULTS), help="output folder (default ./bench-results)")
     ap.add_argument("--name", default=None, help="file name stem (default compare-llamacpp-<date>)")
     ap.add_argument("--progress", action="store_true", help="infer-bench's progress lines on stderr")
     args = ap.parse_args(argv)
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- OS: {desc['os']}, Python {desc['python']}, stdengine {desc['stdengine_commit']}",
         f"- load average (1, 5, 15 min): {desc['load_average_at_start']} at the start, {_loadavg()} at the end"
         f" (with {desc['physical_cores']} cores, other work on the machine competes with the engines)",
-        f"- command: python -m stdengine.bench.compare_llamacpp {' '.join(argv or sys.argv[1:])}".rstrip(),
+        f"- command: {prog} {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
         f"- records: {jsonl_path.name}",
         "",
         "## infer-bench",

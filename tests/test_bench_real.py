@@ -295,3 +295,61 @@ def test_peak_memory_of_a_run(smollm2_path, tmp_path):
     del parent
     with pytest.raises(RuntimeError, match="infer-bench -m .*missing.gguf"):
         peak_rss_mb(str(tmp_path / "missing.gguf"), "reference", 1)
+
+
+def test_bench_compare_help_names_the_memory_source_and_the_output_folder():
+    r = subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", "bench", "compare", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "usage: infer bench compare" in r.stdout
+    assert "VmHWM" in r.stdout and "ru_maxrss" not in r.stdout  # what peak_rss_mb reads
+    assert "--out" in r.stdout and "./bench-results" in r.stdout
+
+
+@pytest.mark.models
+@pytest.mark.llamacpp
+def test_bench_compare_writes_into_the_current_directory(smollm2_path, tmp_path):
+    """`infer bench compare` writes its records, table and memory into ./bench-results of the
+    directory it runs in (never into the installed package), and says how it was run."""
+    import stdengine.bench
+
+    if "llamacpp" not in registry.entries():
+        pytest.skip("engine llamacpp not registered")
+    args = ["--models", str(smollm2_path), "--threads", "1", "--depths", "0", "-p", "16", "-n", "4"]
+    r = subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", "bench", "compare", *args, "--reps", "1", "--name", "t"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "bench-results"
+    assert sorted(p.name for p in out.iterdir() if p.suffix != ".png") == ["t.jsonl", "t.md"]
+    engines = sorted(json.loads(line)["engine"] for line in (out / "t.jsonl").read_text().splitlines())
+    assert engines == ["llamacpp", "llamacpp", "reference", "reference"]  # pp16 and tg4 each
+    md = (out / "t.md").read_text()
+    assert "- command: infer bench compare --models" in md and "## peak memory" in md
+    assert "speedup" in r.stdout  # the ratio table on stdout
+    package_dir = os.path.dirname(stdengine.bench.__file__)
+    assert not any(n.startswith("t.") for n in os.listdir(os.path.join(package_dir, "results")))
+
+
+@pytest.mark.models
+def test_peak_memory_probe_ignores_a_stdengine_folder_in_the_current_directory(smollm2_path, tmp_path):
+    # From a source checkout (a `stdengine/` folder here) the probe must still run the installed
+    # package, not fail with "No module named 'stdengine.bench'".
+    from stdengine.bench.compare_llamacpp import peak_rss_mb
+
+    (tmp_path / "stdengine").mkdir()
+    (tmp_path / "stdengine" / "__init__.py").write_text("raise ImportError('the shadowing folder')\n")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert peak_rss_mb(str(smollm2_path), "reference", 1) > 0
+    finally:
+        os.chdir(cwd)
