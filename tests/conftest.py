@@ -38,6 +38,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.models)
+        if LLAMACPP_CRASH and item.get_closest_marker("llamacpp"):
+            item.runtest = _fail_with_crash  # fails (not skips) with the probe's reason
+
+
+# llama.cpp is imported in process by the oracle tests: first check in a subprocess that its build
+# runs on this CPU (tests/llamacpp_probe.py). If it dies by a signal, the llamacpp tests fail with
+# the reason and the rest of the run goes on.
+LLAMACPP_CRASH: str | None = None
+
+
+def pytest_sessionstart(session):
+    global LLAMACPP_CRASH
+    import sys
+
+    from llamacpp_probe import CrashedLlamaCpp, crash_message
+
+    LLAMACPP_CRASH = crash_message()
+    if LLAMACPP_CRASH:
+        sys.modules["llama_cpp"] = CrashedLlamaCpp(LLAMACPP_CRASH)
+
+
+def _fail_with_crash() -> None:
+    pytest.fail(LLAMACPP_CRASH or "", pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if LLAMACPP_CRASH:
+        terminalreporter.write_line(f"\n{LLAMACPP_CRASH}", red=True, bold=True)
 
 
 # In CI (CI=true) a skip fails the run unless its reason matches a line of allowed_skips.txt:
