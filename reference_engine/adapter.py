@@ -12,8 +12,7 @@ from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stdengine import __version__
-from stdengine.adapter import EngineInfo, SamplingParams, now_ms
-from stdengine.errors import UnsupportedOption
+from stdengine.adapter import EngineInfo, SamplingParams, now_ms, refuse_engine_args
 from stdengine.generation import choose_chat_template, template_level
 from stdengine.local_engine import LocalEngine
 
@@ -85,13 +84,7 @@ class ReferenceEngine(LocalEngine):
         from stdengine.engines import physical_cores
 
         assert options.model is not None
-        if options.engine_args:
-            raise UnsupportedOption(
-                f"engine 'reference' takes no -E settings, got: {', '.join(sorted(options.engine_args))}",
-                hint="remove the -E flags (and any [engine_args] table of the config file); "
-                "the reference engine's settings are the canonical options (`infer engines`)",
-                options=sorted(options.engine_args),
-            )
+        refuse_engine_args("reference", options)
         check_isa_env()
         t0 = now_ms()
         model = Model.load(options.model)

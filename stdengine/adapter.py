@@ -239,3 +239,17 @@ class Engine(ABC):
 
 def now_ms() -> float:
     return time.perf_counter() * 1e3
+
+
+def refuse_engine_args(engine: str, options: Options) -> None:
+    """For an engine whose every setting is a canonical option: any -E key is an error (an option
+    the engine cannot honour is never silently dropped)."""
+    if options.engine_args:
+        from stdengine.errors import UnsupportedOption
+
+        raise UnsupportedOption(
+            f"engine '{engine}' takes no -E settings, got: {', '.join(sorted(options.engine_args))}",
+            hint="remove the -E flags (and any [engine_args] table of the config file); "
+            f"the {engine} engine's settings are the canonical options (`infer engines`)",
+            options=sorted(options.engine_args),
+        )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stdengine.adapter import EngineInfo, SamplingParams, now_ms
+from stdengine.adapter import EngineInfo, SamplingParams, now_ms, refuse_engine_args
 from stdengine.errors import BadModelFile, EngineFailure, InvalidRequest, UnsupportedOption
 from stdengine.generation import Utf8Stream, choose_chat_template, template_level
 from stdengine.local_engine import LocalEngine
@@ -190,13 +190,7 @@ class LlamaCppEngine(LocalEngine):
     def load(cls, options: Options, events: Emitter) -> LlamaCppEngine:
         from stdengine.engines import physical_cores
 
-        if options.engine_args:
-            raise UnsupportedOption(
-                f"engine 'llamacpp' takes no -E settings, got: {', '.join(sorted(options.engine_args))}",
-                hint="remove the -E flags (and any [engine_args] table of the config file); "
-                "llama.cpp's settings here are the canonical options (`infer engines`)",
-                options=sorted(options.engine_args),
-            )
+        refuse_engine_args("llamacpp", options)
         lib = _lib()
         _install_log_callback(options.verbosity > 0)
         lib.llama_backend_init()
