@@ -219,8 +219,10 @@ def _scan(path: Path, buf: Any, size: int, load_arrays: bool) -> GGUFHeader:
         or isinstance(alignment, bool)
         or alignment <= 0
         or alignment & (alignment - 1)
+        or alignment % 8
     ):
-        raise _bad(path, f"general.alignment is {alignment!r}; it must be a power of two")
+        # GGUF requires a multiple of 8: a smaller one misaligns every tensor's data
+        raise _bad(path, f"general.alignment is {alignment!r}; it must be a power of two and a multiple of 8")
     data_offset = -(-tensor_info_end // alignment) * alignment
 
     tensors: list[TensorInfo] = []

@@ -374,3 +374,23 @@ def test_info_on_gemma3_names_the_builtin_template_runs_fall_back_to(gemma3_path
     assert "built-in 'gemma' template" in line and "--raw" in line
     r = CliRunner().invoke(models, ["info", "--json", str(gemma3_path)])
     assert json.loads(r.output)["chat_template"] == "built-in 'gemma' (the model file has none)"
+
+
+@pytest.mark.parametrize("alignment", [1, 2, 4])
+def test_alignment_must_be_a_power_of_two_multiple_of_8(tmp_path, alignment):
+    """GGUF's general.alignment is a multiple of 8: 1, 2 or 4 would misalign every tensor's data
+    and UBSan reports misaligned loads in the kernels); 16 is fine."""
+    for value, ok in ((alignment, False), (16, True)):
+        path = tmp_path / f"a{value}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_custom_alignment(value)
+        w.add_tensor("t", np.zeros(8, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        if ok:
+            assert open_gguf(path).alignment == 16
+        else:
+            with pytest.raises(BadModelFile, match="general.alignment is"):
+                open_gguf(path)
