@@ -12,7 +12,7 @@ from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stdengine import __version__
-from stdengine.adapter import EngineInfo, SamplingParams, now_ms, refuse_engine_args
+from stdengine.adapter import EngineInfo, SamplingParams, check_token_ids, now_ms, refuse_engine_args
 from stdengine.generation import choose_chat_template, template_level
 from stdengine.local_engine import LocalEngine
 
@@ -136,7 +136,7 @@ class ReferenceEngine(LocalEngine):
         return list(self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(tokens)))
+        return str(self.tokenizer.decode(check_token_ids(tokens, self.model.n_vocab)))
 
     def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         self.check_fits(len(self.tokens) + len(tokens))

@@ -253,3 +253,15 @@ def refuse_engine_args(engine: str, options: Options) -> None:
             f"the {engine} engine's settings are the canonical options (`infer engines`)",
             options=sorted(options.engine_args),
         )
+
+
+def check_token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:
+    """The ids as ints, or InvalidRequest naming the first one outside [0, n_vocab) (a negative id
+    must never index from the end of a table)."""
+    from stdengine.errors import InvalidRequest
+
+    ids = [int(t) for t in tokens]
+    bad = [t for t in ids if not 0 <= t < n_vocab]
+    if bad:
+        raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
+    return ids

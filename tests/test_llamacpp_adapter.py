@@ -17,7 +17,7 @@ import pytest
 
 from stdengine import registry
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
-from stdengine.errors import BadModelFile, ContextOverflow, UnsupportedOption
+from stdengine.errors import BadModelFile, ContextOverflow, InvalidRequest, UnsupportedOption
 from stdengine.events import Emitter
 from stdengine.options import Options
 
@@ -335,3 +335,12 @@ def test_engine_args_are_refused_not_ignored(tmp_path):
     options = Options(engine="llamacpp", model=str(tmp_path / "any.gguf"), engine_args={"n_gqa": "8"})
     with pytest.raises(UnsupportedOption, match="takes no -E settings, got: n_gqa"):
         LlamaCppEngine.load(options, Emitter(log_format="json"))
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(smol) -> None:
+    """An id outside the vocabulary is an invalid request, never passed to llama.cpp (which would
+    read outside its token table)."""
+    for bad in ([-1], [5, -2], [smol.n_vocab]):
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            smol.detokenize(bad)
+    assert smol.detokenize(smol.tokenize("Hello", add_special=False)).strip() == "Hello"

@@ -201,3 +201,13 @@ def test_generation_that_fills_the_context_ends_with_length(smollm2_path):
     assert isinstance(done, DoneEvent) and done.finish_reason == "length"
     assert done.usage.prompt_tokens + done.usage.completion_tokens == 48 + 1
     assert "".join(e.text for e in events[:-1]).startswith(" 6, 7, 8")  # a real answer, not garbage
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(tiny):
+    from stdengine.errors import InvalidRequest
+
+    engine = load(tiny)
+    assert engine.detokenize(TOKENS[:3]) == engine.detokenize(TOKENS[:3])  # in range: fine
+    for bad in ([-1], [5, -2], [64], [10**9]):  # -1 once gave the last token's text
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            engine.detokenize(bad)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stdengine.adapter import EngineInfo, SamplingParams, now_ms, refuse_engine_args
+from stdengine.adapter import EngineInfo, SamplingParams, check_token_ids, now_ms, refuse_engine_args
 from stdengine.errors import BadModelFile, EngineFailure, InvalidRequest, UnsupportedOption
 from stdengine.generation import Utf8Stream, choose_chat_template, template_level
 from stdengine.local_engine import LocalEngine
@@ -310,6 +310,7 @@ class LlamaCppEngine(LocalEngine):
             cap = -n  # too small: llama.cpp says how many it needs
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        tokens = check_token_ids(tokens, self.n_vocab)
         arr = (self.lib.llama_token * max(1, len(tokens)))(*tokens)
         cap = 8 * len(tokens) + 16
         while True:
@@ -333,10 +334,7 @@ class LlamaCppEngine(LocalEngine):
         if len(tokens) == 0:
             raise InvalidRequest("decode needs at least one token")
         self.check_fits(len(self.tokens) + len(tokens))
-        bad = [t for t in tokens if not 0 <= int(t) < self.n_vocab]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
-        return self._decode([int(t) for t in tokens], all_logits)
+        return self._decode(check_token_ids(tokens, self.n_vocab), all_logits)
 
     def reset(self) -> None:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
