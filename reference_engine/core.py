@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stdengine.adapter import SamplingParams
-from stdengine.errors import ConfigError, ContextOverflow, EngineFailure, InvalidRequest
+from stdengine.errors import ConfigError, ContextOverflow, EngineFailure, InvalidRequest, UnsupportedOption
 
 from ._lib import lib
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 # engine.h enums (keep in step)
 OK, ERR_CONTEXT_OVERFLOW, ERR_BAD_TOKEN, ERR_INVALID, ERR_NOMEM, ERR_MISSING = 0, -1, -2, -3, -4, -5
 ARCH_LLAMA, ARCH_GEMMA3 = 1, 2
+MAX_CTX, MAX_THREADS = 1 << 22, 255  # se_context_new's limits (llama.c, threadpool.c)
 ROPE_NORM, ROPE_NEOX = 0, 2
 SLOTS = {
     name: i
@@ -276,6 +277,17 @@ class Context:
                 f"context sizes must be positive (n_ctx={n_ctx}, n_batch={n_batch}, "
                 f"n_ubatch={n_ubatch}, threads={n_threads}/{n_threads_batch})"
             )
+        for option, value, limit in (
+            ("ctx_size", n_ctx, MAX_CTX),
+            ("threads", max(n_threads, n_threads_batch), MAX_THREADS),
+        ):
+            if value > limit:  # the C core would refuse or clamp it; an int32 would truncate it
+                raise UnsupportedOption(
+                    f"engine 'reference' cannot honour {option}={value}: at most {limit}",
+                    hint=f"use a smaller {option}"
+                    + (" (-c; 0 takes the model's training length)" if option == "ctx_size" else " (-t)"),
+                    options=[option],
+                )
         n_ubatch = min(n_ubatch, n_batch, n_ctx)
         self.model = model
         self.n_ctx, self.n_batch, self.n_ubatch = n_ctx, n_batch, n_ubatch

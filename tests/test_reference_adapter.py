@@ -211,3 +211,19 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(tiny):
     for bad in ([-1], [5, -2], [64], [10**9]):  # -1 once gave the last token's text
         with pytest.raises(InvalidRequest, match="outside the vocabulary"):
             engine.detokenize(bad)
+
+
+@pytest.mark.parametrize(
+    "flags, option",
+    [
+        (["-c", "4294967552"], "ctx_size=4294967552"),
+        (["-c", "10000000"], "ctx_size=10000000"),
+        (["-t", "1000"], "threads=1000"),
+    ],
+)
+def test_sizes_past_the_c_cores_limits_are_refused(tiny, flags, option):
+    """Past the C core's limits a size is an error naming it (exit 2), never truncated to int32
+    (-c 4294967552 became a 256-position context), clamped (-t 1000 ran on 255 threads) or reported
+    as out of memory."""
+    r = infer_run("-m", str(tiny), "-n", "2", "-p", "hi", *flags)
+    assert r.returncode == 2 and f"cannot honour {option}: at most" in r.stderr, r.stderr
