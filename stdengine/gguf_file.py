@@ -125,6 +125,10 @@ class _Cursor:
         self.pos += n
 
 
+MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
+
+
 def _bad(path: Path, what: str, hint: str | None = None) -> BadModelFile:
     return BadModelFile(
         f"{path}: {what}",
@@ -188,6 +192,13 @@ def _scan(path: Path, buf: Any, size: int, load_arrays: bool) -> GGUFHeader:
         n_kv = cur.unpack("q")
         if n_tensors < 0 or n_kv < 0:
             raise _bad(path, f"corrupt header: negative counts (tensors {n_tensors}, key/values {n_kv})")
+        # A key/value takes at least 13 bytes and a tensor info 24: counts that cannot fit in the
+        # rest of the file are refused before any loop (a crafted 2^31 would walk to the end).
+        if n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_INFO_BYTES > size - cur.pos:
+            raise _bad(
+                path,
+                f"truncated or corrupt: {n_tensors} tensors and {n_kv} key/values cannot fit in a file of {size} bytes",
+            )
         metadata: dict[str, Any] = {}
         for i in range(n_kv):
             where = f"key/value #{i}"
@@ -288,6 +299,10 @@ def _read_value(path: Path, cur: _Cursor, vtype: int, key: str, load_arrays: boo
     if item_type not in VALUE_TYPES or item_type == 9:
         raise _bad(path, f"metadata array {key!r} has unsupported item type id {item_type}")
     item_name, item_fmt = VALUE_TYPES[item_type]
+    if (
+        count * (8 if item_fmt is None else struct.calcsize(item_fmt)) > cur.size - cur.pos
+    ):  # a string: 8 or more
+        raise _bad(path, f"metadata array {key!r} of {count} items cannot fit in the rest of the file")
     small = count <= MAX_ARRAY_ITEMS
     if item_fmt is None:  # strings: walk them (each has its own length)
         if small or load_arrays:

@@ -394,3 +394,23 @@ def test_alignment_must_be_a_power_of_two_multiple_of_8(tmp_path, alignment):
         else:
             with pytest.raises(BadModelFile, match="general.alignment is"):
                 open_gguf(path)
+
+
+def test_huge_counts_are_refused_before_reading(tmp_path):
+    """Counts that cannot fit in the file (a crafted 2^31 tensors over zeros, an array of 2^40
+    items) are refused at once, not walked entry by entry to the end of the file."""
+    zeros = bytes(1 << 20)
+    many_tensors = tmp_path / "tensors.gguf"
+    many_tensors.write_bytes(b"GGUF" + struct.pack("<Iqq", 3, 1 << 31, 0) + zeros)
+    assert_bad(many_tensors, "cannot fit", "2147483648 tensors")
+    key = b"general.architecture"
+    big_array = tmp_path / "array.gguf"
+    big_array.write_bytes(
+        b"GGUF"
+        + struct.pack("<Iqq", 3, 0, 1)
+        + struct.pack("<Q", len(key))
+        + key
+        + struct.pack("<iiQ", 9, 4, 1 << 40)
+        + zeros
+    )
+    assert_bad(big_array, "cannot fit", repr(key.decode()))
