@@ -17,7 +17,6 @@ import sys
 import time
 
 import numpy as np
-
 from stdengine.reference import kernels as K
 
 CASES = [
