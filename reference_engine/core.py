@@ -211,7 +211,7 @@ def isa_name() -> str:
     return api().se_isa_name().decode()
 
 
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512")  # the kernels' SIMD paths, slowest first (kernels.c)
 
 
 def check_isa_env(env: Mapping[str, str] | None = None) -> None:
@@ -230,8 +230,8 @@ def check_isa_env(env: Mapping[str, str] | None = None) -> None:
     # the C core read the same variable at start-up: it runs the wanted path or, when this CPU
     # cannot, falls back to a lower one (the best here)
     have = isa_name()
-    if have in ISAS and ISAS.index(have) < ISAS.index(want):
-        runnable = ISAS[: ISAS.index(have) + 1] if have in ISAS else ("scalar",)
+    if ISAS.index(have) < ISAS.index(want):
+        runnable = ISAS[: ISAS.index(have) + 1]
         raise ConfigError(
             f"INFER_REF_ISA={want} asks for a SIMD path this CPU cannot run",
             hint=f"this CPU runs {'|'.join(runnable)}: set INFER_REF_ISA to one of them, or unset it for the best one",
@@ -277,15 +277,14 @@ class Context:
                 f"context sizes must be positive (n_ctx={n_ctx}, n_batch={n_batch}, "
                 f"n_ubatch={n_ubatch}, threads={n_threads}/{n_threads_batch})"
             )
-        for option, value, limit in (
-            ("ctx_size", n_ctx, MAX_CTX),
-            ("threads", max(n_threads, n_threads_batch), MAX_THREADS),
+        for option, value, limit, how in (
+            ("ctx_size", n_ctx, MAX_CTX, "-c; 0 takes the model's training length"),
+            ("threads", max(n_threads, n_threads_batch), MAX_THREADS, "-t"),
         ):
             if value > limit:  # the C core would refuse or clamp it; an int32 would truncate it
                 raise UnsupportedOption(
                     f"engine 'reference' cannot honour {option}={value}: at most {limit}",
-                    hint=f"use a smaller {option}"
-                    + (" (-c; 0 takes the model's training length)" if option == "ctx_size" else " (-t)"),
+                    hint=f"use a smaller {option} ({how})",
                     options=[option],
                 )
         n_ubatch = min(n_ubatch, n_batch, n_ctx)

@@ -13,6 +13,7 @@ from functools import cache
 import numpy as np
 
 from ._lib import lib
+from .core import ISAS  # noqa: F401  (re-exported: the tests walk the paths by it)
 
 TYPES = {
     "f32": 0,
@@ -29,7 +30,6 @@ TYPES = {
     "q8_k": 15,
     "bf16": 30,
 }
-ISAS = ("scalar", "avx2", "avx512")
 
 
 class _Traits(ctypes.Structure):
