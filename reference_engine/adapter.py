@@ -81,21 +81,19 @@ class ReferenceEngine(LocalEngine):
         from stdengine.reference.model import Model
         from stdengine.reference.tokenizer import Tokenizer
 
-        from stdengine.engines import physical_cores
-
         assert options.model is not None
         refuse_engine_args("reference", options)
         check_isa_env()
         t0 = now_ms()
         model = Model.load(options.model)
         tokenizer = Tokenizer.from_gguf(options.model)
-        threads = options.threads or physical_cores()
+        threads, threads_batch = cls.thread_counts(options)
         n_ctx = options.ctx_size or model.n_ctx_train
         ctx = Context(
             model,
             n_ctx=n_ctx,
             n_threads=threads,
-            n_threads_batch=options.threads_batch or threads,
+            n_threads_batch=threads_batch,
             n_batch=options.batch_size,
             n_ubatch=options.ubatch_size,
         )

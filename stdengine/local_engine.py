@@ -47,17 +47,23 @@ class LocalEngine(Engine):
     add_bos: bool
     tokens: list[int]
 
-    @classmethod
-    def decided_defaults(cls, options: Options) -> dict[str, Any]:
-        """Threads: the physical cores (llama.cpp's rule); threads_batch: threads."""
+    @staticmethod
+    def thread_counts(options: Options) -> tuple[int, int]:
+        """(threads, threads_batch) a load uses: unset threads are the physical cores (llama.cpp's
+        rule), unset threads_batch is threads."""
         from stdengine.engines import physical_cores
 
-        out = super().decided_defaults(options)
         threads = options.threads or physical_cores()
+        return threads, options.threads_batch or threads
+
+    @classmethod
+    def decided_defaults(cls, options: Options) -> dict[str, Any]:
+        out = super().decided_defaults(options)
+        threads, threads_batch = cls.thread_counts(options)
         if options.threads is None:
             out["threads"] = threads
         if options.threads_batch is None:
-            out["threads_batch"] = threads
+            out["threads_batch"] = threads_batch
         return out
 
     # --- chat templates --------------------------------------------------------------------

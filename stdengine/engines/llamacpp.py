@@ -188,8 +188,6 @@ class LlamaCppEngine(LocalEngine):
 
     @classmethod
     def load(cls, options: Options, events: Emitter) -> LlamaCppEngine:
-        from stdengine.engines import physical_cores
-
         refuse_engine_args("llamacpp", options)
         lib = _lib()
         _install_log_callback(options.verbosity > 0)
@@ -218,13 +216,13 @@ class LlamaCppEngine(LocalEngine):
                 f"llama.cpp could not load {options.model}: {_recent_errors() or 'no reason given'}",
                 hint="check that the file is a complete GGUF of an architecture llama.cpp knows",
             )
-        threads = options.threads or physical_cores()
+        threads, threads_batch = cls.thread_counts(options)
         cp = lib.llama_context_default_params()
         cp.n_ctx = options.ctx_size
         cp.n_batch = options.batch_size
         cp.n_ubatch = min(options.ubatch_size, options.batch_size)
         cp.n_threads = threads
-        cp.n_threads_batch = options.threads_batch or threads
+        cp.n_threads_batch = threads_batch
         cp.type_k = GGML_TYPE_IDS[options.cache_type_k]
         cp.type_v = GGML_TYPE_IDS[options.cache_type_v]
         cp.flash_attn_type = (
