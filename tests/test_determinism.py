@@ -11,29 +11,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
-from stdengine.reference import kernels as K
+from isa import using_isa
 from stdengine.reference.core import Context
 from stdengine.reference.model import Model
 
 pytestmark = pytest.mark.models
 
 ISAS = ["scalar", "avx2", "avx512"]
-
-
-@contextmanager
-def using_isa(name: str):
-    before = K.isa()
-    if not K.set_isa(name):
-        pytest.skip(f"this CPU cannot run the {name} path")
-    try:
-        yield
-    finally:
-        K.set_isa(before)
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])

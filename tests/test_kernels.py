@@ -7,7 +7,6 @@ float64 by numpy.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from gguf.quants import dequantize as gg_dequantize  # noqa: E402
 from gguf.quants import quantize as gg_quantize  # noqa: E402
 
 try:
+    from isa import using_isa
     from stdengine.reference import kernels as K
 except Exception as e:  # the C core is not built, or the package is not installed
     pytest.skip(f"reference engine C core unavailable: {e}", allow_module_level=True)
@@ -53,18 +53,6 @@ ACT = {
     T.Q5_K: T.Q8_K,
     T.Q6_K: T.Q8_K,
 }
-
-
-@contextlib.contextmanager
-def using_isa(name: str):
-    """Run on the named path, then go back to the one in use before (INFER_REF_ISA's choice
-    when CI forces one, so that later tests in the process keep it)."""
-    before = K.isa()
-    try:
-        assert K.set_isa(name) and K.isa() == name
-        yield name
-    finally:
-        K.set_isa(before)
 
 
 def _available_isas() -> list[str]:

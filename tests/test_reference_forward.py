@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
+from isa import using_isa
 from oracle import greedy_partings, llamacpp_greedy
 from stdengine.reference.core import Context, SamplingParams
 from stdengine.reference.model import Model
@@ -636,16 +637,8 @@ def test_smollm2_metadata(smol):
 def test_smollm2_portable_paths_match_llamacpp(smol, llamacpp_ref, isa):
     """The portable scalar path (what a CPU without AVX-512 or AVX2 runs) and the AVX2 path give
     the whole model the same accuracy against llama.cpp as the fast path."""
-    from stdengine.reference import kernels
-
-    before = kernels.isa()
-    if not kernels.set_isa(isa) or kernels.isa() != isa:
-        kernels.set_isa(before)
-        pytest.skip(f"the {isa} path cannot run on this CPU")
-    try:
+    with using_isa(isa):
         tokens = llamacpp_ref["tokens"][:128]
         got = _decode_all(smol, tokens, n_threads=2, n_ubatch=512)
-    finally:
-        kernels.set_isa(before)
     kl, top1 = _agreement(llamacpp_ref["logits"][: len(tokens)], got)
     assert kl <= 0.01 and top1 >= 0.99, (isa, kl, top1)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from isa import using_isa
 from oracle import greedy_partings, llamacpp_greedy
 from stdengine.conformance.metrics import log_softmax
 from stdengine.reference.core import Context
@@ -261,16 +262,9 @@ def test_gemma3_tokens_and_eog_match_llamacpp(gemma3_path, ref):
 def test_gemma3_portable_paths_match_llamacpp(gemma, ref, isa):
     """The portable scalar path and the AVX2 path run Gemma as accurately as the fast path
     (Q4_K, Q5_0, Q6_K and Q8_0 weights, sliding-window attention), on the text's first 128 tokens."""
-    from stdengine.reference import kernels
-
-    before = kernels.isa()
-    if not kernels.set_isa(isa):
-        pytest.skip(f"this CPU cannot run the {isa} path")
-    try:
+    with using_isa(isa):
         tokens = ref["tokens"][:128]
         with Context(gemma, n_ctx=256, n_threads=2) as ctx:
             got = ctx.decode(tokens, all_logits=True)
-    finally:
-        kernels.set_isa(before)
     kl, top1, n = agreement(ref["logits"][: len(tokens)], got)
     assert n >= 40 and kl <= 0.01 and top1 >= 0.99, (isa, n, kl, top1)
