@@ -46,17 +46,6 @@ def load(path: str) -> ctypes.CDLL:
     return lib
 
 
-def weights(t: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random blocks with modest fp16 scales (where a block starts with them; Q6_K's d is last)."""
-    tr = K.traits(t)
-    raw = rng.integers(0, 256, size=(rows, k // tr.blck, tr.size), dtype=np.uint8)
-    for off in [tr.size - 2] if t == "q6_k" else [0, 2]:
-        raw[:, :, off : off + 2] = (
-            np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(rows, -1, 2)
-        )
-    return np.ascontiguousarray(raw).reshape(-1)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("builds", nargs="+", metavar="NAME=PATH", help="a name and the path of a _core*.so")
@@ -65,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     print("type rows k tokens " + " ".join(f"{n}_GMAC/s" for n in libs))
     for t, rows, k in CASES:
-        w = weights(t, rows, k, rng)
+        w = K.random_weights(t, rows, k, rng)
         for n in (1, 4, 64):
             act = K.quantize(K.traits(t).act_type, rng.standard_normal((n, k)).astype(np.float32))
             y = np.empty((n, rows), np.float32)

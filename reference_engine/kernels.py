@@ -153,6 +153,22 @@ def matmul(t: int | str, w, k: int, x: np.ndarray, r0: int = 0, r1: int | None =
     return y
 
 
+def random_weights(t: int | str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """rows x k weights of type t as raw bytes, for timing: random quants with modest fp16 scales
+    where a block starts with them (q6_K ends with d); float types all 0.01."""
+    tr = traits(t)
+    if tr.blck == 1:
+        return (
+            np.full((rows, k), 0.01, dtype={4: np.float32, 2: np.float16}[tr.size]).view(np.uint8).reshape(-1)
+        )
+    raw = rng.integers(0, 256, size=(rows, k // tr.blck, tr.size), dtype=np.uint8)
+    for off in [tr.size - 2] if type_id(t) == TYPES["q6_k"] else [0, 2]:
+        raw[:, :, off : off + 2] = (
+            np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(rows, -1, 2)
+        )
+    return np.ascontiguousarray(raw).reshape(-1)
+
+
 def throughput(
     t: int | str, rows: int, k: int, n_tok: int = 1, seconds: float = 0.5, copies: int = 1
 ) -> dict:
@@ -165,18 +181,7 @@ def throughput(
 
     tr, c = traits(t), _core()
     rng = np.random.default_rng(0)
-    mats = []
-    for _ in range(copies):
-        raw = rng.integers(0, 256, size=(rows, k // tr.blck, tr.size), dtype=np.uint8)
-        if tr.blck > 1:  # modest fp16 scales where the block starts with them (q6_K ends with d)
-            offs = [tr.size - 2] if type_id(t) == TYPES["q6_k"] else [0, 2]
-            for off in offs:
-                raw[:, :, off : off + 2] = (
-                    np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(rows, -1, 2)
-                )
-        else:
-            raw = np.full((rows, k), 0.01, dtype={4: np.float32, 2: np.float16}[tr.size]).view(np.uint8)
-        mats.append(np.ascontiguousarray(raw).reshape(-1))
+    mats = [random_weights(t, rows, k, rng) for _ in range(copies)]
     act = quantize(tr.act_type, rng.standard_normal((n_tok, k)).astype(np.float32))
     y = np.empty((n_tok, rows), dtype=np.float32)
     args = [
