@@ -9,6 +9,7 @@ an option the engine does not honour before the engine sees it. spec/adapter.md 
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -32,7 +33,11 @@ CAPABILITIES: dict[str, str] = {
     "embeddings": "returns embeddings for a text",
     "batch": "evaluates a prompt in batches of batch_size / ubatch_size tokens",
     "gpu": "can offload layers to a GPU (n_gpu_layers)",
+    "logprobs": "log-probabilities: generate() fills them when asked, score() rates a token sequence",
 }
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs / logprobs; the server refuses more
+SCORE_CHUNK = 64  # score() decodes this many tokens at a time: all-token logits stay small
 
 FinishReason = Literal["stop", "length"]
 
@@ -56,11 +61,18 @@ class SamplingParams:
 
 @dataclass
 class GenerateRequest:
-    """Exactly one of `prompt` (raw completion) or `messages` (chat, rendered by the template)."""
+    """Exactly one of `prompt` (raw completion), `prompt_tokens` (raw completion of these token
+    ids, for engines that declare `tokenize`) or `messages` (chat, rendered by the template).
+
+    logprobs: None = no log-probabilities; n >= 0 (at most MAX_TOP_LOGPROBS) = every TokenEvent
+    carries the chosen token's log-probability and the n most likely tokens (engines that declare
+    the `logprobs` capability)."""
 
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_tokens: list[int] | None = None
+    logprobs: int | None = None
 
 
 @dataclass
@@ -101,12 +113,45 @@ class Timings:
 
 
 @dataclass
+class TopLogprob:
+    """A token and its log-probability under the model's distribution: log_softmax of the raw
+    logits, before temperature, penalties and truncation (what OpenAI and llama-server report).
+    `id` is -1 when the engine cannot say; `piece` is the token's bytes when the engine knows them
+    (a token may be part of a UTF-8 character: `token` then shows U+FFFD)."""
+
+    token: str
+    logprob: float
+    id: int = -1
+    piece: bytes | None = None
+
+    def utf8(self) -> bytes:
+        """The token's bytes: its piece, else its text's."""
+        return self.piece if self.piece is not None else self.token.encode("utf-8")
+
+
+@dataclass
 class TokenEvent:
     """One generated token and the text it completes (may be empty while UTF-8 or a possible
-    stop string is held back)."""
+    stop string is held back). With GenerateRequest.logprobs set, `logprob` is the token's
+    log-probability (`token` its text and bytes), and `top_logprobs` the n most likely tokens at
+    that step, most likely first."""
 
     id: int
     text: str
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
+    token: TopLogprob | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """What score_prompt() says about a token sequence t0..tT-1. `tokens[t]` is token t (its text
+    and id) with its log-probability after tokens[:t] (NaN for the first: nothing comes before
+    it); `top[t]` is the top_n most likely tokens after tokens[:t+1] (T rows: the last is the
+    distribution of the token after the whole sequence)."""
+
+    tokens: list[TopLogprob]
+    top: list[list[TopLogprob]]
 
 
 @dataclass
@@ -229,6 +274,28 @@ class Engine(ABC):
         returns None: the engine has one context, and the server serialises requests on it."""
         return None
 
+    def score(self, tokens: Sequence[int], top_n: int) -> list[list[TopLogprob]]:
+        """For engines that declare `logprobs`: for each position t, the top_n most likely next
+        tokens after tokens[:t+1], most likely first (row t of decode(tokens, all_logits=True))."""
+        return self.score_prompt(tokens, top_n).top
+
+    def score_prompt(self, tokens: Sequence[int], top_n: int) -> PromptLogprobs:
+        """score() and the log-probability of each next token of the sequence (what an echoed
+        completion reports). The default decodes with all_logits, from an empty context which it
+        leaves empty, for engines that declare `logits`; an engine without logits overrides it."""
+        if "logits" not in self.capabilities:
+            raise NotImplementedError(f"engine '{self.name}' cannot score tokens (no logits)")
+        self.reset()
+        try:
+            return score_by_decode(self, tokens, top_n)
+        finally:
+            self.reset()
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token's text (special tokens rendered), for log-probabilities. The
+        default detokenizes it alone, which loses a partial UTF-8 character."""
+        return self.detokenize([token]).encode("utf-8")
+
     def embed(self, texts: list[str]) -> list[list[float]]:
         """Optional, for engines that declare the `embeddings` capability: one vector per text."""
         raise NotImplementedError
@@ -253,6 +320,62 @@ def refuse_engine_args(engine: str, options: Options) -> None:
             f"the {engine} engine's settings are the canonical options (`infer engines`)",
             options=sorted(options.engine_args),
         )
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log_softmax over the last axis, in float64."""
+    import numpy as np
+
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    out: np.ndarray = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return out
+
+
+def top_logprobs(engine: Engine, logprobs: np.ndarray, n: int) -> list[TopLogprob]:
+    """The n most likely tokens of one row of log-probabilities, most likely first (ties: the
+    lower id first)."""
+    import numpy as np
+
+    n = min(n, logprobs.shape[-1])
+    if n <= 0:
+        return []
+    ids = np.argpartition(-logprobs, n - 1)[:n]
+    ids = ids[np.lexsort((ids, -logprobs[ids]))]
+    return [token_logprob(engine, int(i), float(logprobs[i])) for i in ids]
+
+
+def token_logprob(engine: Engine, token: int, logprob: float) -> TopLogprob:
+    piece = engine.token_bytes(token)
+    return TopLogprob(piece.decode("utf-8", errors="replace"), logprob, token, piece)
+
+
+def score_by_decode(engine: Engine, tokens: Sequence[int], top_n: int) -> PromptLogprobs:
+    """score_prompt() from decode(all_logits=True), appended to the engine's context, a chunk of
+    tokens at a time so that the logits of a long sequence are never all held at once."""
+    from stdengine.errors import InvalidRequest
+
+    ids = [int(t) for t in tokens]
+    if not ids:
+        raise InvalidRequest("nothing to score: the token list is empty")
+    out = PromptLogprobs([token_logprob(engine, ids[0], math.nan)], [])
+    for start in range(0, len(ids), SCORE_CHUNK):
+        rows = log_softmax(engine.decode(ids[start : start + SCORE_CHUNK], all_logits=True))
+        for i, row in enumerate(rows):
+            t = start + i
+            if t + 1 < len(ids):
+                out.tokens.append(token_logprob(engine, ids[t + 1], float(row[ids[t + 1]])))
+            out.top.append(top_logprobs(engine, row, top_n))
+    return out
+
+
+def check_logprobs(n: int | None) -> int | None:
+    """A request's `logprobs`: None, or 0..MAX_TOP_LOGPROBS (else InvalidRequest)."""
+    from stdengine.errors import InvalidRequest
+
+    if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, not {n}")
+    return n
 
 
 def check_token_ids(tokens: Sequence[int], n_vocab: int) -> list[int]:

@@ -7,7 +7,7 @@ bottom (how to evaluate tokens, sample one, and turn tokens into text).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stdengine.adapter import (
@@ -16,16 +16,25 @@ from stdengine.adapter import (
     FinishReason,
     GenerateRequest,
     GenerationEvent,
+    PromptLogprobs,
     SamplingParams,
     Timings,
     TokenEvent,
     Usage,
+    check_logprobs,
+    check_token_ids,
+    log_softmax,
     now_ms,
+    score_by_decode,
+    token_logprob,
+    top_logprobs,
 )
 from stdengine.errors import ContextOverflow, InvalidRequest
-from stdengine.generation import StopMatcher, render_chat_template, request_tokens
+from stdengine.generation import StopMatcher, render_chat_template, request_tokens, validate_sampling
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from stdengine.events import Emitter
     from stdengine.options import Options
 
@@ -37,14 +46,15 @@ class TextStream(Protocol):
 
 class LocalEngine(Engine):
     """Subclasses set, in __init__: template (str or None), events (the Emitter given to load),
-    bos_id, eos_id, add_bos, and tokens = [] (what the KV cache holds, kept up to date by the
-    hooks)."""
+    bos_id, eos_id, add_bos, n_vocab, and tokens = [] (what the KV cache holds, kept up to date by
+    the hooks)."""
 
     template: str | None
     events: Emitter
     bos_id: int | None
     eos_id: int | None
     add_bos: bool
+    n_vocab: int
     tokens: list[int]
 
     @staticmethod
@@ -84,7 +94,14 @@ class LocalEngine(Engine):
     # --- generation ------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         s = request.sampling
-        prompt = request_tokens(self, request, self.bos_id, self.add_bos)
+        want_logprobs = check_logprobs(request.logprobs)
+        if request.prompt_tokens is not None:
+            validate_sampling(s)
+            prompt = check_token_ids(request.prompt_tokens, self.n_vocab)
+            if not prompt:
+                raise InvalidRequest("the prompt is empty", hint="give the model some tokens to complete")
+        else:
+            prompt = request_tokens(self, request, self.bos_id, self.add_bos)
         self.check_fits(len(prompt), generating=True)
         self._progress: tuple[int, float, float, int] | None = None
         t0 = now_ms()
@@ -107,6 +124,8 @@ class LocalEngine(Engine):
         samples = self._sample_tokens(s)
         try:
             while s.n_predict < 0 or n_gen < s.n_predict:
+                # the distribution the token is drawn from, taken before the sampler sees it
+                logits = self._last_logits() if want_logprobs is not None else None
                 tok = next(samples)
                 if self._is_eog(tok):
                     finish = "stop"
@@ -114,7 +133,10 @@ class LocalEngine(Engine):
                 n_gen += 1
                 self._progress = (prompt_n, t1 - t0, t1, n_gen)
                 delta, matched = stops.feed(text.push(tok))
-                yield TokenEvent(tok, delta)
+                event = TokenEvent(tok, delta)
+                if logits is not None and want_logprobs is not None:
+                    self._add_logprobs(event, logits, want_logprobs)
+                yield event
                 if matched is not None:
                     finish = "stop"
                     break
@@ -136,6 +158,22 @@ class LocalEngine(Engine):
             usage=Usage(prompt_tokens=len(prompt), completion_tokens=n_gen),
             timings=Timings(prompt_n=prompt_n, prompt_ms=t1 - t0, predicted_n=n_gen, predicted_ms=t2 - t1),
         )
+
+    def _add_logprobs(self, event: TokenEvent, logits: np.ndarray, n: int) -> None:
+        lp = log_softmax(logits)
+        event.token = token_logprob(self, event.id, float(lp[event.id]))
+        event.logprob = event.token.logprob
+        event.top_logprobs = top_logprobs(self, lp, n)
+
+    def score_prompt(self, tokens: Sequence[int], top_n: int) -> PromptLogprobs:
+        """As the default, but the context keeps the scored tokens afterwards, so that generating
+        after them (an echoed completion) reuses them instead of evaluating them again."""
+        self.reset()
+        try:
+            return score_by_decode(self, tokens, top_n)
+        except BaseException:
+            self.reset()
+            raise
 
     def partial_timings(self) -> Timings | None:
         progress = getattr(self, "_progress", None)
@@ -172,6 +210,14 @@ class LocalEngine(Engine):
     # --- hooks -----------------------------------------------------------------------------
     def token_text(self, token: int) -> str:
         """The text of a (special) token, for the template's bos_token / eos_token."""
+        raise NotImplementedError
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's piece (special tokens rendered), for log-probabilities."""
+        raise NotImplementedError
+
+    def _last_logits(self) -> np.ndarray:
+        """A copy of the last evaluated token's logits."""
         raise NotImplementedError
 
     def _keep_prefix(self, n: int) -> int:

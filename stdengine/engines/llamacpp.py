@@ -109,7 +109,7 @@ def _recent_errors() -> str:
 class LlamaCppEngine(LocalEngine):
     name = "llamacpp"
     description = "llama.cpp in-process through llama-cpp-python (GGUF; its CPU or GPU backends)"
-    capabilities = frozenset({"stream", "logits", "tokenize", "chat_template", "seed", "batch"})
+    capabilities = frozenset({"stream", "logits", "tokenize", "chat_template", "seed", "batch", "logprobs"})
     option_map = {
         "model": "llama_model_load_from_file(path)",
         "ctx_size": "n_ctx (0 = the model's n_ctx_train)",
@@ -319,14 +319,17 @@ class LlamaCppEngine(LocalEngine):
                 return buf.raw[:n].decode("utf-8", errors="replace")
             cap = -n
 
-    def token_piece(self, token: int) -> bytes:
-        """The bytes a generated token adds to the text (control tokens add none)."""
+    def token_piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes a generated token adds to the text (control tokens add none unless special)."""
         buf = ctypes.create_string_buffer(64)
-        n = int(self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False))
+        n = int(self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special))
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = int(self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False))
+            n = int(self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special))
         return buf.raw[:n]
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.token_piece(token, special=True)
 
     def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         if len(tokens) == 0:
@@ -375,6 +378,11 @@ class LlamaCppEngine(LocalEngine):
     def _is_eog(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
+    def _last_logits(self) -> np.ndarray:
+        return np.ctypeslib.as_array(
+            self.lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)
+        ).copy()
+
     def _text_stream(self) -> _PieceStream:
         return _PieceStream(self)
 
@@ -411,7 +419,7 @@ class LlamaCppEngine(LocalEngine):
                 rows.append(np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_vocab)).copy())
         if all_logits:
             return np.concatenate(rows, axis=0)
-        return np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).copy()
+        return self._last_logits()
 
     def _sampler(self, s: SamplingParams) -> Any:
         """llama.cpp's sampler chain in its default order: penalties, top-k, top-p, min-p, temperature,

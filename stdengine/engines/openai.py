@@ -3,8 +3,10 @@ vLLM, Ollama, a one-off engine) behind the adapter interface.
 
 What HTTP allows: chat and completions, streamed (server-sent events); the sampling fields of the
 OpenAI API; llama.cpp's extra sampling fields when the server is llama.cpp-like; tokenize and
-detokenize when the server offers them (probed at load). What it does not: logits, and every
-load-time option (the server was started with its own) -- the core refuses those before load.
+detokenize when the server offers them, and log-probabilities (generated tokens' and, through an
+echoed completion of token ids, score()) when it serves them (both probed at load). What it does
+not: logits, and every load-time option (the server was started with its own) -- the core refuses
+those before load.
 
 Stop strings are matched here, by the core's StopMatcher, on the streamed text, so that they behave
 exactly as in every other engine; on a match the stream is closed, which makes the server stop.
@@ -14,6 +16,7 @@ spec/engines.md is the prose.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -28,10 +31,13 @@ from stdengine.adapter import (
     FinishReason,
     GenerateRequest,
     GenerationEvent,
+    PromptLogprobs,
     SamplingParams,
     Timings,
     TokenEvent,
+    TopLogprob,
     Usage,
+    check_logprobs,
     now_ms,
 )
 from stdengine.errors import (
@@ -69,7 +75,8 @@ SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.name
 class OpenAIEngine(Engine):
     name = "openai"
     description = "any OpenAI-compatible HTTP server (llama-server, vLLM, Ollama, ...) at --url"
-    # what every instance can do; an instance adds "tokenize" when its server offers it (see load)
+    # what every instance can do; an instance adds "tokenize" and "logprobs" when its server
+    # offers them (see load)
     capabilities = frozenset({"stream", "chat_template"})
     needs_model_file = False
     option_map = {
@@ -155,12 +162,15 @@ class OpenAIEngine(Engine):
         engine._check_extras_supported(_sampling_of(options), at="load")
         if engine.tokenize_route:
             engine.capabilities = engine.capabilities | {"tokenize"}  # type: ignore[misc]
+        if engine._serves_logprobs():
+            engine.capabilities = engine.capabilities | {"logprobs"}  # type: ignore[misc]
         events.info(
             "model.loaded",
             path=engine.model,
             url=root,
             dialect=engine.dialect,
             tokenize=engine.tokenize_route is not None,
+            logprobs="logprobs" in engine.capabilities,
             load_ms=round(now_ms() - t0, 1),
         )
         return engine
@@ -206,6 +216,26 @@ class OpenAIEngine(Engine):
             self.bos_prefix = [int(t) for t in found["tokens"]]
             return "llama-cpp-python"
         return "openai"
+
+    def _serves_logprobs(self) -> bool:
+        """Whether the server echoes a token-id prompt with its log-probabilities (what score()
+        needs): one completion of one token after token 0 (an id every vocabulary has)."""
+        found = self._try_json("POST", "/v1/completions", self._echo_body([0]))
+        try:
+            entries = _logprob_entries(found["choices"][0]["logprobs"]) if found else []
+        except (KeyError, IndexError, TypeError, ValueError):
+            return False
+        return bool(entries) and math.isnan(entries[0][0].logprob)
+
+    def _echo_body(self, tokens: list[int], top_n: int = 1) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "prompt": tokens,
+            "echo": True,
+            "logprobs": top_n,
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
 
     def _try_json(self, method: str, path: str, body: Any) -> dict[str, Any] | None:
         """A probe: the JSON object answered, or None when the route is missing or failing."""
@@ -288,6 +318,45 @@ class OpenAIEngine(Engine):
     def reset(self) -> None:
         """Nothing to do: the server manages its own cache per request."""
 
+    def score_prompt(self, tokens: Sequence[int], top_n: int) -> PromptLogprobs:
+        """One completion of the token ids with echo, logprobs=top_n and max_tokens=1: echoed
+        token t+1 carries the top_n after tokens[:t+1], and the generated token the last row. A
+        server that ends at once (an end-of-generation token is not reported) is asked again with
+        the last token repeated, whose echo then carries that row."""
+        if "logprobs" not in self.capabilities:
+            raise InvalidRequest(f"the server at {self.root} does not serve echoed log-probabilities")
+        check_logprobs(top_n)
+        ids = [int(t) for t in tokens]
+        if not ids:
+            raise InvalidRequest("nothing to score: the token list is empty")
+        entries = self._echo(ids, top_n)
+        if len(entries) == len(ids):
+            entries = self._echo([*ids, ids[-1]], top_n)
+        if len(entries) <= len(ids):
+            raise EngineFailure(
+                f"the server at {self.root} echoed {len(entries)} log-probabilities for {len(ids)} tokens",
+                hint="the server must echo every prompt token (echo: true with logprobs)",
+            )
+        return PromptLogprobs(
+            # the ids are the ones sent (the completions shape does not carry ids)
+            tokens=[
+                TopLogprob(tok.token, tok.logprob, t, tok.piece)
+                for (tok, _), t in zip(entries[: len(ids)], ids, strict=True)
+            ],
+            top=[top for _, top in entries[1 : len(ids) + 1]],
+        )
+
+    def _echo(self, ids: list[int], top_n: int) -> list[tuple[TopLogprob, list[TopLogprob]]]:
+        data = self._request(
+            "POST", "/v1/completions", self._echo_body(ids, top_n), what="POST /v1/completions (echo)"
+        ).json()
+        try:
+            return _logprob_entries(data["choices"][0]["logprobs"])
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineFailure(
+                f"the server at {self.root} answered an echo with logprobs in an unknown shape: {e}"
+            ) from None
+
     def has_chat_template(self) -> bool:
         return True  # the server renders its model's template (or --chat-template is rendered here)
 
@@ -309,6 +378,9 @@ class OpenAIEngine(Engine):
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         s = request.sampling
         validate_sampling(s)
+        n_logprobs = check_logprobs(request.logprobs)
+        if n_logprobs is not None and "logprobs" not in self.capabilities:
+            raise InvalidRequest(f"the server at {self.root} does not serve log-probabilities")
         body: dict[str, Any] = {
             "model": self.model,
             "stream": True,
@@ -326,10 +398,18 @@ class OpenAIEngine(Engine):
             body["messages"] = request.messages
             if s.n_predict >= 0:
                 body["max_tokens"] = s.n_predict
+            if n_logprobs is not None:
+                body.update(logprobs=True, top_logprobs=n_logprobs)
         else:
             route = "/v1/completions"
+            if n_logprobs is not None:
+                body["logprobs"] = n_logprobs
             if request.messages is not None:  # --chat-template: rendered here, completed raw
                 body["prompt"] = self.apply_chat_template(request.messages)
+            elif request.prompt_tokens is not None:
+                if not request.prompt_tokens:
+                    raise InvalidRequest("the prompt is empty", hint="give the model some tokens to complete")
+                body["prompt"] = [int(t) for t in request.prompt_tokens]
             elif not request.prompt:
                 raise InvalidRequest("the prompt is empty", hint="give the model some text to complete")
             else:
@@ -338,7 +418,7 @@ class OpenAIEngine(Engine):
         if s.n_predict == 0:
             yield DoneEvent(finish_reason="length", usage=Usage(), timings=Timings())
             return
-        yield from self._stream(route, body, s)
+        yield from self._stream(route, body, s, n_logprobs is not None)
 
     def close(self) -> None:
         self.client.close()
@@ -382,7 +462,9 @@ class OpenAIEngine(Engine):
             raise self._error(r, what)
         return r
 
-    def _stream(self, route: str, body: dict[str, Any], s: SamplingParams) -> Iterator[GenerationEvent]:
+    def _stream(
+        self, route: str, body: dict[str, Any], s: SamplingParams, logprobs: bool
+    ) -> Iterator[GenerationEvent]:
         import httpx
 
         stops = StopMatcher(s.stop)
@@ -410,13 +492,19 @@ class OpenAIEngine(Engine):
                     timings = chunk.get("timings") or timings
                     for choice in chunk.get("choices") or []:
                         piece = _choice_text(choice)
+                        entries = self._chunk_logprobs(choice) if logprobs else []
+                        text = ""
                         if piece:
                             n_pieces += 1
                             t_first = t_first if t_first is not None else now_ms()
                             text, matched = stops.feed(piece)
+                        # one event per token the chunk reports, the chunk's text on the first
+                        for i, (tok, top) in enumerate(entries):
+                            yield TokenEvent(tok.id, "" if i else text, tok.logprob, top, tok)
+                        if piece and not entries:
                             yield TokenEvent(-1, text)
-                            if matched is not None:
-                                break  # leaving the `with` closes the stream: the server stops
+                        if matched is not None:
+                            break  # leaving the `with` closes the stream: the server stops
                         if choice.get("finish_reason"):
                             finish = "length" if choice["finish_reason"] == "length" else "stop"
                     if matched is not None:
@@ -453,6 +541,12 @@ class OpenAIEngine(Engine):
                 predicted_ms=float(timings.get("predicted_ms", t2 - t1)) if matched is None else t2 - t1,
             ),
         )
+
+    def _chunk_logprobs(self, choice: dict[str, Any]) -> list[tuple[TopLogprob, list[TopLogprob]]]:
+        try:
+            return _logprob_entries(choice.get("logprobs"))
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineFailure(f"the server at {self.root} sent logprobs in an unknown shape: {e}") from None
 
     def _transport_error(self, e: Exception, what: str, mid_stream: bool = False) -> InferError:
         import httpx
@@ -564,6 +658,30 @@ def _json_object(data: str, root: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise EngineFailure(f"the server at {root} sent a stream event that is not an object: {data[:200]!r}")
     return obj
+
+
+def _logprob_entries(obj: Any) -> list[tuple[TopLogprob, list[TopLogprob]]]:
+    """(token, its top alternatives) for each token of a choice's `logprobs`: chat's
+    {"content": [...]} (also what llama-server answers on completions; ids when it gives them),
+    or the completions shape {tokens, token_logprobs, top_logprobs: [{text: logprob}]} (no ids).
+    A null logprob (an echoed first token) is NaN; null or missing logprobs: no entries."""
+    if not obj:
+        return []
+    if isinstance(obj.get("content"), list):
+        return [(_top_entry(e), [_top_entry(t) for t in e.get("top_logprobs") or []]) for e in obj["content"]]
+    return [
+        (TopLogprob(str(text), _lp(lp)), [TopLogprob(str(t), _lp(v)) for t, v in (top or {}).items()])
+        for text, lp, top in zip(obj["tokens"], obj["token_logprobs"], obj["top_logprobs"], strict=True)
+    ]
+
+
+def _top_entry(e: dict[str, Any]) -> TopLogprob:
+    raw = e.get("bytes")
+    return TopLogprob(str(e["token"]), _lp(e["logprob"]), int(e.get("id", -1)), bytes(raw) if raw else None)
+
+
+def _lp(value: Any) -> float:
+    return math.nan if value is None else float(value)
 
 
 def _choice_text(choice: dict[str, Any]) -> str:

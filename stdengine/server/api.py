@@ -2,8 +2,8 @@
 
 Requests are parsed strictly (pydantic, `extra="forbid"`, `strict=True`): a field of the wrong type
 or a field we do not know is a 400 that names it, as OpenAI's own API answers "Unrecognized
-request argument supplied". Fields we know but cannot honour (n > 1, logprobs, tools, ...) are a
-400 too, never silently dropped. Sampling fields map to canonical options; a field whose option
+request argument supplied". Fields we know but cannot honour (n > 1, tools, logprobs from an
+engine without the capability, ...) are a 400 too, never silently dropped. Sampling fields map to canonical options; a field whose option
 the engine does not honour is refused the same way `infer run` refuses the flag.
 """
 
@@ -16,7 +16,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from stdengine.adapter import DoneEvent, SamplingParams, Usage
+from stdengine.adapter import (
+    MAX_TOP_LOGPROBS,
+    DoneEvent,
+    PromptLogprobs,
+    SamplingParams,
+    TokenEvent,
+    TopLogprob,
+    Usage,
+)
 from stdengine.errors import InvalidRequest, UnsupportedOption
 
 
@@ -66,7 +74,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=-1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -76,8 +84,9 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
-    logprobs: int | None = None
+    # text, or token ids (lm-evaluation-harness sends [[ids]]); one prompt per request
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
@@ -145,8 +154,6 @@ def refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
     if req.logit_bias:
         bad.append("logit_bias")
     if isinstance(req, ChatRequest):
-        if req.logprobs or req.top_logprobs is not None:
-            bad.append("logprobs / top_logprobs")
         if req.tools or req.functions:
             bad.append("tools / functions (tool calls are not supported)")
         if req.tool_choice not in (None, "none", "auto") or req.function_call not in (None, "none", "auto"):
@@ -154,10 +161,6 @@ def refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             bad.append(f"response_format {req.response_format.get('type')!r} (only 'text')")
     else:
-        if req.logprobs is not None:
-            bad.append("logprobs")
-        if req.echo:
-            bad.append("echo")
         if req.suffix is not None:
             bad.append("suffix")
         if req.best_of is not None and req.best_of > 1:
@@ -168,6 +171,35 @@ def refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
         )
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true")
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true")
+
+
+def logprobs_wanted(req: ChatRequest | CompletionRequest) -> int | None:
+    """How many top log-probabilities per token the request asks for; None: no log-probabilities."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def refuse_missing(
+    req: ChatRequest | CompletionRequest, engine_name: str, capabilities: frozenset[str]
+) -> None:
+    """Fields that need a capability the engine does not declare are a 400 naming them."""
+    needs: dict[str, str] = {}
+    if logprobs_wanted(req) is not None:
+        needs["logprobs" + (" / top_logprobs" if isinstance(req, ChatRequest) else "")] = "logprobs"
+    if isinstance(req, CompletionRequest):
+        if prompt_ids(req) is not None:
+            needs["prompt (token ids)"] = "tokenize"
+        elif req.echo and req.logprobs is not None:
+            needs["echo with logprobs"] = "tokenize"
+    missing = [f"{f} (needs the '{c}' capability)" for f, c in needs.items() if c not in capabilities]
+    if missing:
+        raise UnsupportedOption(
+            f"engine '{engine_name}' cannot honour {'; '.join(missing)}",
+            hint="remove " + ("it" if len(missing) == 1 else "them") + " from the request",
+        )
 
 
 def sampling_for(
@@ -207,8 +239,8 @@ def sampling_for(
             raise InvalidRequest("max_tokens and max_completion_tokens disagree; give one of them")
         limit = req.max_completion_tokens
     if limit is not None:
-        if limit == 0:
-            raise InvalidRequest("max_tokens must be at least 1 (or -1 for no limit)")
+        if limit == 0 and not (isinstance(req, CompletionRequest) and req.echo):
+            raise InvalidRequest("max_tokens must be at least 1 (or -1 for no limit; 0 only with echo)")
         s.n_predict = limit
     if req.stop is not None:
         s.stop = [req.stop] if isinstance(req.stop, str) else list(req.stop)
@@ -226,14 +258,119 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
     return out
 
 
-def completion_prompt(req: CompletionRequest) -> str:
-    if isinstance(req.prompt, str):
-        return req.prompt
-    if len(req.prompt) != 1:
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: text, or token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return p
+    if not p:
+        raise InvalidRequest("prompt: the list is empty", hint="send text or a list of token ids")
+    if p and all(isinstance(x, int) for x in p):
+        return list(p)  # type: ignore[arg-type]
+    if len(p) != 1:
         raise UnsupportedOption(
             "prompt: a list of several prompts is not supported", hint="send one request per prompt"
         )
-    return req.prompt[0]
+    return p[0] if isinstance(p[0], str) else list(p[0])  # type: ignore[arg-type]
+
+
+def prompt_ids(req: CompletionRequest) -> list[int] | None:
+    prompt = completion_prompt(req)
+    return None if isinstance(prompt, str) else prompt
+
+
+# --- log-probabilities --------------------------------------------------------------------------
+
+
+def _chat_entry(tok: TopLogprob) -> dict[str, Any]:
+    # OpenAI's fields, plus the token id as llama-server gives it (-1: the engine cannot say)
+    return {"id": tok.id, "token": tok.token, "logprob": tok.logprob, "bytes": list(tok.utf8())}
+
+
+def chat_logprob(tok: TopLogprob, top: list[TopLogprob]) -> dict[str, Any]:
+    """One entry of `logprobs.content` (chat, and the extra `content` of completions)."""
+    return {**_chat_entry(tok), "top_logprobs": [_chat_entry(t) for t in top]}
+
+
+def event_logprob(ev: TokenEvent) -> dict[str, Any] | None:
+    if ev.token is None:
+        return None
+    return chat_logprob(ev.token, ev.top_logprobs or [])
+
+
+def prompt_logprobs(scores: PromptLogprobs) -> list[dict[str, Any]]:
+    """Chat-shaped entries of an echoed prompt: the first token has nothing before it (null)."""
+    out = []
+    for t, tok in enumerate(scores.tokens):
+        entry = chat_logprob(tok, scores.top[t - 1] if t else [])
+        if t == 0:
+            entry.update(logprob=None, top_logprobs=None)
+        out.append(entry)
+    return out
+
+
+class Offsets:
+    """text_offset of each token: the characters of the returned text before it, counted over the
+    tokens' own bytes (a token that is part of a UTF-8 character starts where that character
+    does), from `start` (the echoed prompt's length for the generated tokens)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.start = start
+        self.seen = b""
+
+    def next(self, piece: bytes) -> int:
+        offset = self.start + len(self.seen.decode("utf-8", errors="ignore"))
+        self.seen += piece
+        return offset
+
+
+def legacy_logprobs(entries: list[dict[str, Any]], offsets: Offsets) -> dict[str, Any]:
+    """The completions `logprobs` object (OpenAI's legacy shape: tokens, token_logprobs,
+    top_logprobs as {text: logprob}, text_offset), with the chat-shaped `content` as well, which
+    carries the token ids."""
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [
+            None if e["top_logprobs"] is None else _text_dict(e["top_logprobs"]) for e in entries
+        ],
+        "text_offset": [offsets.next(bytes(e["bytes"])) for e in entries],
+        "content": entries,
+    }
+
+
+def join_legacy(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two completions `logprobs` objects (an echoed prompt's, the generated tokens') as one."""
+    return {k: a[k] + b[k] for k in a}
+
+
+@dataclasses.dataclass
+class LogprobsReply:
+    """A request's log-probabilities: chat's {"content": [...]}, or the completions shape, whose
+    text offsets count from the start of the echoed prompt (`echo_len` characters long)."""
+
+    kind: Literal["chat", "text"]
+    echo_len: int = 0
+
+    def __post_init__(self) -> None:
+        self.offsets = Offsets(self.echo_len)  # shared by every chunk of a stream
+
+    def prompt(self, scores: PromptLogprobs) -> dict[str, Any]:
+        return legacy_logprobs(prompt_logprobs(scores), Offsets(0))
+
+    def tokens(self, events: list[TokenEvent]) -> dict[str, Any]:
+        entries = [e for e in map(event_logprob, events) if e is not None]
+        if self.kind == "chat":
+            return {"content": entries}
+        return legacy_logprobs(entries, self.offsets)
+
+
+def _text_dict(top: list[dict[str, Any]]) -> dict[str, float]:
+    """{text: logprob}; two tokens with the same text keep the likelier (listed first)."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t["token"], t["logprob"])
+    return out
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -265,6 +402,8 @@ class Reply:
     include_usage: bool = False
     id: str = ""
     created: int = 0
+    echo: str | None = None  # completions with echo: the prompt's text, put before the answer
+    logprobs: LogprobsReply | None = None  # the request asked for log-probabilities
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id(self.kind)
@@ -279,26 +418,32 @@ class Reply:
             "system_fingerprint": self.fingerprint,
         }
 
-    def final(self, text: str, done: DoneEvent) -> dict[str, Any]:
+    def final(self, text: str, done: DoneEvent, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """The whole answer of a non-streamed request."""
         if self.kind == "chat":
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": done.finish_reason,
             }
             body = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": done.finish_reason}
             body = self._head("text_completion")
         body.update(choices=[choice], usage=usage_dict(done.usage), timings=done.timings.to_dict())
         return body
 
     def chunk(
-        self, text: str | None = None, *, role: bool = False, done: DoneEvent | None = None
+        self,
+        text: str | None = None,
+        *,
+        role: bool = False,
+        done: DoneEvent | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk: the role (chat only), a piece of text, or the finish."""
+        """One streamed chunk: the role (chat only), a piece of text and its tokens' logprobs, or
+        the finish."""
         finish = done.finish_reason if done is not None else None
         if self.kind == "chat":
             delta: dict[str, Any] = {}
@@ -306,10 +451,15 @@ class Reply:
                 delta = {"role": "assistant", "content": ""}
             elif text is not None:
                 delta = {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             body = self._head("text_completion")
         body["choices"] = [choice]
         if self.include_usage:

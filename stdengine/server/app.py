@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stdengine import __version__
-from stdengine.adapter import DoneEvent, Engine, GenerateRequest, SamplingParams, TokenEvent
+from stdengine.adapter import DoneEvent, Engine, GenerateRequest, PromptLogprobs, SamplingParams, TokenEvent
 from stdengine.errors import EngineFailure, InferError, InvalidRequest, ModelNotFound
 from stdengine.events import Emitter, Level
 from stdengine.server import api
@@ -345,7 +345,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "model_path": state.model_path,
                 "build_info": f"stdengine {__version__}; {info.name} {info.version} {info.build}".strip(),
                 "engine": info.name,
-                "capabilities": sorted(type(state.engine).capabilities),
+                "capabilities": sorted(state.engine.capabilities),
                 "supported_params": [f for f, opt in api.SAMPLING_FIELDS.items() if opt in honoured],
                 "chat": state.engine.has_chat_template(),
             }
@@ -369,6 +369,7 @@ def create_app(state: ServerState) -> FastAPI:
         req = api.parse(api.ChatRequest, await read_json(request))
         model = _check_model(state, req.model)
         api.refuse_unsupported(req)
+        api.refuse_missing(req, state.engine.name, state.engine.capabilities)
         sampling = api.sampling_for(
             req, state.defaults, state.engine.name, type(state.engine).honoured_options()
         )
@@ -385,14 +386,17 @@ def create_app(state: ServerState) -> FastAPI:
             state.fingerprint,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
-        return await generate(
-            request, GenerateRequest(messages=messages, sampling=sampling), reply, req.stream
-        )
+        n_logprobs = api.logprobs_wanted(req)
+        if n_logprobs is not None:
+            reply.logprobs = api.LogprobsReply("chat")
+        gen_request = GenerateRequest(messages=messages, sampling=sampling, logprobs=n_logprobs)
+        return await generate(request, gen_request, reply, req.stream)
 
     async def completions(request: Request) -> Response:
         req = api.parse(api.CompletionRequest, await read_json(request))
         model = _check_model(state, req.model)
         api.refuse_unsupported(req)
+        api.refuse_missing(req, state.engine.name, state.engine.capabilities)
         sampling = api.sampling_for(
             req, state.defaults, state.engine.name, type(state.engine).honoured_options()
         )
@@ -404,16 +408,38 @@ def create_app(state: ServerState) -> FastAPI:
             state.fingerprint,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
-        return await generate(request, GenerateRequest(prompt=prompt, sampling=sampling), reply, req.stream)
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+        if req.echo:
+            # token ids are echoed as their text (which also checks that they are in the vocabulary)
+            reply.echo = (
+                prompt
+                if isinstance(prompt, str)
+                else await run_in_threadpool(state.engine.detokenize, prompt)
+            )
+        score_top = req.logprobs if req.echo else None
+        if score_top is not None and isinstance(prompt, str):
+            # an echo's log-probabilities are of the prompt's tokens: tokenize it as generate() would
+            ids, text = await run_in_threadpool(state.engine.tokenize, prompt, True, True), None
+        if req.logprobs is not None:
+            reply.logprobs = api.LogprobsReply("text", len(reply.echo or ""))
+        gen_request = GenerateRequest(
+            prompt=text, prompt_tokens=ids, sampling=sampling, logprobs=req.logprobs
+        )
+        return await generate(request, gen_request, reply, req.stream, score_top)
 
     app.post("/v1/chat/completions")(guarded(chat_completions))
     app.post("/chat/completions")(guarded(chat_completions))
     app.post("/v1/completions")(guarded(completions))
 
     async def generate(
-        request: Request, gen_request: GenerateRequest, reply: api.Reply, stream: bool
+        request: Request,
+        gen_request: GenerateRequest,
+        reply: api.Reply,
+        stream: bool,
+        score_top: int | None = None,
     ) -> Response:
-        """Wait for a slot, run the generation in its worker thread, answer whole or streamed."""
+        """Wait for a slot, run the generation in its worker thread (after scoring the prompt's
+        tokens, top score_top, for an echo with logprobs), answer whole or streamed."""
         log = request.scope[LOG_KEY]
         t0 = time.perf_counter()
         watch = DisconnectWatch(request.receive)
@@ -423,7 +449,7 @@ def create_app(state: ServerState) -> FastAPI:
             ctx = await watch.guard(state.slots.acquire())
             log["slot"] = state.slots.slot_id(ctx)
             log["queued_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
-            gen = Generation(state.slots, ctx, gen_request)
+            gen = Generation(state.slots, ctx, gen_request, score_top)
             gen.start()
             first = await watch.guard(gen.next())
             # Errors that come before any token (a prompt over the context, an empty prompt) are
@@ -441,7 +467,8 @@ def create_app(state: ServerState) -> FastAPI:
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
-            pieces: list[str] = []
+            tokens: list[TokenEvent] = []
+            scores: PromptLogprobs | None = None
             item = first
             while True:
                 if isinstance(item, BaseException):
@@ -449,13 +476,16 @@ def create_app(state: ServerState) -> FastAPI:
                     raise as_infer_error(item)
                 if item is END:
                     raise EngineFailure("the engine ended generate() without a DoneEvent")
-                if isinstance(item, TokenEvent):
+                if isinstance(item, PromptLogprobs):
+                    scores = item
+                elif isinstance(item, TokenEvent):
                     _count_token(state, log, t0, item)
-                    pieces.append(item.text)
+                    tokens.append(item)
                 elif isinstance(item, DoneEvent):
                     _record_done(state, log, ctx, item)
                     await gen.finish()
-                    return JSONResponse(reply.final("".join(pieces), item))
+                    text = (reply.echo or "") + "".join(t.text for t in tokens)
+                    return JSONResponse(reply.final(text, item, _final_logprobs(reply, scores, tokens)))
                 item = await watch.guard(gen.next())
         except ClientGone:
             log["status"] = 499  # nginx's "client closed request": nobody read an answer
@@ -474,11 +504,17 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             if reply.kind == "chat":
                 yield _sse(reply.chunk(role=True))
+            elif reply.echo is not None and not isinstance(item, PromptLogprobs):
+                yield _sse(reply.chunk(reply.echo))
             while True:
-                if isinstance(item, TokenEvent):
+                if isinstance(item, PromptLogprobs):
+                    assert reply.logprobs is not None and reply.echo is not None
+                    yield _sse(reply.chunk(reply.echo, logprobs=reply.logprobs.prompt(item)))
+                elif isinstance(item, TokenEvent):
                     _count_token(state, log, t0, item)
-                    if item.text:
-                        yield _sse(reply.chunk(item.text))
+                    lp = reply.logprobs.tokens([item]) if reply.logprobs is not None else None
+                    if item.text or (lp is not None and item.token is not None):
+                        yield _sse(reply.chunk(item.text, logprobs=lp))
                 elif isinstance(item, DoneEvent):
                     _record_done(state, log, gen.ctx, item)
                     await watch.guard(gen.finish())
@@ -553,7 +589,7 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             vectors = await loop.run_in_executor(state.slots.executor, ctx.embed, texts)
             n_tokens = 0
-            if "tokenize" in type(state.engine).capabilities:
+            if "tokenize" in state.engine.capabilities:
                 n_tokens = sum(len(state.engine.tokenize(t)) for t in texts)
         except Exception as e:
             raise as_infer_error(e) from e
@@ -612,7 +648,7 @@ def _check_model(state: ServerState, name: str | None) -> str:
 
 
 def _need(state: ServerState, capability: str) -> None:
-    if capability not in type(state.engine).capabilities:
+    if capability not in state.engine.capabilities:
         raise HttpError(
             501,
             "not_supported_error",
@@ -636,6 +672,15 @@ def _count_token(state: ServerState, log: dict[str, Any], t0: float, ev: TokenEv
     state.metrics.count_decode(state.slots.busy)
     if ev.text and "ttft_ms" not in log:
         log["ttft_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+
+
+def _final_logprobs(
+    reply: api.Reply, scores: PromptLogprobs | None, tokens: list[TokenEvent]
+) -> dict[str, Any] | None:
+    if reply.logprobs is None:
+        return None
+    generated = reply.logprobs.tokens(tokens)
+    return generated if scores is None else api.join_legacy(reply.logprobs.prompt(scores), generated)
 
 
 def _record_done(state: ServerState, log: dict[str, Any], ctx: Engine, done: DoneEvent) -> None:

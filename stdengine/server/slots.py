@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -143,10 +143,13 @@ class Generation:
     asyncio queue, then END. cancel() makes it stop at the next token: the engine's generator is
     closed there, and the slot is released as the thread leaves."""
 
-    def __init__(self, pool: SlotPool, ctx: Engine, request: GenerateRequest) -> None:
+    def __init__(
+        self, pool: SlotPool, ctx: Engine, request: GenerateRequest, score_top: int | None = None
+    ) -> None:
         self.pool = pool
         self.ctx = ctx
         self.request = request
+        self.score_top = score_top  # an echo with logprobs: score the prompt tokens first
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self._cancel = threading.Event()
@@ -170,6 +173,13 @@ class Generation:
         while not self.finished:
             await self.next()
 
+    def _events(self) -> Iterator[Any]:
+        """The prompt's PromptLogprobs first when asked, then generate()'s events."""
+        if self.score_top is not None:
+            assert self.request.prompt_tokens is not None
+            yield self.ctx.score_prompt(self.request.prompt_tokens, self.score_top)
+        yield from self.ctx.generate(self.request)
+
     def _put(self, item: Any) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -179,7 +189,7 @@ class Generation:
     def _run(self) -> None:  # in the worker thread
         events = None
         try:
-            events = self.ctx.generate(self.request)
+            events = self._events()
             for ev in events:
                 if self._cancel.is_set():
                     break
