@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class ReferenceEngine(LocalEngine):
     name = "reference"
     description = "built-in GGUF engine: C quantized kernels, thread pool, batched prompts (CPU)"
-    capabilities = frozenset({"stream", "logits", "tokenize", "chat_template", "seed", "batch"})
+    capabilities = frozenset({"stream", "logits", "tokenize", "chat_template", "seed", "batch", "logprobs"})
     option_map = {
         "model": "GGUF file, memory-mapped, weights used in place",
         "ctx_size": "KV cache length (0 = the model's context_length)",
@@ -72,6 +72,7 @@ class ReferenceEngine(LocalEngine):
         self.events = events
         self.tokens: list[int] = []  # what the KV cache holds, to reuse a common prefix
         self.bos_id, self.eos_id, self.add_bos = tokenizer.bos_id, tokenizer.eos_id, tokenizer.add_bos
+        self.n_vocab = int(model.n_vocab)
         self.template, self.template_source = choose_chat_template(options.chat_template, model.metadata)
         self.n_params = sum(math.prod(t.shape) for t in model.tensors.values())
 
@@ -134,7 +135,7 @@ class ReferenceEngine(LocalEngine):
         return list(self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(check_token_ids(tokens, self.model.n_vocab)))
+        return str(self.tokenizer.decode(check_token_ids(tokens, self.n_vocab)))
 
     def decode(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         self.check_fits(len(self.tokens) + len(tokens))
@@ -169,6 +170,12 @@ class ReferenceEngine(LocalEngine):
     # --- LocalEngine hooks ---------------------------------------------------------------
     def token_text(self, token: int) -> str:
         return str(self.tokenizer.tokens[token])
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes(self.tokenizer.token_to_piece(token, special=True))
+
+    def _last_logits(self) -> np.ndarray:
+        return self.ctx.logits.copy()
 
     def _keep_prefix(self, n: int) -> int:
         self.ctx.truncate(n)  # also re-arms the seed: a seeded request replays
