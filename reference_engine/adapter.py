@@ -109,6 +109,7 @@ class ReferenceEngine(LocalEngine):
             threads=threads,
             isa=isa_name(),
             chat_template=engine.template_source,
+            tied_output=model.tied_output,
             load_ms=round(now_ms() - t0, 1),
         )
         return engine

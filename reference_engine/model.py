@@ -116,7 +116,8 @@ class Model:
 
     Attributes: path, arch (general.architecture), metadata (every key/value of the file; arrays
     longer than 1024 items are summarised as gguf_file.ArrayValue), hparams (core.HParams),
-    tensors (name -> Tensor), n_vocab, n_ctx_train, file_size. Create with Model.load(path).
+    tensors (name -> Tensor), n_vocab, n_ctx_train, file_size, tied_output (no output.weight:
+    the token embedding doubles as the output head). Create with Model.load(path).
     A Model may back several Contexts; close() (or garbage collection) closes them too.
     """
 
@@ -130,6 +131,7 @@ class Model:
     layers: list[tuple[float, int]]
     n_vocab: int
     n_ctx_train: int
+    tied_output: bool
 
     def __init__(self) -> None:  # use Model.load
         self._handle: int | None = None
@@ -173,7 +175,11 @@ class Model:
             self.layers = [(self.hparams.rope_base, 0)] * self.hparams.n_layer
             layer_map = _LLAMA_LAYER
         self.n_vocab = self.hparams.n_vocab
-        self.n_ctx_train = int(self.metadata.get(f"{arch}.context_length", 0) or 0)
+        self.n_ctx_train = _get_int(
+            path, self.metadata, f"{arch}.context_length", default=0, lo=0, hi=1 << 32
+        )
+        # no output.weight: the logits reuse the token embedding (a tied model; model.loaded says so)
+        self.tied_output = "output.weight" not in self.tensors
         plan = _llama_plan(path, self.hparams, self.tensors, self.file_size, layer_map, arch)
 
         # Map the file and describe it to the C core.

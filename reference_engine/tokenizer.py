@@ -243,97 +243,51 @@ def _reader_metadata(reader: Any) -> dict[str, Any]:
     }
 
 
-# GGUF scalar value types (gguf.GGUFValueType) -> numpy dtype
-_GGUF_SCALARS = {
-    0: "<u1",
-    1: "<i1",
-    2: "<u2",
-    3: "<i2",
-    4: "<u4",
-    5: "<i4",
-    6: "<f4",
-    7: "<u1",
-    10: "<u8",
-    11: "<i8",
-    12: "<f8",
-}
-_GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
-
-
 def read_gguf_metadata(
     path: str | PathLike[str], prefixes: tuple[str, ...] = ("tokenizer.", "general.")
 ) -> dict[str, Any]:
     """The metadata keys of a GGUF file that start with one of prefixes, as plain Python values.
 
-    Reads only the key-value header. `gguf.GGUFReader` also indexes every tensor and makes one numpy
-    view per array element, which takes seconds for a 262k-token vocabulary; this takes ~0.1 s.
+    Read by stdengine.gguf_file's checked scan (one GGUF reader for the project: a damaged file is
+    a BadModelFile naming it). `gguf.GGUFReader` makes one numpy view per array element, which
+    takes seconds for a 262k-token vocabulary; the scan takes ~0.2 s. Token texts keep invalid
+    UTF-8 bytes (surrogateescape), as token_to_piece must give them back.
     """
-    import mmap
-
     import numpy as np
 
-    with open(path, "rb") as f:
-        try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError as e:  # empty file
-            raise BadModelFile(f"{path!s} is not a GGUF file (it is empty)") from e
-    with buf:
-        if buf[:4] != b"GGUF":
-            raise BadModelFile(f"{path!s} is not a GGUF file (no GGUF magic)")
-        version = int.from_bytes(buf[4:8], "little")
-        if version not in (2, 3):
-            raise BadModelFile(f"{path!s}: GGUF version {version} is not supported (2 and 3 are)")
-        n_kv = int.from_bytes(buf[16:24], "little")
-        pos = 24
-        u64 = lambda at: int.from_bytes(buf[at : at + 8], "little")  # noqa: E731
+    from stdengine.gguf_file import scan_gguf
 
-        def string(at: int) -> tuple[str, int]:
-            n = u64(at)
-            return buf[at + 8 : at + 8 + n].decode("utf-8", "surrogateescape"), at + 8 + n
+    header = scan_gguf(path, load_arrays=True, errors="surrogateescape")
+    return {
+        key: value.tolist() if isinstance(value, np.ndarray) else value
+        for key, value in header.metadata.items()
+        if key.startswith(prefixes)
+    }
 
-        meta: dict[str, Any] = {}
-        try:
-            for _ in range(n_kv):
-                key, pos = string(pos)
-                vtype = int.from_bytes(buf[pos : pos + 4], "little")
-                pos += 4
-                keep = key.startswith(prefixes)
-                value: Any
-                if vtype == _GGUF_STRING:
-                    value, pos = string(pos)
-                elif vtype == _GGUF_ARRAY:
-                    itype = int.from_bytes(buf[pos : pos + 4], "little")
-                    count = u64(pos + 4)
-                    pos += 12
-                    if itype == _GGUF_STRING:
-                        items: list[str] = []
-                        for _ in range(count):
-                            n = u64(pos)
-                            if keep:
-                                items.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", "surrogateescape"))
-                            pos += 8 + n
-                        value = items
-                    elif itype in _GGUF_SCALARS:
-                        dt = np.dtype(_GGUF_SCALARS[itype])
-                        value = np.frombuffer(buf, dt, count, pos).tolist() if keep else None
-                        if itype == _GGUF_BOOL and keep:
-                            value = [bool(v) for v in value]
-                        pos += dt.itemsize * count
-                    else:
-                        raise BadModelFile(f"{path!s}: key {key!r} is an array of arrays (not supported)")
-                elif vtype in _GGUF_SCALARS:
-                    dt = np.dtype(_GGUF_SCALARS[vtype])
-                    value = np.frombuffer(buf, dt, 1, pos).tolist()[0]
-                    if vtype == _GGUF_BOOL:
-                        value = bool(value)
-                    pos += dt.itemsize
-                else:
-                    raise BadModelFile(f"{path!s}: key {key!r} has unknown value type {vtype}")
-                if keep:
-                    meta[key] = value
-        except (IndexError, ValueError, UnicodeDecodeError) as e:
-            raise BadModelFile(f"{path!s}: the GGUF metadata is truncated or malformed ({e})") from e
-    return meta
+
+def _typed(meta: dict[str, Any], key: str, want: str, default: Any = None) -> Any:
+    """meta[key] if it has the GGUF type a tokenizer needs (want: "str", "int", "bool", "strings",
+    "ints", "numbers"), default when absent; else BadModelFile naming the key. A fuzzed or
+    hand-made file may put any type under any key, and the code below trusts these types."""
+    value = meta.get(key)
+    if value is None:
+        return default
+    scalar = {"str": (str,), "int": (int,), "bool": (bool, int)}
+    item = {"strings": (str,), "ints": (int,), "numbers": (int, float)}
+    if want in scalar:
+        ok = isinstance(value, scalar[want]) and (want == "bool" or not isinstance(value, bool))
+    else:
+        ok = isinstance(value, list) and all(isinstance(v, item[want]) for v in value)
+    if not ok:
+        shown = f"an array of {len(value)}" if isinstance(value, list) else repr(value)[:40]
+        expected = {"str": "a string", "int": "an integer", "bool": "a boolean"}.get(
+            want, f"an array of {want}"
+        )
+        raise BadModelFile(f"metadata key {key!r} is {shown}, expected {expected}")
+    return value
+
+
+_BYTE_TOKEN = regex.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -349,13 +303,13 @@ class Tokenizer:
     """
 
     def __init__(self, meta: dict[str, Any]) -> None:
-        model = meta.get("tokenizer.ggml.model")
+        model = _typed(meta, "tokenizer.ggml.model", "str")
         if model is None:
             raise BadModelFile(
                 "the GGUF file has no tokenizer (tokenizer.ggml.model is missing)",
                 hint="convert the model again with llama.cpp's convert_hf_to_gguf.py",
             )
-        tokens = meta.get("tokenizer.ggml.tokens")
+        tokens = _typed(meta, "tokenizer.ggml.tokens", "strings")
         if not tokens:
             raise BadModelFile(
                 "the GGUF file has no vocabulary (tokenizer.ggml.tokens is missing)",
@@ -372,18 +326,27 @@ class Tokenizer:
                     raise BadModelFile(f"duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}")
                 seen[t] = i
 
-        types = meta.get("tokenizer.ggml.token_type")
+        types = _typed(meta, "tokenizer.ggml.token_type", "ints")
         if types is None:
             self.attrs = [ATTR_NORMAL] * n
         else:
             if len(types) < n:
                 raise BadModelFile(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
             self.attrs = [_TYPE_TO_ATTR.get(t, ATTR_UNDEFINED) for t in types[:n]]
-        scores = meta.get("tokenizer.ggml.scores")
+        for i, a in enumerate(self.attrs):
+            if a & ATTR_BYTE and not _BYTE_TOKEN.fullmatch(self.tokens[i]):
+                raise BadModelFile(f"token {i} is of type BYTE but its text {self.tokens[i]!r} is not <0xXX>")
+        if not any(a & (ATTR_NORMAL | ATTR_BYTE | ATTR_USER_DEFINED) for a in self.attrs):
+            # no token could stand for text: every prompt would encode to nothing
+            raise BadModelFile(
+                "no token of the vocabulary is NORMAL, BYTE or USER_DEFINED (tokenizer.ggml.token_type): "
+                "text cannot be tokenized"
+            )
+        scores = _typed(meta, "tokenizer.ggml.scores", "numbers")
         self._scores: list[float] = list(scores[:n]) if scores is not None else [0.0] * n
 
         # vocabulary kind and llama.cpp's defaults for it
-        self.pre = meta.get("tokenizer.ggml.pre") or "default"
+        self.pre = _typed(meta, "tokenizer.ggml.pre", "str") or "default"
         if model == "gpt2":
             self.kind = "bpe"
             pre = PRE_TOKENIZERS.get(self.pre)
@@ -393,7 +356,7 @@ class Tokenizer:
                     hint="supported: " + ", ".join(sorted(PRE_TOKENIZERS)),
                 )
             self._pre = pre
-            merges = meta.get("tokenizer.ggml.merges")
+            merges = _typed(meta, "tokenizer.ggml.merges", "strings")
             if merges is None:
                 raise BadModelFile("a BPE vocabulary without tokenizer.ggml.merges")
             # "left right" -> rank; the first occurrence of a pair wins, as in llama.cpp
@@ -417,8 +380,8 @@ class Tokenizer:
         def special_id(key: str, default: int | None) -> int | None:
             if default is not None and default >= n:
                 default = None
-            value = meta.get(f"tokenizer.ggml.{key}")
-            if value is None or not 0 <= int(value) < n:
+            value = _typed(meta, f"tokenizer.ggml.{key}", "int")
+            if value is None or not 0 <= value < n:
                 return default
             return int(value)
 
@@ -427,9 +390,11 @@ class Tokenizer:
         self.unk_id = special_id("unknown_token_id", unk)
         self.eot_id = special_id("eot_token_id", None)
         self.eom_id = special_id("eom_token_id", None)
-        self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
-        self.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", add_eos))
-        self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
+        self.add_bos = bool(_typed(meta, "tokenizer.ggml.add_bos_token", "bool", add_bos))
+        self.add_eos = bool(_typed(meta, "tokenizer.ggml.add_eos_token", "bool", add_eos))
+        self.add_space_prefix = bool(
+            _typed(meta, "tokenizer.ggml.add_space_prefix", "bool", add_space_prefix)
+        )
         if self.add_bos and self.bos_id is None:
             raise BadModelFile("tokenizer.ggml.add_bos_token is true, but there is no bos_token_id")
         if self.add_eos and self.eos_id is None:
@@ -475,9 +440,15 @@ class Tokenizer:
     def from_gguf(cls, reader_or_path: Any) -> Tokenizer:
         """Build from a path to a .gguf file (only its metadata header is read) or an open
         `gguf.GGUFReader`."""
-        if isinstance(reader_or_path, (str, PathLike)):
-            return cls(read_gguf_metadata(reader_or_path))
-        return cls(_reader_metadata(reader_or_path))
+        try:
+            if isinstance(reader_or_path, (str, PathLike)):
+                return cls(read_gguf_metadata(reader_or_path))
+            return cls(_reader_metadata(reader_or_path))
+        except BadModelFile as e:
+            path = str(getattr(reader_or_path, "path", reader_or_path))
+            if e.details.get("path"):
+                raise
+            raise type(e)(f"{path}: {e.message}", hint=e.hint, path=path) from None
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> Tokenizer:

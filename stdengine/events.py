@@ -26,7 +26,9 @@ KNOWN_EVENTS: dict[str, str] = {
     "bytes of total downloaded, one per tenth of a wheel, at info level in the JSON log format)",
     "model.loaded": "a model is loaded (path, architecture, n_params, load_ms; the engine's build: "
     "the reference engine's `isa`, llama.cpp's `build`; `chat_template`: the template runs use, "
-    "`model file`, `--chat-template`, `built-in 'NAME'`, or `none`); level `warn` when the file has "
+    "`model file`, `--chat-template`, `built-in 'NAME'`, or `none`; the reference engine's "
+    "`tied_output`: true when the file has no output.weight and the token embedding is the output "
+    "head); level `warn` when the file has "
     "no template and a built-in one stands in (a base model may not follow it: `--raw`)",
     "prompt.evaluated": "a prompt was processed (prompt_n, prompt_ms, prompt_per_second)",
     "generation.done": "a generation ended (finish_reason, timings); after Ctrl-C in `infer run`, "

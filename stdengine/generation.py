@@ -7,10 +7,11 @@ part of the text, and the finish reason is "stop".
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any, Literal
 
-from stdengine.errors import InvalidRequest
+from stdengine.errors import BadModelFile, InferError, InvalidRequest
 
 
 def validate_sampling(s: Any) -> None:
@@ -128,6 +129,169 @@ class Utf8Stream:
         return text
 
 
+class ModelTemplate(str):
+    """A chat template read from the model file (a str): rendering errors that are the template's
+    own fault (a limit, a syntax error, runaway recursion) are then bad_model_file rather than
+    invalid_request. choose_chat_template marks the file's template this way, so every engine
+    that renders its `template` gets the right error without passing the source along."""
+
+
+# Limits on rendering a chat template (spec/errors.md, "Resource limits"). A template is code from
+# the model file or the request: without them two nested range(100000) loops never end and
+# 'x' * 2**31 allocates gigabytes. The step budget is deterministic (loop iterations plus calls);
+# the deadline catches work that steps do not count (a long filter chain per step).
+TEMPLATE_MAX_STEPS = 1_000_000
+TEMPLATE_DEADLINE_S = 10.0
+# Longest string a template may build or output: this, plus 4 characters per character of input
+# (the messages and the template), so a long conversation never reaches it.
+TEMPLATE_MIN_OUTPUT_CHARS = 1 << 20
+
+
+class TemplateLimit(Exception):
+    """A chat template went past one of the limits above."""
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, (str, list, tuple)) else 0
+
+
+def _bounded_environment(max_chars: int, cancel: Any) -> Any:
+    """A Jinja sandbox that counts steps, watches the clock and refuses over-long strings."""
+    import functools
+    import time
+
+    from jinja2 import nodes, pass_context
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    deadline = time.monotonic() + TEMPLATE_DEADLINE_S
+    steps = 0
+
+    def tick() -> None:
+        nonlocal steps
+        steps += 1
+        if steps > TEMPLATE_MAX_STEPS:
+            raise TemplateLimit(f"more than {TEMPLATE_MAX_STEPS} loop iterations and calls")
+        if time.monotonic() > deadline:
+            raise TemplateLimit(f"rendering took more than {TEMPLATE_DEADLINE_S:g} s")
+        if cancel is not None and cancel.is_set():
+            raise TemplateLimit("rendering was cancelled")
+
+    def check(n: int, what: str) -> None:
+        if n > max_chars:
+            raise TemplateLimit(f"{what} would be {n} characters or items (the limit is {max_chars})")
+
+    def check_ints(args: Any, kwargs: Any) -> None:
+        # a width, count or indent larger than the limit can only build an over-long string
+        for v in (*args, *kwargs.values()):
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > max_chars:
+                check(abs(v), "a width or count argument")
+
+    def estimate(name: str, subject: Any, args: Any) -> int:
+        """An upper bound of what a string amplifier (a str method or a filter) returns, computed
+        before it runs: subject is the str of a method or the value of a filter."""
+        if name == "join":  # str.join(items) or the join filter: items|join(separator)
+            sep, items = (
+                (subject, args[0]) if isinstance(subject, str) else (args[0] if args else "", subject)
+            )
+            items = list(items) if isinstance(items, (list, tuple)) else []
+            return sum(len(str(x)) for x in items) + len(str(sep)) * len(items)
+        if not isinstance(subject, str):
+            return _size(subject)
+        if name == "replace" and len(args) >= 2:
+            old, new = str(args[0]), str(args[1])
+            return len(subject) + (subject.count(old) if old else len(subject)) * len(new) + len(new)
+        if name == "indent":
+            width = args[0] if args else 4
+            return len(subject) + (subject.count("\n") + 1) * (
+                width if isinstance(width, int) else len(str(width))
+            )
+        if name == "expandtabs":
+            tab = args[0] if args and isinstance(args[0], int) else 8
+            return len(subject) + subject.count("\t") * tab
+        return len(subject)
+
+    class Env(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+", "%"])
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            tick()
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        check(len(seq) * max(n, 0), "a repeated string or list")
+            elif operator == "**" and isinstance(right, int) and abs(right) > 4096:
+                raise TemplateLimit(f"an exponent of {right}")
+            elif operator == "+":
+                check(_size(left) + _size(right), "a concatenation")
+            elif operator == "%" and isinstance(left, str):
+                for digits in re.findall(r"\d+", left):
+                    check(int(digits), "a %-format width")
+            result = super().call_binop(context, operator, left, right)
+            check(_size(result), "a result")
+            return result
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            tick()
+            check_ints(args, kwargs)
+            subject = getattr(__obj, "__self__", None)
+            check(estimate(getattr(__obj, "__name__", ""), subject, args), "a string method's result")
+            result = super().call(__context, __obj, *args, **kwargs)
+            check(_size(result), "a call's result")
+            return result
+
+        def bounded_join(self, parts: tuple[Any, ...]) -> str:
+            # the ~ operator (jinja's Concat node), which call_binop does not see
+            out = "".join(str(p) for p in parts)
+            check(len(out), "a ~ concatenation")
+            return out
+
+    class Codegen(CodeGenerator):
+        def visit_Concat(self, node: Any, frame: Any) -> None:  # noqa: N802 (jinja's visitor naming)
+            self.write("environment.bounded_join((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    env = Env(trim_blocks=True, lstrip_blocks=True)
+    env.code_generator_class = Codegen
+
+    def bounded_filter(name: str, f: Any) -> Any:
+        @functools.wraps(f)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            tick()
+            check_ints(args, kwargs)
+            i = 1 if getattr(f, "jinja_pass_arg", None) else 0  # a context/environment comes first
+            if len(args) > i:
+                check(estimate(name, args[i], args[i + 1 :]), f"the {name} filter's result")
+            result = f(*args, **kwargs)
+            check(_size(result), f"the {name} filter's result")
+            return result
+
+        return run
+
+    env.filters = {name: bounded_filter(name, f) for name, f in env.filters.items()}
+
+    @pass_context
+    def bounded_iter(context: Any, iterable: Any) -> Any:
+        for item in iterable:
+            tick()
+            yield item
+
+    env.filters["_bounded_iter"] = bounded_iter
+
+    def count_loops(source: str) -> Any:
+        """The template's syntax tree with every for loop's iterable counted by bounded_iter."""
+        tree = env.parse(source)
+        for loop in tree.find_all(nodes.For):
+            loop.iter = nodes.Filter(loop.iter, "_bounded_iter", [], [], None, None, lineno=loop.lineno)
+        return tree
+
+    env.count_loops = count_loops
+    return env
+
+
 def render_chat_template(
     template: str,
     messages: list[dict[str, str]],
@@ -135,29 +299,61 @@ def render_chat_template(
     bos_token: str = "",
     eos_token: str = "",
     add_generation_prompt: bool = True,
+    cancel: Any = None,
 ) -> str:
-    """Render a model's Jinja chat template (as HF transformers and llama.cpp --jinja do)."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """Render a chat template (as HF transformers and llama.cpp --jinja do), within the limits
+    above. A problem of the template itself is bad_model_file for a ModelTemplate (the model
+    file's), invalid_request for one given by the user or a request; a template that refuses the
+    conversation (raise_exception) is invalid_request. cancel: a threading.Event that stops it."""
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise InvalidRequest("each chat message needs a 'role' and a 'content'")
+    from_model = isinstance(template, ModelTemplate)
+    whose = "the model's chat template" if from_model else "the chat template given"
+
+    def template_fault(what: str) -> InferError:
+        if from_model:
+            return BadModelFile(
+                f"{whose} {what}",
+                hint="pass a working template with --chat-template (a built-in name or Jinja text)",
+            )
+        return InvalidRequest(f"{whose} {what}", hint="see spec/errors.md for the template limits")
 
     def raise_exception(message: str) -> None:
         raise InvalidRequest(f"the chat template refused the conversation: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    input_chars = len(template) + sum(len(str(m.get("content", ""))) for m in messages)
+    max_chars = TEMPLATE_MIN_OUTPUT_CHARS + 4 * input_chars
+    env = _bounded_environment(max_chars, cancel)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise InvalidRequest("each chat message needs a 'role' and a 'content'")
     try:
-        return env.from_string(template).render(
+        compiled = env.from_string(env.count_loops(str(template)))
+        out: list[str] = []
+        n = 0
+        for piece in compiled.generate(
             messages=messages,
             bos_token=bos_token,
             eos_token=eos_token,
             add_generation_prompt=add_generation_prompt,
-        )
+        ):
+            n += len(piece)
+            if n > max_chars:
+                raise TemplateLimit(f"output of more than {max_chars} characters")
+            out.append(piece)
+        return "".join(out)
+    except TemplateLimit as e:
+        raise template_fault(f"went past a rendering limit: {e}") from None
+    except RecursionError:
+        raise template_fault("recursed too deeply (a macro that calls itself without end?)") from None
+    except MemoryError:
+        raise template_fault("ran out of memory") from None
+    except TemplateSyntaxError as e:
+        raise template_fault(f"is not valid Jinja: {e} (line {e.lineno})") from e
     except TemplateError as e:
-        raise InvalidRequest(f"the model's chat template failed to render: {e}") from e
+        raise InvalidRequest(f"{whose} failed to render: {e}") from e
 
 
 # Built-in chat templates, selectable by name with --chat-template NAME. Each is our own Jinja
@@ -199,7 +395,7 @@ def choose_chat_template(option: str | None, metadata: dict[str, Any]) -> tuple[
         return option, "--chat-template"
     from_file = metadata.get("tokenizer.chat_template")
     if isinstance(from_file, str) and from_file:
-        return from_file, "model file"
+        return ModelTemplate(from_file), "model file"
     name = ARCH_DEFAULT_TEMPLATES.get(str(metadata.get("general.architecture")))
     if name:
         return BUILTIN_TEMPLATES[name], f"{FALLBACK_PREFIX}'{name}' (the model file has none)"

@@ -30,7 +30,15 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
-from stdengine.errors import BadModelFile, FetchError, Interrupted, ModelNotFound, UsageError
+from stdengine.errors import (
+    BadModelFile,
+    ConfigError,
+    FetchError,
+    InferError,
+    Interrupted,
+    ModelNotFound,
+    UsageError,
+)
 
 CATALOGUE_ENV = "INFER_CATALOGUE"  # a JSON file of extra entries (same shape), merged over the built-in one
 CHUNK = 1 << 20
@@ -117,16 +125,101 @@ def cached_path(entry: CatalogueEntry) -> Path:
     return cache_dir() / entry.file
 
 
-def is_cached(entry: CatalogueEntry) -> bool:
-    """Present with the catalogue's size (the hash was checked when it was pulled)."""
+# A model in the cache is verified (SHA256 against the catalogue) once after its download, and
+# again whenever its size or mtime change: the verified size, mtime and hash are kept beside it in
+# .FILE.verified, so the check costs a stat until the file changes. A file damaged in place (bytes
+# flipped, same size) is then never called cached or loaded.
+STAMP_SUFFIX = ".verified"
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}{STAMP_SUFFIX}")
+
+
+def _write_stamp(path: Path, sha256: str) -> None:
+    st = path.stat()
+    stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+    with contextlib.suppress(OSError):  # a read-only cache: the file is hashed again next time
+        _stamp_path(path).write_text(json.dumps(stamp))
+
+
+def _stamp_matches(path: Path, sha256: str) -> bool:
+    try:
+        stamp = json.loads(_stamp_path(path).read_text())
+        st = path.stat()
+        return bool(stamp == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256})
+    except (OSError, ValueError):
+        return False
+
+
+def cache_state(entry: CatalogueEntry) -> str:
+    """ "cached" (present and its SHA256 verified), "missing", "not_a_file" (a directory or other
+    thing where the file should be) or "corrupt" (the size or the hash is wrong)."""
     path = cached_path(entry)
-    return path.is_file() and path.stat().st_size == entry.size
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        raise _unusable_cache(path, e) from e
+    if not path.is_file():
+        return "not_a_file"
+    if st.st_size != entry.size:
+        return "corrupt"
+    if _stamp_matches(path, entry.sha256):
+        return "cached"
+    if _sha256_file(path) != entry.sha256:
+        return "corrupt"
+    _write_stamp(path, entry.sha256)
+    return "cached"
+
+
+def is_cached(entry: CatalogueEntry) -> bool:
+    """Present with the catalogue's size and SHA256 (verified once per change of size or mtime)."""
+    return cache_state(entry) == "cached"
+
+
+def _unusable_cache(path: Path, e: OSError) -> InferError:
+    """The model cache cannot be read or written: a configuration problem (INFER_HOME)."""
+    where = "INFER_HOME" if os.environ.get("INFER_HOME") else "the model cache"
+    return ConfigError(
+        f"{where} cannot be used: {path}: {e.strerror or e}",
+        hint="set INFER_HOME to a writable directory (models are cached in $INFER_HOME/models)",
+        path=str(path),
+    )
+
+
+def _check_writable(directory: Path) -> None:
+    """ConfigError (naming INFER_HOME) unless the cache directory exists or can be made, and
+    takes a new file: a read-only INFER_HOME, or one that names a file, fails before a download."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise _unusable_cache(directory, e) from e
+
+
+def _cache_problem(entry: CatalogueEntry, state: str) -> BadModelFile:
+    path = cached_path(entry)
+    what = (
+        "is not a regular file"
+        if state == "not_a_file"
+        else f"does not have the catalogue's size ({entry.size} bytes) and SHA256"
+    )
+    return BadModelFile(
+        f"the cached {entry.alias} model {path} {what}: it is damaged",
+        hint=f"run `infer models pull {entry.alias} --verify` to fetch it again"
+        + (" (remove it first)" if state == "not_a_file" else ""),
+        path=str(path),
+    )
 
 
 def list_models() -> list[dict[str, Any]]:
     rows = []
     for entry in load_catalogue().values():
-        cached = is_cached(entry)
+        state = cache_state(entry)
+        cached = state == "cached"
         rows.append(
             {
                 "name": entry.alias,
@@ -134,6 +227,7 @@ def list_models() -> list[dict[str, Any]]:
                 "file": entry.file,
                 "size": entry.size,
                 "cached": cached,
+                "state": state,
                 "path": str(cached_path(entry)) if cached else None,
                 "packages": [f"{p.package}=={p.version}" for p in entry.parts],
             }
@@ -390,15 +484,24 @@ def pull_model(name: str, *, verify: bool = False, events: Any = None, verbose: 
         verbose = events is not None and getattr(events, "threshold", 20) <= 10
     reporter = _Reporter(name, events)
     with reporter:
-        if is_cached(entry):
-            if not verify:
-                reporter.event("cached", path=str(target), bytes=entry.size)
-                return target
+        state = "missing"
+        if verify and target.is_file():
             got = _sha256_file(target, reporter, f"verify {entry.file}")
             if got == entry.sha256:
+                _write_stamp(target, got)
                 reporter.event("verified", path=str(target), sha256=got)
                 return target
             reporter.event("hash_mismatch", path=str(target), expected=entry.sha256, got=got)
+        else:
+            state = cache_state(entry)  # hashes a file not verified since it last changed
+        if state == "cached":
+            reporter.event("cached", path=str(target), bytes=entry.size)
+            return target
+        if state == "not_a_file":
+            raise _cache_problem(entry, state)
+        if state == "corrupt":
+            reporter.event("hash_mismatch", path=str(target), expected=entry.sha256)
+        _check_writable(target.parent)
         return _fetch(entry, target, reporter, verbose)
 
 
@@ -444,6 +547,7 @@ def _fetch(entry: CatalogueEntry, target: Path, reporter: _Reporter, verbose: bo
             )
         os.replace(partial, target)
         _fsync_dir(directory)
+        _write_stamp(target, entry.sha256)
         reporter.event("done", path=str(target), bytes=written, sha256=entry.sha256)
         return target
     except KeyboardInterrupt:
@@ -588,8 +692,11 @@ def resolve_model(ref: str | os.PathLike[str], *, pull: bool = True, events: Any
     catalogue = load_catalogue()
     if text in catalogue:
         entry = catalogue[text]
-        if is_cached(entry):
+        state = cache_state(entry)
+        if state == "cached":
             return cached_path(entry)
+        if state != "missing":
+            raise _cache_problem(entry, state)
         if not pull:
             raise ModelNotFound(
                 f"catalogue model {text!r} is not in the cache ({cache_dir()})",

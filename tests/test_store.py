@@ -114,7 +114,10 @@ class FakeIndex:
         self.catalogue_path.write_text(json.dumps(self.catalogue))
 
     def cache_files(self) -> list[str]:
-        return sorted(p.name for p in self.cache.iterdir()) if self.cache.exists() else []
+        """The cache's files, less the verification stamps (.FILE.verified) kept beside models."""
+        if not self.cache.exists():
+            return []
+        return sorted(p.name for p in self.cache.iterdir() if not p.name.endswith(".verified"))
 
 
 @pytest.fixture
@@ -264,7 +267,16 @@ def test_verify_rehashes_and_repairs(index):
     damaged = bytearray(index.model)
     damaged[-1] ^= 0xFF
     path.write_bytes(bytes(damaged))
-    assert pull_model("tiny").read_bytes() == bytes(damaged)  # size matches: trusted without --verify
+    # the size is right but the mtime changed: hashed again, not cached, not loaded, fetched again
+    assert not {r["name"]: r for r in list_models()}["tiny"]["cached"]
+    with pytest.raises(BadModelFile, match="SHA256"):
+        resolve_model("tiny")
+    assert pull_model("tiny").read_bytes() == index.model
+    # damage that keeps the size and the mtime of the verified file is only seen by --verify
+    path.write_bytes(bytes(damaged))
+    stamp = json.loads(store._stamp_path(path).read_text())
+    os.utime(path, ns=(stamp["mtime_ns"], stamp["mtime_ns"]))
+    assert pull_model("tiny").read_bytes() == bytes(damaged)
     events, stream = json_events()
     assert pull_model("tiny", verify=True, events=events).read_bytes() == index.model
     assert steps(stream)[0] == "hash_mismatch"
@@ -497,3 +509,22 @@ def test_pull_progress_is_quiet_in_text_off_a_terminal(http_index, tmp_path):
     assert "step=done" in stream.getvalue()
     logged = [json.loads(line) for line in log.read_text().splitlines()]
     assert any(r["step"] == "progress" and r["level"] == "debug" for r in logged)
+
+
+def test_unusable_cache_is_a_config_error(index, tmp_path, monkeypatch):
+    """INFER_HOME naming a file, or a directory that cannot take files: exit 2 naming INFER_HOME."""
+    home = tmp_path / "a-file"
+    home.write_text("x")
+    monkeypatch.setenv("INFER_HOME", str(home))
+    with pytest.raises(store.ConfigError, match="INFER_HOME") as err:
+        pull_model("tiny")
+    assert err.value.exit_status == 2
+
+
+def test_cached_model_replaced_by_a_directory(index):
+    (index.cache / "tiny.gguf").mkdir(parents=True)
+    with pytest.raises(BadModelFile, match="not a regular file"):
+        resolve_model("tiny")
+    with pytest.raises(BadModelFile, match="not a regular file"):
+        pull_model("tiny")
+    assert {r["name"]: r for r in list_models()}["tiny"]["state"] == "not_a_file"
