@@ -150,6 +150,7 @@ def write_llama_gguf(
     tokenizer_pre: str | None = "default",
     merges: Sequence[str] | None = None,
     chat_template: str | None = None,
+    token_types: Sequence[int] | None = None,
     file_type: int | None = None,
     extra_kv: Mapping[str, Any] | None = None,
     seed: int = 0,
@@ -189,7 +190,9 @@ def write_llama_gguf(
         w.add_tokenizer_pre(tokenizer_pre)
     w.add_token_list(list(tokens))
     w.add_token_scores([0.0] * n_vocab)
-    w.add_token_types([3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens])
+    if token_types is None:  # CONTROL for <...>, NORMAL for the rest
+        token_types = [3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens]
+    w.add_token_types(list(token_types))
     if merges is not None:
         w.add_token_merges(list(merges))
     w.add_bos_token_id(1)
