@@ -1,27 +1,35 @@
 """The HTTP checks (`--url`): an OpenAI-compatible server's routes, shapes, streaming, usage,
-errors and concurrency. Plain urllib, so the checks need nothing beyond the standard library.
+errors and concurrency, and what it generates compared with the golden data (the exact
+reference's greedy continuations, where every token wins by at least 1 nat, so every correct
+engine reproduces them at temperature 0) and the log-probabilities it serves (restricted KL from
+the exact reference, as in-process). Plain urllib, so the checks need nothing beyond the
+standard library (and numpy for the metric).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from stdengine.conformance.suite import Check, Context, Level, Outcome, Skip
+from stdengine.conformance.suite import Check, Context, Level, NotSupported, Outcome, Skip
 
 TIMEOUT_S = 120.0
 MAX_TOKENS = 8
 
 
 class Reply:
-    def __init__(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+    def __init__(
+        self, status: int, body: bytes, headers: dict[str, str], times: list[float] | None = None
+    ) -> None:
         self.status = status
         self.body = body
         self.headers = headers
+        self.times = times  # with request(timed=True): seconds from sending to each `data:` line
 
     def json(self) -> Any:
         return json.loads(self.body.decode("utf-8"))
@@ -49,7 +57,10 @@ def request(
     *,
     raw: bytes | None = None,
     api_key: str | None = None,
+    timed: bool = False,
 ) -> Reply:
+    """One HTTP request; an HTTP error status is a Reply too. timed: read the body line by line
+    as it arrives and note when each `data:` line came (for the streaming checks)."""
     assert ctx.url is not None
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(root(ctx.url) + path, data=data, method=method)
@@ -58,8 +69,16 @@ def request(
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
+        t0 = time.perf_counter()
         with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
-            return Reply(r.status, r.read(), dict(r.headers))
+            if not timed:
+                return Reply(r.status, r.read(), dict(r.headers))
+            lines, times = [], []
+            for line in iter(r.readline, b""):
+                lines.append(line)
+                if line.startswith(b"data:"):
+                    times.append(time.perf_counter() - t0)
+            return Reply(r.status, b"".join(lines), dict(r.headers), times)
     except urllib.error.HTTPError as e:
         return Reply(e.code, e.read(), dict(e.headers or {}))
 
@@ -265,20 +284,453 @@ def auth(ctx: Context, out: Outcome) -> None:
     _envelope(out, r, (401,), "a wrong API key")
 
 
-def concurrent(n: int) -> Callable[[Context, Outcome], None]:
+# --- generation compared with the golden data -----------------------------------------------------
+# Every golden continuation wins each step by >= 1 nat (golden["generation"]["min_margin"]), so a
+# correct engine reproduces it exactly at temperature 0: text, token counts and finish reason.
+FFFD = "\ufffd"
+STREAM_FIRST_FRACTION = 0.5  # http.stream.incremental: first content chunk by half the time
+MIN_STREAM_CHUNKS = 4
+
+
+class Answer:
+    """One generation request's result, whatever the route: text, finish reason, usage."""
+
+    def __init__(self, reply: Reply, chat: bool) -> None:
+        self.reply = reply
+        self.text: str | None = None
+        self.finish: Any = None
+        self.usage: Any = None
+        if reply.status != 200:
+            return
+        body = reply.json()
+        choice = (body.get("choices") or [{}])[0]
+        self.text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+        self.finish = choice.get("finish_reason")
+        self.usage = body.get("usage")
+        self.body = body
+
+    def ok(self, out: Outcome, what: str) -> bool:
+        if not _status(out, self.reply, 200, what):
+            return False
+        return out.expect(isinstance(self.text, str), f"{what}: the answer has text")
+
+
+def gen_cases(ctx: Context) -> list[dict[str, Any]]:
+    cases: list[dict[str, Any]] = ctx.need_golden("generation")["cases"]
+    return cases
+
+
+def gen_case(ctx: Context, name: str | None = None, kind: str | None = None) -> dict[str, Any]:
+    """The golden case called name, or the first of a kind (raw: the completion checks' prompt)."""
+    for c in gen_cases(ctx):
+        if c["name"] == name or (name is None and c["kind"] == kind):
+            return c
+    raise Skip(f"the golden data has no generation case {name or kind!r}")
+
+
+def _route(case: dict[str, Any]) -> str:
+    return "/v1/chat/completions" if case["kind"] == "chat" else "/v1/completions"
+
+
+def gen_body(ctx: Context, case: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A temperature-0 request for a golden case, max_tokens = the golden continuation's length."""
+    body: dict[str, Any] = {"model": model_id(ctx), "max_tokens": len(case["ids"]), "temperature": 0}
+    if case["kind"] == "chat":
+        body["messages"] = case["messages"]
+    else:
+        body["prompt"] = case["prompt"]
+    return {**body, **extra}
+
+
+def generate(ctx: Context, case: dict[str, Any], **extra: Any) -> Answer:
+    return Answer(request(ctx, "POST", _route(case), gen_body(ctx, case, **extra)), case["kind"] == "chat")
+
+
+def golden_answer(ctx: Context, case: dict[str, Any]) -> Answer:
+    """The plain request of a golden case, sent once per run and shared by the checks."""
+    answer: Answer = ctx.memo(f"http.answer:{case['name']}", lambda: generate(ctx, case))
+    return answer
+
+
+def first_difference(got: str, want: str) -> str:
+    """Where two texts part: the character and word index, and a little of each around it."""
+    i = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    word = len(want[:i].split()) + (0 if i == 0 or want[i - 1].isspace() else -1)
+    lo = max(0, i - 20)
+    return (
+        f"differs at character {i} (word {word + 1}): got {'…' if lo else ''}{got[lo : i + 20]!r}, "
+        f"want {'…' if lo else ''}{want[lo : i + 20]!r}"
+    )
+
+
+def expect_text(out: Outcome, got: str, want: str, what: str) -> bool:
+    return out.expect(
+        got == want,
+        f"{what}: the golden text ({len(want)} characters)"
+        if got == want
+        else f"{what}: {first_difference(got, want)}",
+    )
+
+
+def eog_texts(ctx: Context) -> list[str]:
+    """The texts of the model's end-of-generation tokens (`<|im_end|>`, `</s>`…): an engine that
+    stops on one must not print it."""
+    g = ctx.golden or {}
+    pieces = g.get("pieces") or {}
+    texts = {pieces.get(str(i), "") for i in (g.get("eog") or {}).get("ids", [])}
+    texts.add((g.get("chat") or {}).get("eos_token") or "")
+    return sorted(t for t in texts if len(t.strip()) > 1 and FFFD not in t)
+
+
+def expect_usage(out: Outcome, usage: Any, case: dict[str, Any], n: int, what: str) -> None:
+    want = {"prompt_tokens": len(case["prompt_ids"]), "completion_tokens": n}
+    got = {k: usage.get(k) for k in want} if isinstance(usage, dict) else usage
+    out.expect(
+        got == want,
+        f"{what}: usage {got} (want {want}, golden prompt ids)" if got != want else f"{what}: usage {want}",
+    )
+    if isinstance(usage, dict):
+        _usage_ok(out, usage, what)
+
+
+def generation_golden(name: str) -> Callable[[Context, Outcome], None]:
     def check(ctx: Context, out: Outcome) -> None:
-        replies: list[Reply | BaseException] = [RuntimeError("no reply")] * n
+        case = gen_case(ctx, name)
+        a = golden_answer(ctx, case)
+        if not a.ok(out, f"POST {_route(case)}"):
+            return
+        assert a.text is not None
+        want = case["text"]
+        out.details.update({"got": a.text, "want": want, "usage": a.usage, "finish_reason": a.finish})
+        expect_text(out, a.text, want, "text")
+        expect_usage(out, a.usage, case, len(case["ids"]), "usage")
+        out.expect(
+            a.finish == "length", f"finish_reason {a.finish!r} (want 'length': max_tokens was reached)"
+        )
+        if FFFD not in want:
+            out.expect(FFFD not in a.text, "no U+FFFD in the text (bytes decoded one token at a time?)")
+        leaked = [e for e in eog_texts(ctx) if e in a.text and e not in want]
+        out.expect(not leaked, f"no end-of-generation token text in the answer (found {leaked})")
+
+    return check
+
+
+def temperature0_repeat(ctx: Context, out: Outcome) -> None:
+    case = gen_case(ctx, kind="raw")
+    first, second = golden_answer(ctx, case), generate(ctx, case)
+    if first.ok(out, "first request") and second.ok(out, "second request"):
+        assert first.text is not None and second.text is not None
+        expect_text(out, second.text, first.text, "the second answer")
+
+
+def max_tokens5(ctx: Context, out: Outcome) -> None:
+    case = gen_case(ctx, kind="raw")
+    n = 5
+    a = generate(ctx, case, max_tokens=n)
+    if not a.ok(out, "POST /v1/completions"):
+        return
+    assert a.text is not None
+    pieces = (ctx.golden or {}).get("pieces") or {}
+    want5 = "".join(pieces.get(str(i), FFFD) for i in case["ids"][:n])
+    # SentencePiece models may drop the first piece's leading space when detokenizing alone;
+    # a piece that is part of a multi-byte character is U+FFFD alone: then any prefix will do.
+    exact = next((w for w in (want5, want5.lstrip()) if FFFD not in w and case["text"].startswith(w)), None)
+    if exact is not None:
+        expect_text(out, a.text, exact, f"{n} tokens")
+    else:
+        out.expect(
+            case["text"].startswith(a.text) and a.text != "",
+            f"{n} tokens: a prefix of the golden text"
+            if case["text"].startswith(a.text)
+            else f"{n} tokens: {first_difference(a.text, case['text'])}",
+        )
+    completion = a.usage.get("completion_tokens") if isinstance(a.usage, dict) else None
+    out.expect(completion == n, f"completion_tokens {completion} (want {n})")
+    out.expect(a.finish == "length", f"finish_reason {a.finish!r} (want 'length')")
+
+
+def stop_strings(text: str) -> tuple[int, str, str]:
+    """A stop string from the middle of text, starting inside a word (so it likely spans tokens,
+    and the answer before it has no trailing space to argue about), whose first occurrence is
+    there; and a second one that occurs only later (or never). Returns (cut, first, second)."""
+    n = 4
+
+    def candidate(start: int) -> int | None:
+        for k in range(max(start, 1), len(text) - n):
+            s = text[k : k + n]
+            if text[k - 1].isalnum() and s.isalnum() and text.find(s) == k:
+                return k
+        return None
+
+    k = candidate(len(text) // 2) or candidate(1)
+    if k is None:
+        raise Skip(f"no usable stop string in the golden text {text!r}")
+    later = candidate(k + n)
+    return k, text[k : k + n], text[later : later + n] if later is not None else "\x7f never \x7f"
+
+
+def stop(ctx: Context, out: Outcome) -> None:
+    case = gen_case(ctx, kind="raw")
+    k, s, later = stop_strings(case["text"])
+    want = case["text"][:k]
+    out.details.update({"stop": [s, later], "want": want})
+    for stop_value, what in ((s, f"stop={s!r}"), ([later, s], f"stop=[{later!r}, {s!r}]")):
+        a = generate(ctx, case, stop=stop_value)
+        if a.ok(out, what):
+            assert a.text is not None
+            expect_text(out, a.text, want, f"{what}: the text before the stop string")
+            out.expect(a.finish == "stop", f"{what}: finish_reason {a.finish!r} (want 'stop')")
+
+
+def _stream_parts(r: Reply, chat: bool) -> tuple[list[str], list[float], Any, list[str]]:
+    """A stream's content pieces, when each arrived, its usage, and its finish reasons."""
+    texts, times, usage, finishes = [], [], None, []
+    for payload, t in zip(r.sse(), r.times or [0.0] * len(r.sse()), strict=True):
+        if payload == "[DONE]":
+            continue
+        c = json.loads(payload)
+        usage = c.get("usage") or usage
+        for ch in c.get("choices") or []:
+            piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            if piece:
+                texts.append(piece)
+                times.append(t)
+            if ch.get("finish_reason"):
+                finishes.append(ch["finish_reason"])
+    return texts, times, usage, finishes
+
+
+def stream_equals(kind: str) -> Callable[[Context, Outcome], None]:
+    def check(ctx: Context, out: Outcome) -> None:
+        case = gen_case(ctx, kind=kind)
+        whole = golden_answer(ctx, case)
+        r = request(
+            ctx,
+            "POST",
+            _route(case),
+            gen_body(ctx, case, stream=True, stream_options={"include_usage": True}),
+        )
+        if not (whole.ok(out, "the plain request") and _status(out, r, 200, "the streamed request")):
+            return
+        assert whole.text is not None
+        texts, _, usage, finishes = _stream_parts(r, kind == "chat")
+        expect_text(out, "".join(texts), whole.text, "the streamed text")
+        out.expect(
+            finishes == [whole.finish], f"finish reasons {finishes} (the plain request's: {whole.finish!r})"
+        )
+        if usage is None:
+            out.add("warn", "NOT MET: no usage in the stream (http.chat.stream.usage checks it)")
+        else:
+            keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+            got = {k: usage.get(k) for k in keys}
+            want = {k: (whole.usage or {}).get(k) for k in keys}
+            out.expect(
+                got == want,
+                f"the stream's usage {got}" + ("" if got == want else f" (the plain request's: {want})"),
+            )
+
+    return check
+
+
+def stream_incremental(ctx: Context, out: Outcome) -> None:
+    """A stream must arrive as it is generated: at least 4 content chunks, and the first one by
+    half of the time the last one took (from sending the request). A server that buffers the
+    answer and sends it at the end delivers every chunk within milliseconds of the last."""
+    case = gen_case(ctx, kind="raw")
+    r = request(ctx, "POST", "/v1/completions", gen_body(ctx, case, stream=True), timed=True)
+    if not _status(out, r, 200, "POST /v1/completions stream"):
+        return
+    texts, times, _, _ = _stream_parts(r, False)
+    out.details.update({"chunks": len(texts), "times_s": [round(t, 4) for t in times]})
+    out.expect(
+        len(texts) >= MIN_STREAM_CHUNKS,
+        f"{len(texts)} content chunks for {len(case['ids'])} tokens (want at least {MIN_STREAM_CHUNKS})",
+    )
+    if times:
+        first, last = times[0], times[-1]
+        out.expect(
+            first <= STREAM_FIRST_FRACTION * last,
+            f"the first content chunk came at {first:.3f} s, the last at {last:.3f} s "
+            f"(want the first by {STREAM_FIRST_FRACTION:.0%} of the last's time: a buffered stream?)",
+        )
+
+
+# --- log-probabilities served over HTTP --------------------------------------------------------
+LOGPROBS_K = 20
+
+
+class ServerFault(Exception):
+    """The server answered something the check cannot use, which is the server's fault."""
+
+
+def _logprobs_body(ctx: Context, prompt: Any) -> dict[str, Any]:
+    return {
+        "model": model_id(ctx),
+        "prompt": prompt,
+        "echo": True,
+        "logprobs": LOGPROBS_K,
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+
+
+def served_top_logprobs(ctx: Context, text: dict[str, Any]) -> tuple[list[Any], str]:
+    """The echoed `top_logprobs` of a golden logits text, one per echoed token (OpenAI: entry j is
+    the distribution that predicted token j, so golden position t, the distribution after
+    ids[:t+1], is entry t + 1), and how the prompt was sent."""
+    from stdengine.conformance.corpus import LOGIT_TEXTS
+
+    ids = text["ids"]
+    r = request(ctx, "POST", "/v1/completions", _logprobs_body(ctx, ids))
+    how = "token ids"
+    if r.status != 200 and text["name"] in LOGIT_TEXTS:
+        # a server that takes only text prompts (some answer 500 to a list of ids): its
+        # tokenization must then give the golden ids, which the echoed tokens show
+        refused = f"token ids refused (HTTP {r.status})"
+        r = request(ctx, "POST", "/v1/completions", _logprobs_body(ctx, LOGIT_TEXTS[text["name"]]))
+        how = f"text; {refused}"
+    if 400 <= r.status < 500:
+        raise NotSupported(
+            f"the server refuses echo + logprobs={LOGPROBS_K} ({how}): HTTP {r.status}: {r.body[:200]!r}"
+        )
+    if r.status != 200:
+        raise ServerFault(f"echo + logprobs ({how}): HTTP {r.status}: {r.body[:200]!r}")
+    lp = ((r.json().get("choices") or [{}])[0]).get("logprobs") or {}
+    tokens, tops = lp.get("tokens"), lp.get("top_logprobs")
+    if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops):
+        raise ServerFault(f"choices[0].logprobs lacks tokens/top_logprobs of one length: {str(lp)[:200]}")
+    pieces = (ctx.golden or {}).get("pieces") or {}
+    # the echoed prompt must be the golden ids, one for one (e.g. no second BOS), to line up
+    if len(tokens) not in (len(ids), len(ids) + 1):
+        raise Skip(
+            f"prompt sent as {how}: {len(tokens)} tokens echoed for {len(ids)} golden ids (+1 generated)"
+        )
+    for j, (i, tok) in enumerate(zip(ids, tokens, strict=False)):
+        want = pieces.get(str(i))
+        if want is not None and FFFD not in want and tok != want:
+            raise Skip(f"prompt sent as {how}: echoed token {j} is {tok!r}, the golden id {i} is {want!r}")
+    return tops, how
+
+
+def served_kls(
+    texts: list[dict[str, Any]], served: list[list[Any]], pieces: dict[str, str], shift: int
+) -> list[float]:
+    """Restricted KL at every golden position t that has a served distribution at entry t + shift."""
+    from stdengine.conformance.metrics import restricted_kl_by_text
+
+    kls = []
+    for t, tops in zip(texts, served, strict=True):
+        for pos, (ids, lps, tail) in enumerate(
+            zip(t["top_ids"], t["top_logprobs"], t["tail_logprob"], strict=True)
+        ):
+            top = tops[pos + shift] if pos + shift < len(tops) else None
+            if isinstance(top, dict) and top:
+                kls.append(restricted_kl_by_text(ids, lps, tail, pieces, top, LOGPROBS_K))
+    return kls
+
+
+def logprobs_kl(name: str) -> Callable[[Context, Outcome], None]:
+    def check(ctx: Context, out: Outcome) -> None:
+        from stdengine.conformance.metrics import kl_bound
+
+        logits = ctx.need_golden("logits")
+        pieces = ctx.need_golden("pieces")
+        texts = [t for t in logits["texts"] if name in ("all", t["name"])]
+        served, hows = [], set()
+        for t in texts:
+            try:
+                tops, how = ctx.memo(f"http.logprobs:{t['name']}", lambda t=t: served_top_logprobs(ctx, t))
+            except ServerFault as e:
+                out.add("fail", str(e))
+                return
+            served.append(tops)
+            hows.add(how)
+        kls = served_kls(texts, served, pieces, 1)
+        total = sum(len(t["ids"]) for t in texts)
+        if len(kls) < total // 2:
+            raise Skip(f"the server gave top_logprobs at {len(kls)} of {total} positions")
+        ll = logits["llama_cpp"]["all" if name == "all" else "by_text"]
+        ll_kl = float((ll if name == "all" else ll[name])["kl_mean"])
+        mean, bound = sum(kls) / len(kls), kl_bound(ll_kl)
+        out.details.update(
+            {
+                "kl_mean": round(mean, 6),
+                "kl_max": round(max(kls), 6),
+                "positions": len(kls),
+                "bound": round(bound, 6),
+                "llama_cpp": ll_kl,
+                "prompt": sorted(hows),
+            }
+        )
+        if not out.expect(
+            mean <= bound,
+            f"mean KL {mean:.5f} over {len(kls)} served positions (bound {bound:.5f}; llama.cpp {ll_kl:.5f})",
+        ):
+            # a common server bug: each echoed token carries the distribution that follows it
+            shifted = served_kls(texts, served, pieces, 0)
+            if shifted and sum(shifted) / len(shifted) <= bound:
+                out.add(
+                    "fail",
+                    f"with entry t (not t + 1) taken for position t the mean KL is "
+                    f"{sum(shifted) / len(shifted):.5f}: the echoed top_logprobs are off by one "
+                    "(each token carries the distribution of the token after it)",
+                )
+
+    return check
+
+
+def logprobs_chat(ctx: Context, out: Outcome) -> None:
+    case = gen_case(ctx, kind="chat")
+    r = request(ctx, "POST", "/v1/chat/completions", gen_body(ctx, case, logprobs=True, top_logprobs=5))
+    if 400 <= r.status < 500:
+        raise NotSupported(f"the server refuses logprobs/top_logprobs: HTTP {r.status}: {r.body[:200]!r}")
+    if not _status(out, r, 200, "POST /v1/chat/completions logprobs"):
+        return
+    a = Answer(r, chat=True)
+    content = (((a.body.get("choices") or [{}])[0]).get("logprobs") or {}).get("content")
+    if not isinstance(content, list) or not content:
+        out.add("fail", f"choices[0].logprobs.content is not a list of tokens: {str(content)[:200]}")
+        return
+    not_greedy = [
+        j
+        for j, e in enumerate(content)
+        if not e.get("top_logprobs")
+        or abs(e["logprob"] - max(x["logprob"] for x in e["top_logprobs"])) > 1e-4
+    ]
+    out.expect(
+        not not_greedy,
+        f"each token's logprob is the best of its top_logprobs (temperature 0); not at {not_greedy[:5]}",
+    )
+    if all(isinstance(e.get("bytes"), list) for e in content):
+        joined = bytes(b for e in content for b in e["bytes"]).decode("utf-8", errors="replace")
+    else:
+        joined = "".join(e.get("token", "") for e in content)
+    expect_text(out, joined, a.text or "", "the tokens joined vs the message content")
+    n = a.usage.get("completion_tokens") if isinstance(a.usage, dict) else None
+    out.expect(len(content) == n, f"{len(content)} logprobs entries for {n} completion tokens")
+
+
+def concurrent(n: int) -> Callable[[Context, Outcome], None]:
+    """n requests at once. With golden data they are n different golden cases (the shortest
+    prompts), and each answer must be its golden text, as when sent alone: engines that share one
+    KV cache or batch requests wrongly answer garbage. Without, n chat requests answered at all."""
+
+    def check(ctx: Context, out: Outcome) -> None:
+        cases = sorted(
+            ((ctx.golden or {}).get("generation") or {}).get("cases") or [],
+            key=lambda c: len(c["prompt_ids"]),
+        )
+        answers: list[Answer | BaseException] = [RuntimeError("no reply")] * n
 
         def one(i: int) -> None:
             try:
-                replies[i] = request(
-                    ctx,
-                    "POST",
-                    "/v1/chat/completions",
-                    chat_body(ctx, messages=[{"role": "user", "content": f"Count to {i + 2}."}]),
-                )
+                if cases:
+                    answers[i] = generate(ctx, cases[i % len(cases)])
+                else:
+                    body = chat_body(ctx, messages=[{"role": "user", "content": f"Count to {i + 2}."}])
+                    answers[i] = Answer(request(ctx, "POST", "/v1/chat/completions", body), chat=True)
             except BaseException as e:
-                replies[i] = e
+                answers[i] = e
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
         for t in threads:
@@ -286,16 +738,17 @@ def concurrent(n: int) -> Callable[[Context, Outcome], None]:
         for t in threads:
             t.join(TIMEOUT_S * 2)
         good = 0
-        for i, r in enumerate(replies):
-            if (
-                isinstance(r, Reply)
-                and r.status == 200
-                and (r.json().get("choices") or [{}])[0].get("message")
-            ):
+        for i, a in enumerate(answers):
+            if isinstance(a, Answer) and a.reply.status == 200 and a.text:
                 good += 1
+                if cases:
+                    c = cases[i % len(cases)]
+                    expect_text(out, a.text, c["text"], f"request {i} ({c['name']})")
             else:
-                out.add("fail", f"request {i}: {r.status if isinstance(r, Reply) else r!r}")
+                out.add("fail", f"request {i}: {a.reply.status if isinstance(a, Answer) else repr(a)}")
         out.expect(good == n, f"{good}/{n} concurrent requests answered")
+        if not cases:
+            out.add("pass", "no golden generation data: only checked that every request is answered")
 
     return check
 
@@ -332,5 +785,58 @@ def plan_http(ctx: Context) -> list[Check]:
     add("http.errors.bad_json", "core", bad_json, "malformed JSON: 400 and the OpenAI error envelope")
     add("http.errors.bad_param", "core", bad_param, "bad parameters: 400 and the OpenAI error envelope")
     add("http.errors.auth", "core", auth, "a wrong API key: 401 and the OpenAI error envelope")
-    add("http.concurrent:n=4", "core", concurrent(4), "four concurrent requests are all answered")
+    g = ctx.golden or {}
+    for name in [c["name"] for c in (g.get("generation") or {}).get("cases", [])] or ["(golden)"]:
+        add(
+            f"http.generation.golden:case={name}",
+            "core",
+            generation_golden(name),
+            "temperature 0: the golden text, token counts and finish reason exactly",
+        )
+    add(
+        "http.temperature0.repeat",
+        "core",
+        temperature0_repeat,
+        "the same temperature-0 request twice: the same text",
+    )
+    add(
+        "http.max_tokens:n=5",
+        "core",
+        max_tokens5,
+        "max_tokens=5: the golden first 5 tokens, finish reason length",
+    )
+    add(
+        "http.stop",
+        "core",
+        stop,
+        "a stop string (and a list of two) from the golden text cuts the answer before it",
+    )
+    for kind, route in (("chat", "chat"), ("raw", "completions")):
+        add(
+            f"http.stream.equals:route={route}",
+            "core",
+            stream_equals(kind),
+            "streaming gives the plain request's text, finish reason and usage",
+        )
+    add(
+        "http.stream.incremental",
+        "core",
+        stream_incremental,
+        "a stream arrives as it is generated, in several chunks",
+    )
+    texts = [t["name"] for t in (g.get("logits") or {}).get("texts", [])]
+    for name in texts + ["all"]:
+        add(
+            f"http.logprobs.kl:text={name}",
+            "core",
+            logprobs_kl(name),
+            "served top-20 log-probabilities (echo): restricted KL from the exact reference within the bound",
+        )
+    add("http.logprobs.chat", "core", logprobs_chat, "chat logprobs: greedy tokens that spell the content")
+    add(
+        "http.concurrent:n=4",
+        "core",
+        concurrent(4),
+        "four different golden requests at once: each answer is its golden text",
+    )
     return checks

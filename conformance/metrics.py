@@ -111,3 +111,36 @@ def top1_miss_bound(llamacpp_miss_rate: float) -> float:
     """An engine's top-1 miss rate on confident positions may be at most
     max(2 x llama.cpp's, llama.cpp's + 0.01)."""
     return max(2.0 * llamacpp_miss_rate, llamacpp_miss_rate + 0.01)
+
+
+def restricted_kl_by_text(
+    top_ids: list[int],
+    top_lps: list[float],
+    tail_lp: float,
+    pieces: dict[str, str],
+    served: dict[str, float],
+    k: int | None = None,
+) -> float:
+    """Restricted KL(reference || engine) at one position when the engine's distribution is known
+    only as a server serves it: its most probable tokens' texts -> log-probabilities (OpenAI's
+    `top_logprobs`, a dict keyed by token text).
+
+    Buckets are token texts on both sides: the reference's top-k ids are mapped to their texts
+    (`pieces`, golden data) and ids sharing a text are summed; everything else is the tail. A
+    reference bucket that the served list lacks has a probability no larger than the list's
+    smallest, and gets exactly that (the charitable choice: a correct engine whose list simply
+    stopped before that token is not penalised beyond what the list shows). With k, only the k
+    largest served values make the list (some servers add the chosen token to its top-k, and that
+    extra entry bounds nothing). The engine's tail is
+    what the reference buckets leave (floored at TAIL_FLOOR). When texts are unique and the served
+    list holds every reference id, this equals `restricted_kl`. A server whose dict collapses two
+    ids of one text keeps one of them, which can only raise the KL (rare: byte tokens)."""
+    p: dict[str, float] = {}
+    for i, lp in zip(top_ids, top_lps, strict=True):
+        text = pieces[str(i)]
+        p[text] = p.get(text, 0.0) + math.exp(lp)
+    floor = sorted(served.values(), reverse=True)[: k or len(served)][-1]
+    lq = {b: served.get(b, floor) for b in p}
+    q_tail = max(1.0 - sum(math.exp(v) for v in lq.values()), TAIL_FLOOR)
+    kl = sum(pb * (math.log(pb) - lq[b]) for b, pb in p.items())
+    return kl + math.exp(tail_lp) * (tail_lp - math.log(q_tail))
