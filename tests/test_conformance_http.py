@@ -5,10 +5,24 @@ meant for it (spec/conformance.md, "HTTP checks")."""
 
 from __future__ import annotations
 
+import json
 import math
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from stdengine.conformance import metrics
+from stdengine.conformance.http import plan_http
+from stdengine.conformance.runner import find_golden, run_suite
+from stdengine.conformance.suite import Context, Result, exit_status
 
 
 # --- the served-logprobs metric ---------------------------------------------------------------
@@ -51,3 +65,289 @@ def test_kl_by_text_buckets_shared_texts_and_floors_missing_ones():
     extra = {**served, "y": math.log(1e-6)}
     assert math.isclose(metrics.restricted_kl_by_text([0, 1, 2, 3], lps, tail, pieces, extra, k=3), want)
     assert metrics.restricted_kl_by_text([0, 1, 2, 3], lps, tail, pieces, extra) > want
+
+
+# --- `infer serve` in process, and a fault-injecting proxy in front of it ------------------------
+ALIAS = "smollm2-135m-instruct"
+KEY = "sekrit"
+N_CTX = 2048  # holds the golden induction case
+
+
+class InProcessServer:
+    """`infer serve`'s app (stdengine.server.app) on a real engine, served by uvicorn in a thread."""
+
+    def __init__(self, engine_name: str, model: Path) -> None:
+        import uvicorn
+
+        from stdengine import registry
+        from stdengine.adapter import SamplingParams
+        from stdengine.events import null_emitter
+        from stdengine.options import Options
+        from stdengine.server.app import build_state, create_app
+
+        engine = registry.engine_class(engine_name).load(
+            Options(engine=engine_name, model=str(model), ctx_size=N_CTX, threads=2), null_emitter()
+        )
+        self.state = build_state(
+            engine,
+            parallel=2,
+            defaults=SamplingParams(),
+            events=null_emitter(),
+            model_ref=ALIAS,
+            model_path=str(model),
+            api_key=KEY,
+        )
+        config = uvicorn.Config(
+            create_app(self.state), host="127.0.0.1", port=0, log_level="warning", lifespan="off"
+        )
+        sock = config.bind_socket()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive(), "the server thread died before listening"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        from stdengine.server.app import close_state
+
+        self.server.should_exit = True
+        self.thread.join(30)
+        close_state(self.state)
+
+
+def _noise(rng: random.Random, lp: Any) -> Any:
+    return lp + rng.gauss(0.0, 0.3) if isinstance(lp, (int, float)) else lp
+
+
+def fault_response(fault: str, obj: dict[str, Any], streamed: bool, rng: random.Random) -> None:
+    """One realistic fault, applied in place to a response body or a stream chunk."""
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and fault == "completion_tokens_zero":
+        usage["completion_tokens"] = 0
+        usage["total_tokens"] = usage["prompt_tokens"]  # consistent: only the count is wrong
+    if isinstance(usage, dict) and fault == "prompt_tokens_off_by_one":
+        usage["prompt_tokens"] += 1
+        usage["total_tokens"] += 1
+    for ch in obj.get("choices") or []:
+        if fault == "finish_always_stop" and ch.get("finish_reason"):
+            ch["finish_reason"] = "stop"
+        holder, key = (ch["message"], "content") if "message" in ch else (ch, "text")
+        text = holder.get(key)
+        if isinstance(text, str) and not streamed:
+            if fault == "eog_text_appended":
+                holder[key] = text + "<|im_end|>"
+            first = next((i for i, c in enumerate(text) if ord(c) > 127), None)
+            if fault == "byte_token_fffd" and first is not None:
+                # a multi-byte character whose token's bytes were decoded alone
+                holder[key] = text[:first] + "\ufffd" + text[first + 1 :]
+        lp = ch.get("logprobs")
+        if fault == "logprobs_noise" and isinstance(lp, dict):
+            for entry in lp.get("content") or []:  # chat
+                entry["logprob"] = _noise(rng, entry["logprob"])
+                for top in entry.get("top_logprobs") or []:
+                    top["logprob"] = _noise(rng, top["logprob"])
+            lp["token_logprobs"] = [_noise(rng, x) for x in lp.get("token_logprobs") or []]
+            lp["top_logprobs"] = [
+                {t: _noise(rng, v) for t, v in d.items()} if isinstance(d, dict) else d
+                for d in lp.get("top_logprobs") or []
+            ]
+
+
+def fault_request(fault: str, body: dict[str, Any]) -> None:
+    if fault == "temperature_one" and "temperature" in body:
+        body["temperature"] = 1.0
+    if fault == "stop_dropped":
+        body.pop("stop", None)
+
+
+class FaultProxy(ThreadingHTTPServer):
+    """Forwards every request to the server, with `fault` (None: none) injected on the way."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.upstream = upstream
+        self.fault: str | None = None
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    server: FaultProxy
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._forward(None)
+
+    def do_POST(self) -> None:
+        self._forward(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+    def _forward(self, raw: bytes | None) -> None:
+        fault = self.server.fault or ""
+        rng = random.Random(0)
+        if raw:
+            try:
+                body = json.loads(raw)
+                fault_request(fault, body)
+                raw = json.dumps(body).encode()
+            except ValueError:
+                pass  # malformed JSON goes through as it is
+        headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")}
+        req = urllib.request.Request(self.server.upstream + self.path, raw, headers, method=self.command)
+        try:
+            r = urllib.request.urlopen(req, timeout=120)
+        except urllib.error.HTTPError as e:
+            r = e
+        with r:
+            ctype = r.headers.get("Content-Type", "")
+            self.send_response(r.status)
+            self.send_header("Content-Type", ctype)
+            if "text/event-stream" not in ctype:
+                out = r.read()
+                if ctype.startswith("application/json") and r.status == 200:
+                    obj = json.loads(out)
+                    fault_response(fault, obj, False, rng)
+                    out = json.dumps(obj).encode()
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+                return
+            self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+            held: list[bytes] = []
+            for line in iter(r.readline, b""):
+                if line.startswith(b"data: {"):
+                    obj = json.loads(line[6:])
+                    fault_response(fault, obj, True, rng)
+                    line = b"data: " + json.dumps(obj).encode() + b"\n"
+                if fault in ("buffered_stream", "merged_chunks"):
+                    held.append(line)  # all sent at the end
+                else:
+                    self.wfile.write(line)
+                    self.wfile.flush()
+            if fault == "merged_chunks":
+                held = _merge_content_chunks(held)
+            self.wfile.write(b"".join(held))
+
+
+def _merge_content_chunks(lines: list[bytes]) -> list[bytes]:
+    """A stream whose content chunks are merged into the first (the rest kept as they were)."""
+    out: list[bytes] = []
+    first: dict[str, Any] | None = None
+    for line in lines:
+        if line.startswith(b"data: {"):
+            obj = json.loads(line[6:])
+            ch = (obj.get("choices") or [{}])[0]
+            holder, key = (ch.get("delta") or {}, "content") if "delta" in ch else (ch, "text")
+            if holder.get(key) and not ch.get("finish_reason"):
+                if first is None:
+                    first = obj
+                    out.append(b"")  # its place
+                    at = len(out) - 1
+                else:
+                    fch = first["choices"][0]
+                    fholder = fch["delta"] if "delta" in fch else fch
+                    fholder[key] += holder[key]
+                continue
+        out.append(line)
+    if first is not None:
+        out[at] = b"data: " + json.dumps(first).encode() + b"\n\n"
+    return out
+
+
+@pytest.fixture(scope="module")
+def golden(smollm2_path: Path) -> dict[str, Any]:
+    g, note = find_golden(ALIAS, smollm2_path)
+    assert g is not None, note
+    assert g.get("generation", {}).get("cases"), "golden data without generation cases: regenerate it"
+    return g
+
+
+@pytest.fixture(scope="module")
+def reference_server(smollm2_path: Path) -> Iterator[InProcessServer]:
+    server = InProcessServer("reference", smollm2_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(reference_server: InProcessServer) -> Iterator[FaultProxy]:
+    p = FaultProxy(reference_server.url)
+    yield p
+    p.shutdown()
+
+
+def http_suite(url: str, golden: dict[str, Any], only: str | None = None) -> list[Result]:
+    ctx = Context(url=url, api_key=KEY, golden=golden, golden_note="test", model=ALIAS)
+    return run_suite(ctx, level="core", only=only or "http.*")
+
+
+def assert_all_pass(results: list[Result], golden: dict[str, Any]) -> None:
+    planned = [c.id for c in plan_http(Context(url="x", golden=golden)) if c.level == "core"]
+    assert [r.id for r in results] == planned
+    bad = [f"{r.id}: {r.status}: {r.message}" for r in results if r.status != "pass"]
+    assert not bad, "\n".join(bad)
+    assert exit_status(results) == 0
+
+
+def test_infer_serve_passes_every_http_core_check(reference_server: InProcessServer, golden: dict[str, Any]):
+    assert_all_pass(http_suite(reference_server.url, golden), golden)
+
+
+def test_a_proxy_without_a_fault_passes(proxy: FaultProxy, golden: dict[str, Any]):
+    """The proxy itself is transparent: the checks the faults are meant for all pass through it."""
+    proxy.fault = None
+    results = [
+        r
+        for pattern in ("http.stream.*", "http.stop", "http.max_tokens*")
+        for r in http_suite(proxy.url, golden, pattern)
+    ]
+    assert all(r.status == "pass" for r in results), [
+        (r.id, r.message) for r in results if r.status != "pass"
+    ]
+
+
+def _cases(golden: dict[str, Any]) -> dict[str, str]:
+    """Check IDs of the golden cases the faults are judged on: the first raw case (the completion
+    checks' prompt), the first chat case, and the raw case whose text has multi-byte characters."""
+    cases = golden["generation"]["cases"]
+    raw = next(c["name"] for c in cases if c["kind"] == "raw")
+    chat = next(c["name"] for c in cases if c["kind"] == "chat")
+    wide = next(c["name"] for c in cases if c["kind"] == "raw" and any(ord(ch) > 127 for ch in c["text"]))
+    return {k: f"http.generation.golden:case={v}" for k, v in (("raw", raw), ("chat", chat), ("wide", wide))}
+
+
+# fault -> the checks that must fail (keys of _cases, or check IDs), and words of their messages
+FAULT_CHECKS: dict[str, tuple[list[str], str]] = {
+    "completion_tokens_zero": (["raw", "chat", "http.max_tokens:n=5"], "completion_tokens"),
+    "prompt_tokens_off_by_one": (["raw", "chat"], "prompt_tokens"),
+    "finish_always_stop": (["raw", "chat", "http.max_tokens:n=5"], "finish_reason 'stop'"),
+    "temperature_one": (["raw"], "differs at character"),
+    "stop_dropped": (["http.stop"], "the text before the stop string"),
+    "buffered_stream": (["http.stream.incremental"], "a buffered stream?"),
+    "merged_chunks": (["http.stream.incremental"], "content chunks"),
+    "eog_text_appended": (["raw", "chat"], "no end-of-generation token text"),
+    "byte_token_fffd": (["wide"], "differs at character"),
+    "logprobs_noise": (["http.logprobs.kl:text=all", "http.logprobs.chat"], "NOT MET"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULT_CHECKS))
+def test_each_fault_fails_its_checks(fault: str, proxy: FaultProxy, golden: dict[str, Any]):
+    keys, words = FAULT_CHECKS[fault]
+    ids = [_cases(golden).get(k, k) for k in keys]
+    proxy.fault = fault
+    try:
+        results = [r for i in ids for r in http_suite(proxy.url, golden, i)]
+    finally:
+        proxy.fault = None
+    assert [r.id for r in results] == ids
+    wrong = [
+        f"{r.id}: {r.status}: {r.message}" for r in results if r.status != "fail" or words not in r.message
+    ]
+    assert not wrong, "\n".join(wrong)
+    assert exit_status(results) == 1
