@@ -62,7 +62,7 @@ class SamplingParams:
 @dataclass
 class GenerateRequest:
     """Exactly one of `prompt` (raw completion), `prompt_tokens` (raw completion of these token
-    ids, for engines that declare `tokenize`) or `messages` (chat, rendered by the template).
+    ids; only for engines with takes_prompt_tokens) or `messages` (chat, rendered by the template).
 
     logprobs: None = no log-probabilities; n >= 0 (at most MAX_TOP_LOGPROBS) = every TokenEvent
     carries the chosen token's log-probability and the n most likely tokens (engines that declare
@@ -190,6 +190,8 @@ class Engine(ABC):
     accepted_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
     # False for engines that take no model file (e.g. a remote server named by --url)
     needs_model_file: ClassVar[bool] = True
+    # True for engines whose generate() takes GenerateRequest.prompt_tokens (a prompt of token ids)
+    takes_prompt_tokens: ClassVar[bool] = False
 
     @classmethod
     def version(cls) -> str:

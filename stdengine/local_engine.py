@@ -49,6 +49,7 @@ class LocalEngine(Engine):
     bos_id, eos_id, add_bos, n_vocab, and tokens = [] (what the KV cache holds, kept up to date by
     the hooks)."""
 
+    takes_prompt_tokens = True
     template: str | None
     events: Emitter
     bos_id: int | None

@@ -344,3 +344,26 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(smol) -> None:
         with pytest.raises(InvalidRequest, match="outside the vocabulary"):
             smol.detokenize(bad)
     assert smol.detokenize(smol.tokenize("Hello", add_special=False)).strip() == "Hello"
+
+
+def test_logprobs_are_log_softmax_of_the_engines_logits(engine) -> None:
+    """generate() with logprobs: each token's log-probability and top-5 are numpy's log_softmax of
+    the logits decode() gives for the same tokens; score() the same over a prompt."""
+    prompt = engine.tokenize("Emoji 🙂 and text:")
+    request = GenerateRequest(prompt_tokens=prompt, sampling=SamplingParams(temp=0, n_predict=3), logprobs=5)
+    events = [ev for ev in engine.generate(request) if isinstance(ev, TokenEvent) and ev.token]
+    assert len(events) == 3
+    engine.reset()
+    logits = engine.decode(prompt + [ev.id for ev in events], all_logits=True).astype(np.float64)
+    engine.reset()
+    lp = logits - logits.max(axis=1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(axis=1, keepdims=True))
+    for ev, row in zip(events, lp[len(prompt) - 1 :], strict=False):
+        assert ev.id == int(np.argmax(row)) and abs(ev.logprob - row[ev.id]) < 1e-4
+        assert [t.id for t in ev.top_logprobs] == list(np.argsort(-row, kind="stable")[:5])
+        assert np.allclose([t.logprob for t in ev.top_logprobs], np.sort(row)[::-1][:5], atol=1e-4)
+    scored = engine.score_prompt(prompt, 3)
+    assert b"".join(t.piece for t in scored.tokens).decode("utf-8") == engine.detokenize(prompt)
+    for t in range(1, len(prompt)):
+        assert abs(scored.tokens[t].logprob - lp[t - 1][prompt[t]]) < 1e-4
+        assert scored.top[t - 1][0].id == int(np.argmax(lp[t - 1]))

@@ -295,6 +295,24 @@ def test_models_tokenize_detokenize(http: httpx.Client) -> None:
     assert props["total_slots"] == 2 and "min_p" not in props["supported_params"]
 
 
+def test_logprobs_need_the_capability_and_token_prompts_the_tokenizer(http: httpx.Client) -> None:
+    """The toy engine declares neither logits nor logprobs: asking for them is a 400 naming the
+    field. It tokenizes, so a token-id prompt is completed as the ids' text."""
+    for route, body, field in (
+        ("/v1/chat/completions", {"messages": chat(), "logprobs": True}, "logprobs / top_logprobs"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 0}, "logprobs"),
+        ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, "logprobs"),
+    ):
+        msg = envelope(http.post(route, json=body), 400, "invalid_request_error")["message"]
+        assert field in msg and "'logprobs' capability" in msg
+    ids = [ord(c) for c in "hello world"]
+    body = {"prompt": [ids], "max_tokens": 2, "temperature": 0, "echo": True}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    same = http.post("/v1/completions", json={**body, "prompt": "hello world"}).json()["choices"][0]
+    assert choice["text"] == same["text"] and choice["text"].startswith("hello world")
+    assert choice["logprobs"] is None
+
+
 def test_metrics(http: httpx.Client) -> None:
     http.post("/v1/completions", json={"prompt": "count me", "max_tokens": 2})
     r = http.get("/metrics")

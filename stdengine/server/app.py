@@ -416,16 +416,22 @@ def create_app(state: ServerState) -> FastAPI:
                 if isinstance(prompt, str)
                 else await run_in_threadpool(state.engine.detokenize, prompt)
             )
-        score_top = req.logprobs if req.echo else None
-        if score_top is not None and isinstance(prompt, str):
-            # an echo's log-probabilities are of the prompt's tokens: tokenize it as generate() would
-            ids, text = await run_in_threadpool(state.engine.tokenize, prompt, True, True), None
+        score: tuple[list[int], int] | None = None
+        if req.echo and req.logprobs is not None:
+            if isinstance(prompt, str):
+                # an echo's log-probabilities are of the prompt's tokens: tokenized as generate() would
+                ids, text = await run_in_threadpool(state.engine.tokenize, prompt, True, True), None
+            assert ids is not None
+            score = (ids, req.logprobs)
         if req.logprobs is not None:
             reply.logprobs = api.LogprobsReply("text", len(reply.echo or ""))
+        if ids is not None and not type(state.engine).takes_prompt_tokens:
+            # an engine that completes text only gets the ids' text (which it may tokenize differently)
+            text, ids = reply.echo or await run_in_threadpool(state.engine.detokenize, ids), None
         gen_request = GenerateRequest(
             prompt=text, prompt_tokens=ids, sampling=sampling, logprobs=req.logprobs
         )
-        return await generate(request, gen_request, reply, req.stream, score_top)
+        return await generate(request, gen_request, reply, req.stream, score)
 
     app.post("/v1/chat/completions")(guarded(chat_completions))
     app.post("/chat/completions")(guarded(chat_completions))
@@ -436,10 +442,10 @@ def create_app(state: ServerState) -> FastAPI:
         gen_request: GenerateRequest,
         reply: api.Reply,
         stream: bool,
-        score_top: int | None = None,
+        score: tuple[list[int], int] | None = None,
     ) -> Response:
         """Wait for a slot, run the generation in its worker thread (after scoring the prompt's
-        tokens, top score_top, for an echo with logprobs), answer whole or streamed."""
+        tokens (ids, top_n) for an echo with logprobs), answer whole or streamed."""
         log = request.scope[LOG_KEY]
         t0 = time.perf_counter()
         watch = DisconnectWatch(request.receive)
@@ -449,7 +455,7 @@ def create_app(state: ServerState) -> FastAPI:
             ctx = await watch.guard(state.slots.acquire())
             log["slot"] = state.slots.slot_id(ctx)
             log["queued_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
-            gen = Generation(state.slots, ctx, gen_request, score_top)
+            gen = Generation(state.slots, ctx, gen_request, score)
             gen.start()
             first = await watch.guard(gen.next())
             # Errors that come before any token (a prompt over the context, an empty prompt) are

@@ -144,12 +144,16 @@ class Generation:
     closed there, and the slot is released as the thread leaves."""
 
     def __init__(
-        self, pool: SlotPool, ctx: Engine, request: GenerateRequest, score_top: int | None = None
+        self,
+        pool: SlotPool,
+        ctx: Engine,
+        request: GenerateRequest,
+        score: tuple[list[int], int] | None = None,
     ) -> None:
         self.pool = pool
         self.ctx = ctx
         self.request = request
-        self.score_top = score_top  # an echo with logprobs: score the prompt tokens first
+        self.score = score  # an echo with logprobs: score these tokens (ids, top_n) first
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self._cancel = threading.Event()
@@ -175,9 +179,8 @@ class Generation:
 
     def _events(self) -> Iterator[Any]:
         """The prompt's PromptLogprobs first when asked, then generate()'s events."""
-        if self.score_top is not None:
-            assert self.request.prompt_tokens is not None
-            yield self.ctx.score_prompt(self.request.prompt_tokens, self.score_top)
+        if self.score is not None:
+            yield self.ctx.score_prompt(*self.score)
         yield from self.ctx.generate(self.request)
 
     def _put(self, item: Any) -> None:
