@@ -103,15 +103,22 @@ def resolve_cli(kwargs: dict[str, Any], engine_defaults: dict[str, Any] | None =
 
 
 def make_emitter(options: Options, engine: str | None = None, model: str | None = None) -> Any:
+    from stdengine.errors import UsageError
     from stdengine.events import Emitter
 
-    return Emitter(
-        log_format=options.log_format,
-        verbosity=options.verbosity,
-        log_file=options.log_file,
-        engine=engine,
-        model=model,
-    )
+    try:
+        return Emitter(
+            log_format=options.log_format,
+            verbosity=options.verbosity,
+            log_file=options.log_file,
+            engine=engine,
+            model=model,
+        )
+    except OSError as e:  # a missing directory, a directory, no permission
+        raise UsageError(
+            f"cannot open the log file {options.log_file}: {e.strerror or e}",
+            hint="give --log-file (or INFER_LOG_FILE) a path in an existing, writable directory",
+        ) from e
 
 
 def load_engine(resolved: Any, events: Any) -> Any:

@@ -31,6 +31,18 @@ def sampling_from(options: Options) -> SamplingParams:
     )
 
 
+def utf8_prompt(raw: bytes, source: str) -> str:
+    """A prompt must be UTF-8 whichever way it comes (-p, -f, stdin): bytes that are not are a
+    usage error naming the source and the offset, rather than guessed at or replaced."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"the prompt from {source} is not valid UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r})",
+            hint="convert it to UTF-8 first, e.g. iconv -f LATIN1 -t UTF-8",
+        ) from None
+
+
 def read_prompt(options: Options) -> str:
     if options.prompt is not None and options.file is not None:
         raise UsageError("give the prompt with -p or with -f, not both")
@@ -38,12 +50,14 @@ def read_prompt(options: Options) -> str:
         path = Path(options.file)
         if not path.is_file():
             raise UsageError(f"prompt file not found: {options.file}", hint="check the path given to -f")
-        text = path.read_text(encoding="utf-8")
+        text = utf8_prompt(path.read_bytes(), f"-f {options.file}")
         return text[:-1] if text.endswith("\n") else text  # as llama.cpp's -f does
     if options.prompt is not None:
-        return options.prompt
+        # Python hands argv bytes that are not UTF-8 over as lone surrogates: give them back
+        return utf8_prompt(options.prompt.encode("utf-8", "surrogateescape"), "-p")
     if not sys.stdin.isatty():
-        return sys.stdin.read()
+        stdin = getattr(sys.stdin, "buffer", None)
+        return utf8_prompt(stdin.read(), "stdin") if stdin is not None else sys.stdin.read()
     raise UsageError("no prompt given", hint='pass one with -p "..." or -f FILE, or pipe it on stdin')
 
 
