@@ -246,6 +246,13 @@ def _bounded_environment(max_chars: int, cancel: Any) -> Any:
             check(len(out), "a ~ concatenation")
             return out
 
+        def count_loops(self, source: str) -> Any:
+            """The template's syntax tree with every for loop's iterable counted by _bounded_iter."""
+            tree = self.parse(source)
+            for loop in tree.find_all(nodes.For):
+                loop.iter = nodes.Filter(loop.iter, "_bounded_iter", [], [], None, None, lineno=loop.lineno)
+            return tree
+
     class Codegen(CodeGenerator):
         def visit_Concat(self, node: Any, frame: Any) -> None:  # noqa: N802 (jinja's visitor naming)
             self.write("environment.bounded_join((")
@@ -281,14 +288,6 @@ def _bounded_environment(max_chars: int, cancel: Any) -> Any:
 
     env.filters["_bounded_iter"] = bounded_iter
 
-    def count_loops(source: str) -> Any:
-        """The template's syntax tree with every for loop's iterable counted by bounded_iter."""
-        tree = env.parse(source)
-        for loop in tree.find_all(nodes.For):
-            loop.iter = nodes.Filter(loop.iter, "_bounded_iter", [], [], None, None, lineno=loop.lineno)
-        return tree
-
-    env.count_loops = count_loops
     return env
 
 
