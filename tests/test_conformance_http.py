@@ -5,6 +5,7 @@ meant for it (spec/conformance.md, "HTTP checks")."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import random
@@ -158,6 +159,7 @@ def fault_response(fault: str, obj: dict[str, Any], streamed: bool, rng: random.
 def fault_request(fault: str, body: dict[str, Any]) -> None:
     if fault == "temperature_one" and "temperature" in body:
         body["temperature"] = 1.0
+        body["seed"] = 1
     if fault == "stop_dropped":
         body.pop("stop", None)
 
@@ -326,8 +328,9 @@ FAULT_CHECKS: dict[str, tuple[list[str], str]] = {
     "completion_tokens_zero": (["raw", "chat", "http.max_tokens:n=5"], "completion_tokens"),
     "prompt_tokens_off_by_one": (["raw", "chat"], "prompt_tokens"),
     "finish_always_stop": (["raw", "chat", "http.max_tokens:n=5"], "finish_reason 'stop'"),
-    # at temperature 1 one answer may still come out greedy by chance; four of them will not
-    "temperature_one": (["raw", "chat", "wide", "http.temperature0.repeat"], "differs at character"),
+    # at temperature 1 (with a fixed seed, so that the outcome is the same every run) a golden
+    # continuation may still come out greedy: every step wins by >= 1 nat. Not all of them.
+    "temperature_one": (["http.generation.golden:*", "http.temperature0.repeat"], "differs at character"),
     "stop_dropped": (["http.stop"], "the text before the stop string"),
     "buffered_stream": (["http.stream.incremental"], "a buffered stream?"),
     "merged_chunks": (["http.stream.incremental"], "content chunks"),
@@ -343,14 +346,20 @@ def test_each_fault_fails_its_checks(fault: str, proxy: FaultProxy, golden: dict
     ids = [_cases(golden).get(k, k) for k in keys]
     proxy.fault = fault
     try:
-        results = [r for i in ids for r in http_suite(proxy.url, golden, i)]
+        runs = [http_suite(proxy.url, golden, i) for i in ids]
     finally:
         proxy.fault = None
-    assert [r.id for r in results] == ids
+    assert all(
+        run and all(fnmatch.fnmatchcase(r.id, i) for r in run) for run, i in zip(runs, ids, strict=True)
+    )
+    results = [r for run in runs for r in run]
     wrong = [
         f"{r.id}: {r.status}: {r.message}" for r in results if r.status != "fail" or words not in r.message
     ]
-    assert not wrong, "\n".join(wrong)
+    if fault == "temperature_one":
+        assert len(wrong) < len(results), "\n".join(wrong)
+    else:
+        assert not wrong, "\n".join(wrong)
     assert exit_status(results) == 1
 
 
