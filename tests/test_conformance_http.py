@@ -199,6 +199,18 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 raw = json.dumps(body).encode()
             except ValueError:
                 pass  # malformed JSON goes through as it is
+            else:
+                if fault == "no_logprobs" and ("logprobs" in body or "echo" in body):
+                    # a server without log-probabilities, refusing them as OpenAI refuses an
+                    # unknown argument
+                    err = {"error": {"message": "logprobs: not supported", "type": "invalid_request_error"}}
+                    out = json.dumps(err).encode()
+                    self.send_response(400)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(out)))
+                    self.end_headers()
+                    self.wfile.write(out)
+                    return
         headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")}
         req = urllib.request.Request(self.server.upstream + self.path, raw, headers, method=self.command)
         try:
@@ -361,6 +373,19 @@ def test_each_fault_fails_its_checks(fault: str, proxy: FaultProxy, golden: dict
     else:
         assert not wrong, "\n".join(wrong)
     assert exit_status(results) == 1
+
+
+def test_a_server_without_logprobs_is_not_supported_there(proxy: FaultProxy, golden: dict[str, Any]):
+    proxy.fault = "no_logprobs"
+    try:
+        results = http_suite(proxy.url, golden, "http.logprobs.*")
+    finally:
+        proxy.fault = None
+    assert {r.id for r in results} == {"http.logprobs.chat"} | {
+        f"http.logprobs.kl:text={t}" for t in [t["name"] for t in golden["logits"]["texts"]] + ["all"]
+    }
+    assert all(r.status == "not_supported" and "HTTP 400" in r.message for r in results), results
+    assert exit_status(results) == 0
 
 
 @pytest.mark.llamacpp
