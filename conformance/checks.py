@@ -7,12 +7,13 @@ check, its level and its bound; keep the two in step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from stdengine.conformance import corpus, metrics
-from stdengine.conformance.suite import Check, Context, Level, Outcome, Skip
+from stdengine.conformance.suite import Check, Context, Level, NotSupported, Outcome, Skip
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
 from stdengine.errors import ContextOverflow, InvalidRequest, UsageError
@@ -28,7 +29,10 @@ BATCH_TIE_MARGIN = 0.1  # generation.greedy.logits: a near tie between the top t
 ODD_CHUNKS = (7, 1, 13, 5, 11, 3)  # cycled: odd sizes that straddle every ubatch boundary
 TOKEN_BY_TOKEN_N = 40  # tokens evaluated one at a time (slow engines: keep small)
 
-GEN_N = 32  # tokens of the greedy continuation the generation checks build on
+GEN_N = 32  # tokens of the greedy continuation the generation checks build on (without golden data)
+# generation.exact: a generated token may be this far (nats) below the exact top-1 log-probability;
+# float noise and activation quantization move a correct engine's log-probabilities by about 0.1
+EXACT_TIE_MARGIN = 0.3
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -57,17 +61,42 @@ def greedy(n: int = GEN_N, **kw: Any) -> SamplingParams:
     return SamplingParams(temp=0.0, n_predict=n, seed=1, **kw)
 
 
+def golden_cases(ctx: Context) -> list[dict[str, Any]]:
+    return list(((ctx.golden or {}).get("generation") or {}).get("cases") or [])
+
+
+def golden_case(ctx: Context, name: str) -> dict[str, Any]:
+    case = next((c for c in golden_cases(ctx) if c["name"] == name), None)
+    if case is None:
+        raise Skip(f"the golden data has no generation case {name!r}")
+    return case
+
+
+def first_raw_case(ctx: Context) -> dict[str, Any] | None:
+    return next((c for c in golden_cases(ctx) if c["kind"] == "raw"), None)
+
+
 def completion_prompt(ctx: Context) -> str:
-    if ctx.golden and ctx.golden.get("completion"):
-        return str(ctx.golden["completion"]["prompt"])
-    return corpus.COMPLETION_PROMPT
+    """The prompt the generation checks share. With golden data it is the first raw golden case,
+    whose exact greedy continuation has a margin of 1 nat or more at every step: so comparing two
+    requests token by token is fair to an engine whose paths (prompt cache or not) differ by float
+    noise. Without golden data, the corpus prompt."""
+    case = first_raw_case(ctx)
+    return str(case["prompt"]) if case else corpus.COMPLETION_PROMPT
+
+
+def gen_n(ctx: Context) -> int:
+    case = first_raw_case(ctx)
+    return len(case["ids"]) if case else GEN_N
 
 
 def greedy_reference(ctx: Context) -> tuple[list[int], str, DoneEvent]:
     """The engine's own greedy continuation of the completion prompt (shared by several checks)."""
     return ctx.memo(
         "greedy",
-        lambda: run_generate(ctx.engine, GenerateRequest(prompt=completion_prompt(ctx), sampling=greedy())),
+        lambda: run_generate(
+            ctx.engine, GenerateRequest(prompt=completion_prompt(ctx), sampling=greedy(gen_n(ctx)))
+        ),
     )
 
 
@@ -265,7 +294,7 @@ def batch_token(ctx: Context, out: Outcome) -> None:
 def gen_determinism(ctx: Context, out: Outcome) -> None:
     ids1, text1, _ = greedy_reference(ctx)
     ids2, text2, _ = run_generate(
-        ctx.engine, GenerateRequest(prompt=completion_prompt(ctx), sampling=greedy())
+        ctx.engine, GenerateRequest(prompt=completion_prompt(ctx), sampling=greedy(gen_n(ctx)))
     )
     out.expect(
         ids1 == ids2 and text1 == text2,
@@ -278,9 +307,8 @@ def gen_determinism(ctx: Context, out: Outcome) -> None:
 def _same_as_greedy(label: str, sampling: SamplingParams) -> Callable[[Context, Outcome], None]:
     def check(ctx: Context, out: Outcome) -> None:
         ids1, text1, _ = greedy_reference(ctx)
-        ids2, text2, _ = run_generate(
-            ctx.engine, GenerateRequest(prompt=completion_prompt(ctx), sampling=sampling)
-        )
+        s = dataclasses.replace(sampling, n_predict=gen_n(ctx))
+        ids2, text2, _ = run_generate(ctx.engine, GenerateRequest(prompt=completion_prompt(ctx), sampling=s))
         out.expect(
             ids1 == ids2,
             f"{label} gives the greedy tokens"
@@ -331,28 +359,32 @@ def gen_max_tokens(n: int) -> Callable[[Context, Outcome], None]:
     return check
 
 
-def _spanning_stop(ctx: Context) -> tuple[str, list[str], int]:
-    """A stop string that spans a token boundary of the greedy text; the token texts; its start."""
-    _, _, _ = greedy_reference(ctx)
-    pieces = ctx.memo("greedy_pieces", lambda: _greedy_pieces(ctx))
-    text = "".join(pieces)
-    pos = 0
-    for i, p in enumerate(pieces[:-1]):
-        pos += len(p)
-        if i < 3:
-            continue
-        left, right = pieces[i].rstrip(), pieces[i + 1]
-        if len(left) >= 2 and len(right.strip()) >= 2 and left == pieces[i]:
-            stop = left[-2:] + right[:2]
-            start = pos - 2
-            if text.find(stop) == start:
-                return stop, pieces, start
-    raise Skip("no stop string spanning two tokens found in the greedy text")
+def _spanning_stop(ctx: Context) -> tuple[str, list[str], int, str, int]:
+    """A stop string that spans a token boundary of a greedy text: the string, the text's token
+    texts, the string's start, the prompt and the token count. The prompts tried are the raw golden
+    cases, shortest first (no near ties), then the corpus prompt (no golden data)."""
+    raw = sorted((c for c in golden_cases(ctx) if c["kind"] == "raw"), key=lambda c: len(c["prompt_ids"]))
+    prompts = [(c["prompt"], len(c["ids"])) for c in raw] or [(corpus.COMPLETION_PROMPT, GEN_N)]
+    for prompt, n in prompts:
+        pieces = ctx.memo(f"greedy_pieces:{prompt}", lambda p=prompt, k=n: _greedy_pieces(ctx, p, k))
+        text = "".join(pieces)
+        pos = 0
+        for i, p in enumerate(pieces[:-1]):
+            pos += len(p)
+            if i < 3:
+                continue
+            left, right = pieces[i].rstrip(), pieces[i + 1]
+            if len(left) >= 2 and len(right.strip()) >= 2 and left == pieces[i]:
+                stop = left[-2:] + right[:2]
+                start = pos - 2
+                if text.find(stop) == start:
+                    return stop, pieces, start, prompt, n
+    raise Skip("no stop string spanning two tokens found in the greedy texts")
 
 
-def _greedy_pieces(ctx: Context) -> list[str]:
+def _greedy_pieces(ctx: Context, prompt: str, n: int) -> list[str]:
     pieces = []
-    for ev in ctx.engine.generate(GenerateRequest(prompt=completion_prompt(ctx), sampling=greedy())):
+    for ev in ctx.engine.generate(GenerateRequest(prompt=prompt, sampling=greedy(n))):
         if isinstance(ev, TokenEvent):
             pieces.append(ev.text)
     return pieces
@@ -360,7 +392,7 @@ def _greedy_pieces(ctx: Context) -> list[str]:
 
 def gen_stop(n_strings: int) -> Callable[[Context, Outcome], None]:
     def check(ctx: Context, out: Outcome) -> None:
-        stop, pieces, start = _spanning_stop(ctx)
+        stop, pieces, start, prompt, n = _spanning_stop(ctx)
         text = "".join(pieces)
         stops = [stop]
         if n_strings > 1:
@@ -375,7 +407,7 @@ def gen_stop(n_strings: int) -> Callable[[Context, Outcome], None]:
             while len(stops) < n_strings:
                 stops.insert(0, f"\u2603absent{len(stops)}\u2603")
         ids, got, done = run_generate(
-            ctx.engine, GenerateRequest(prompt=completion_prompt(ctx), sampling=greedy(stop=stops))
+            ctx.engine, GenerateRequest(prompt=prompt, sampling=greedy(n, stop=stops))
         )
         want = text[:start]
         out.details.update(stops=stops, want=want, got=got)
@@ -405,16 +437,227 @@ def gen_eog(ctx: Context, out: Outcome) -> None:
     eog_ids = set(eog["ids"])
     out.expect(not (set(ids) & eog_ids), "no end-of-generation token among the generated tokens")
     out.expect(len(ids) < limit, f"{len(ids)} tokens before the end of generation")
+    leaked = [t for t in eog_texts(ctx) if t in text]
+    out.expect(
+        not leaked, "no end-of-generation text in the answer" + (f" (found {leaked})" if leaked else "")
+    )
+    # the end-of-generation token is not part of the answer: llama.cpp's greedy run ends with it
+    n = len(case["llama_cpp_greedy"]) - 1
+    out.expect(
+        done.usage.completion_tokens == n,
+        f"usage.completion_tokens {done.usage.completion_tokens} (want {n}: the end-of-generation token is not counted)",
+    )
 
 
 def gen_seed(ctx: Context, out: Outcome) -> None:
-    def sample(seed: int) -> list[int]:
-        s = SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed, n_predict=16)
-        return run_generate(ctx.engine, GenerateRequest(prompt=completion_prompt(ctx), sampling=s))[0]
+    """Sampling at temperature 1 over the whole vocabulary, from a prompt with near ties (the
+    corpus prompt, not a golden case): different seeds must give different samples."""
 
-    a, b, c = sample(1234), sample(1234), sample(4321)
-    out.expect(a == b, "the same seed gives the same tokens")
-    out.expect(a != c, "a different seed gives different tokens", otherwise="warn")
+    def sample(seed: int) -> str:
+        s = SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed, n_predict=16)
+        return run_generate(ctx.engine, GenerateRequest(prompt=corpus.COMPLETION_PROMPT, sampling=s))[1]
+
+    a, b = sample(1234), sample(1234)
+    others = {sample(seed) for seed in (4321, 99, 7)}
+    out.details.update(seed_1234=a, other_seeds=sorted(others))
+    out.expect(
+        a == b, "the same seed gives the same tokens" if a == b else f"seed 1234 gave {a!r}, then {b!r}"
+    )
+    out.expect(
+        bool(others - {a}),
+        "different seeds give different samples"
+        if others - {a}
+        else f"seeds 1234, 4321, 99 and 7 all gave the same sample {a!r}",
+    )
+
+
+# --- golden generation: every correct engine reproduces these exactly -----------------------------
+def _first_difference(got: str, want: str) -> str:
+    at = next(
+        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+    )
+    return f"differs at character {at}: got {got[max(0, at - 12) : at + 12]!r}, want {want[max(0, at - 12) : at + 12]!r}"
+
+
+def eog_texts(ctx: Context) -> list[str]:
+    """The texts of the model's end-of-generation tokens, which must never appear in an answer."""
+    g = ctx.golden or {}
+    pieces = g.get("pieces") or {}
+    return [t for i in (g.get("eog") or {}).get("ids", []) if (t := pieces.get(str(i), "")).strip()]
+
+
+def request_of(case: dict[str, Any], sampling: SamplingParams) -> GenerateRequest:
+    if case["kind"] == "chat":
+        return GenerateRequest(messages=case["messages"], sampling=sampling)
+    return GenerateRequest(prompt=case["prompt"], sampling=sampling)
+
+
+def expect_golden_text(ctx: Context, out: Outcome, case: dict[str, Any], text: str, what: str) -> None:
+    want = case["text"]
+    out.expect(
+        text == want,
+        f"{what}: the exact reference's {len(case['ids'])}-token greedy text"
+        if text == want
+        else f"{what}: {_first_difference(text, want)}",
+    )
+    out.expect("\ufffd" not in text, f"{what}: no U+FFFD (bytes of a character decoded apart)")
+    leaked = [t for t in eog_texts(ctx) if t in text]
+    out.expect(not leaked, f"{what}: no end-of-generation text" + (f" (found {leaked})" if leaked else ""))
+
+
+def _fits(ctx: Context, case: dict[str, Any]) -> None:
+    try:
+        n_ctx = int(ctx.engine.n_ctx())
+    except NotImplementedError:
+        return
+    need = len(case["prompt_ids"]) + len(case["ids"])
+    if n_ctx < need:
+        raise Skip(f"the case needs {need} positions, the context holds {n_ctx}: load with -c {need}")
+
+
+def gen_golden(name: str) -> Callable[[Context, Outcome], None]:
+    def check(ctx: Context, out: Outcome) -> None:
+        case = golden_case(ctx, name)
+        _fits(ctx, case)
+        n = len(case["ids"])
+        ids, text, done = run_generate(ctx.engine, request_of(case, greedy(n)))
+        out.details.update(want=case["text"], got=text)
+        expect_golden_text(ctx, out, case, text, "the text")
+        if ids:
+            out.expect(ids == case["ids"], "the token ids are the golden ids")
+        u = done.usage
+        out.expect(
+            u.prompt_tokens == len(case["prompt_ids"]),
+            f"usage.prompt_tokens {u.prompt_tokens} (the prompt has {len(case['prompt_ids'])} tokens)",
+        )
+        out.expect(u.completion_tokens == n, f"usage.completion_tokens {u.completion_tokens} (want {n})")
+        out.expect(done.finish_reason == "length", f"finish_reason {done.finish_reason!r} (want 'length')")
+        if "tokenize" in ctx.capabilities and ids:
+            back = ctx.engine.detokenize(ids)
+            out.expect(back == text, "the text is detokenize(ids)" + ("" if back == text else f": {back!r}"))
+        if case["kind"] == "chat" and case.get("system_changes_answer"):
+            out.add("pass", "the system message is part of the prompt (without it the answer differs)")
+
+    return check
+
+
+def gen_exact(ctx: Context, out: Outcome) -> None:
+    """Tie-aware: the engine's own greedy continuation of a prompt with near ties, judged step by
+    step by the exact reference (teacher forcing): each token must be within EXACT_TIE_MARGIN of
+    the exact top-1. An engine may take either side of a near tie, never a clearly worse token."""
+    if ctx.model_path is None or not ctx.model_path.is_file():
+        raise Skip("the model file is not at hand (the exact reference needs it)")
+    prompt = corpus.COMPLETION_PROMPT
+    ids, text, _ = run_generate(ctx.engine, GenerateRequest(prompt=prompt, sampling=greedy(GEN_N)))
+    if "tokenize" in ctx.capabilities:
+        prompt_ids = ctx.engine.tokenize(prompt, add_special=True, parse_special=True)
+    else:
+        prompt_ids = (ctx.golden or {}).get("completion", {}).get("prompt_ids")
+    if not ids or prompt_ids is None:
+        raise Skip("the engine reports no token ids for its output")
+    exact = exact_model(ctx)
+    lp = metrics.log_softmax(exact.logits(list(prompt_ids) + ids, last=len(ids) + 1))[:-1]
+    gaps = [float(row.max() - row[t]) for row, t in zip(lp, ids, strict=True)]
+    out.details.update(gaps=[round(g, 3) for g in gaps], text=text)
+    bad = [(i, g) for i, g in enumerate(gaps) if g > EXACT_TIE_MARGIN]
+    out.expect(
+        not bad,
+        f"{len(ids)} greedy tokens are each within {EXACT_TIE_MARGIN} nats of the exact top-1 "
+        f"(largest gap {max(gaps):.3f})"
+        if not bad
+        else f"token {bad[0][0]} is {bad[0][1]:.2f} nats below the exact top-1 "
+        f"({len(bad)} tokens beyond {EXACT_TIE_MARGIN}): not a greedy continuation",
+    )
+
+
+_EXACT: dict[str, Any] = {}  # the exact reference of a file, kept for the process (several runs)
+
+
+def exact_model(ctx: Context) -> Any:
+    from stdengine.conformance.exact import ExactModel
+
+    assert ctx.model_path is not None
+    key = str(ctx.model_path.resolve())
+    if key not in _EXACT:
+        _EXACT.clear()  # one model at a time: Gemma's weights take 2 GB in float64
+        _EXACT[key] = ExactModel(ctx.model_path)
+    return _EXACT[key]
+
+
+def _sampler_is_greedy(label: str, **kw: Any) -> Callable[[Context, Outcome], None]:
+    """A sampler setting that leaves only the top token (top_p 0.01, min_p 1) makes sampling at a
+    high temperature greedy: the golden case's tokens, whatever the seed."""
+
+    def check(ctx: Context, out: Outcome) -> None:
+        case = first_raw_case(ctx)
+        if case is None:
+            raise Skip("the golden data has no raw generation case")
+        n = len(case["ids"])
+        for seed in (11, 12):
+            s = SamplingParams(temp=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed, n_predict=n)
+            s = dataclasses.replace(s, **kw)
+            _, text, _ = run_generate(ctx.engine, request_of(case, s))
+            expect_golden_text(ctx, out, case, text, f"{label} at temp 1.5, seed {seed}")
+
+    return check
+
+
+def repetitive_case(ctx: Context) -> dict[str, Any]:
+    """The raw golden case whose continuation repeats the most tokens of its prompt's last 64."""
+    raw = [c for c in golden_cases(ctx) if c["kind"] == "raw"]
+    if not raw:
+        raise Skip("the golden data has no raw generation case")
+    return max(raw, key=lambda c: len(set(c["ids"]) & set(c["prompt_ids"][-64:])))
+
+
+def gen_repeat_penalty(ctx: Context, out: Outcome) -> None:
+    case = repetitive_case(ctx)
+    s = greedy(len(case["ids"]))
+    s.repeat_penalty, s.repeat_last_n = 1.5, 64
+    _, text, _ = run_generate(ctx.engine, request_of(case, s))
+    out.details.update(case=case["name"], greedy=case["text"], penalised=text)
+    out.expect(
+        text != case["text"],
+        "repeat_penalty 1.5 changes a repetitive greedy answer"
+        if text != case["text"]
+        else f"repeat_penalty 1.5 left the repetitive greedy answer of {case['name']} unchanged",
+    )
+
+
+def gen_concurrent(ctx: Context, out: Outcome) -> None:
+    """Contexts from new_context() are independent: generations interleaved token by token, each
+    in its own context, give each golden answer, as the same request alone does."""
+    cases = [c for c in golden_cases(ctx) if len(c["prompt_ids"]) + len(c["ids"]) <= 512][:3]
+    if len(cases) < 2:
+        raise Skip("the golden data has fewer than two short generation cases")
+    contexts = [ctx.engine.new_context() for _ in cases]
+    if any(c is None for c in contexts):
+        for c in contexts:
+            if c is not None:
+                c.close()
+        raise NotSupported("new_context() returns None: the engine has one context")
+    try:
+        streams = [
+            c.generate(request_of(case, greedy(len(case["ids"]))))
+            for c, case in zip(contexts, cases, strict=True)
+        ]
+        texts = ["" for _ in cases]
+        live = set(range(len(cases)))
+        while live:
+            for i in sorted(live):
+                ev = next(streams[i], None)
+                if ev is None:
+                    live.discard(i)
+                elif isinstance(ev, TokenEvent):
+                    texts[i] += ev.text
+        for case, text in zip(cases, texts, strict=True):
+            expect_golden_text(
+                ctx, out, case, text, f"{case['name']} interleaved with {len(cases) - 1} others"
+            )
+    finally:
+        for c in contexts:
+            if c is not None:
+                c.close()
 
 
 # --- chat ---------------------------------------------------------------------------------------
@@ -523,7 +766,9 @@ def err_option(name: str, value: Any) -> Callable[[Context, Outcome], None]:
 def _still_serves(ctx: Context, out: Outcome) -> None:
     """After an error the engine serves the next request as before."""
     ids, _, _ = greedy_reference(ctx)
-    again, _, _ = run_generate(ctx.engine, GenerateRequest(prompt=completion_prompt(ctx), sampling=greedy()))
+    again, _, _ = run_generate(
+        ctx.engine, GenerateRequest(prompt=completion_prompt(ctx), sampling=greedy(gen_n(ctx)))
+    )
     out.expect(
         again == ids,
         "the next request is served normally"
@@ -636,7 +881,50 @@ def plan(ctx: Context) -> list[Check]:
     for k in (1, 3):
         add(f"generation.stop:strings={k}", "core", gen_stop(k), (), "stop strings end generation")
     add("generation.eog", "core", gen_eog, (), "an end-of-generation token ends with 'stop'")
-    add("generation.seed", "optional", gen_seed, ("seed",), "a seed reproduces sampling")
+    add("generation.seed", "core", gen_seed, ("seed",), "a seed reproduces sampling; other seeds differ")
+    for case in g.get("generation", {}).get("cases", []):
+        add(
+            f"generation.golden:case={case['name']}",
+            "core",
+            gen_golden(case["name"]),
+            (),
+            "greedy text, ids and usage equal the exact reference's (margins of 1 nat or more)",
+        )
+    add(
+        "generation.exact:prompt=near_ties",
+        "core",
+        gen_exact,
+        (),
+        "each greedy token is within a small margin of the exact top-1 (teacher forcing)",
+    )
+    add(
+        "generation.sampler:top_p=0.01",
+        "core",
+        _sampler_is_greedy("top_p=0.01", top_p=0.01),
+        (),
+        "top_p 0.01 at temperature 1.5 is greedy",
+    )
+    add(
+        "generation.sampler:min_p=1",
+        "core",
+        _sampler_is_greedy("min_p=1", min_p=1.0),
+        (),
+        "min_p 1 at temperature 1.5 is greedy",
+    )
+    add(
+        "generation.sampler:repeat_penalty=1.5",
+        "core",
+        gen_repeat_penalty,
+        (),
+        "repeat_penalty changes a repetitive greedy answer",
+    )
+    add(
+        "generation.concurrent:contexts=3",
+        "core",
+        gen_concurrent,
+        (),
+        "interleaved new_context() generations each give the answer given alone",
+    )
 
     for case in g.get("chat", {}).get("cases", []) or [{"name": "single", "add_generation_prompt": True}]:
         agp = bool(case["add_generation_prompt"])

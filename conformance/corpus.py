@@ -90,6 +90,15 @@ TOKENIZER_TEXTS: dict[str, str] = {
     "url": "https://example.com/path?query=1&other=two#frag",
     "long_word": "antidisestablishmentarianism pneumonoultramicroscopic",
     "empty": "",
+    # texts that Unicode normalisation (NFC, NFKC) would change: a tokenizer must take the bytes
+    # as they are
+    "combining": "cafe\u0301 nai\u0308ve man\u0303ana",
+    "fullwidth": "\uff21\uff22\uff23 \uff46\uff55\uff4c\uff4c \uff11\uff12\uff13",
+    "ligatures": "\ufb01ne \ufb02our o\ufb03ce",
+    "superscripts": "x\u00b2 + y\u00b3 = z\u2074 and H\u2082O",
+    "nbsp": "ten\u00a0kilometres at 5\u00a0%",
+    "ellipsis": "wait\u2026 and then\u2026",
+    "crlf": "first line\r\nsecond line\r\n",
 }
 
 # Texts that contain a model's special tokens written out (parse_special matters for them).
@@ -113,8 +122,76 @@ CONVERSATIONS: dict[str, list[dict[str, str]]] = {
     ],
 }
 
-# A completion prompt whose greedy continuation is long enough for the generation checks.
+# A completion prompt with near ties in its greedy continuation (margins of 0.0-0.1 nats at its
+# 3rd, 4th and 18th tokens): the tie-aware checks judge an engine's own continuation of it by the
+# exact reference, token by token.
 COMPLETION_PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+
+# A text read only as filler between the two copies of the induction case.
+FILLER_TEXT = (
+    "The bakery on the corner opened before sunrise. Its owner, a tall woman with flour on her "
+    "sleeves, lit the ovens at four and shaped the first loaves while the street outside was "
+    "still dark and quiet. By six the smell of warm bread had reached the bus stop, and the "
+    "drivers on the early routes bought rolls through the side door. She sold rye, white and "
+    "seeded loaves, small sweet buns on Sundays, and a dense fruit cake at the end of the year "
+    "that people ordered weeks in advance. Her recipes were written in pencil in a school "
+    "exercise book with a torn blue cover, and she had changed very little in thirty years: a "
+    "little less salt, a longer rise for the rye, a hotter oven for the crust. When the book "
+    "finally fell apart she copied every page by hand into a new one, and she gave the old one to"
+    " her granddaughter, who had started to help on Saturday mornings and who wanted, one day, to"
+    " run the shop herself."
+)
+
+
+def _induction_text() -> str:
+    """The long text, then about 440 tokens of other texts, then the long text's first 60 words
+    again: continuing it means copying from about 1100 tokens back, further than any window of
+    1024 tokens or less (the prompt has about 1160 tokens); without the first copy the
+    continuation is not predictable."""
+    long = LOGIT_TEXTS["long"]
+    head = " ".join(long.split()[:60])
+    between = (LOGIT_TEXTS["prose"], FILLER_TEXT, LOGIT_TEXTS["facts"], LOGIT_TEXTS["code"])
+    return "\n\n".join((long, *between, head))
+
+
+# Candidates for the golden generation cases, in order. The golden generator keeps each whose
+# exact greedy continuation has a top-1 margin of at least 1 nat at 24 or more consecutive tokens
+# (a raw prompt may first be extended by up to 24 of its own greedy tokens to get past near
+# ties), so that every correct engine must reproduce it exactly. Roles: the first raw case is the
+# prompt of the generation checks; `induction` needs the whole context; `cjk`/`emoji` continue
+# with multi-byte tokens; a chat case with a system message tests that the message is used.
+GENERATION_CANDIDATES: dict[str, str | list[dict[str, str]]] = {
+    "raw:count": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "raw:induction": _induction_text(),
+    # a repeated block of multi-byte text: copying it is confident, and its tokens split
+    # characters (an engine that decodes each token's bytes alone shows U+FFFD)
+    "raw:cjk": (
+        "日本語: 東京は日本の首都です。北京は中国の首都です。ソウルは韓国の首都です。"
+        "パリはフランスの首都です。ローマはイタリアの首都です。\n"
+        "日本語: 東京は日本の首都です。北京は中国の首都です。ソウルは韓国の首都です。"
+        "パリはフランスの首都です。ローマはイタリアの首都です。\n"
+        "日本語: 東京は"
+    ),
+    "raw:emoji": (
+        "Weather report: ☀️ sunny in Tokyo (東京), 🌧️ rain in Paris, ❄️ snow in Oslo, "
+        "🌈 a rainbow over Dublin, 🌪️ wind in Chicago, 🌫️ fog in London (倫敦).\n"
+        "Weather report: ☀️ sunny in Tokyo (東京), 🌧️ rain in Paris, ❄️ snow in Oslo, "
+        "🌈 a rainbow over Dublin, 🌪️ wind in Chicago, 🌫️ fog in London (倫敦).\n"
+        "Weather report: ☀️ sunny in Tokyo"
+    ),
+    "chat:sequence": [
+        {"role": "user", "content": "Continue the sequence: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"}
+    ],
+    # with a system message and an earlier exchange: a chat path that drops either sends fewer
+    # prompt tokens (usage.prompt_tokens must equal the golden count)
+    "chat:system": [
+        {"role": "system", "content": "You continue number sequences."},
+        {"role": "user", "content": "2, 4, 6, 8,"},
+        {"role": "assistant", "content": "10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30"},
+        {"role": "user", "content": "1, 2, 3, 4, 5, 6, 7, 8,"},
+    ],
+}
 
 # A prompt whose greedy continuation is an end-of-generation token: a repeated pattern of short
 # lines, each ended by the token E, invites the model to end the next line with E too. The golden

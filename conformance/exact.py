@@ -218,7 +218,9 @@ class ExactModel:
             x = x + f
         return self.rmsnorm(x, self.w("output_norm.weight"))
 
-    def logits(self, tokens: list[int] | np.ndarray) -> np.ndarray:
-        """Next-token logits after every token, (T, n_vocab), float64."""
+    def logits(self, tokens: list[int] | np.ndarray, last: int | None = None) -> np.ndarray:
+        """Next-token logits after every token, (T, n_vocab), float64; with `last`, only after the
+        last `last` tokens (the output head over a long text's every position is the costly part)."""
         out_w = self.w("output.weight") if self.has("output.weight") else self.w("token_embd.weight")
-        return self.hidden(tokens) @ out_w.T
+        h = self.hidden(tokens)
+        return (h if last is None else h[-last:]) @ out_w.T

@@ -31,7 +31,7 @@ from stdengine.conformance import corpus
 from stdengine.conformance.metrics import CONFIDENT_MARGIN, distance, log_softmax, top_k_record
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-FORMAT = 1
+FORMAT = 2  # 2: generation cases, pieces, tokenizer normalisation cases
 TOP_K = 20
 
 
@@ -68,7 +68,7 @@ def _llama(path: Path) -> Any:
 
     return llama_cpp.Llama(
         str(path),
-        n_ctx=2048,
+        n_ctx=4096,  # the induction prompt has about 1500 tokens
         n_batch=512,
         logits_all=True,
         n_threads=os.cpu_count() or 1,
@@ -102,6 +102,85 @@ def _greedy(llm: Any, ids: list[int], n: int, stop_ids: set[int]) -> list[int]:
             break
         llm.eval([tok])
     return out
+
+
+GEN_MIN_MARGIN = 1.0  # nats between the exact top-1 and top-2 at every golden generation step
+GEN_MIN_TOKENS = 24
+GEN_MAX_TOKENS = 32
+GEN_MAX_EXTEND = 24  # greedy tokens a raw prompt may absorb to get past near ties
+
+
+def _generation_case(
+    name: str,
+    spec: str | list[dict[str, str]],
+    exact: Any,
+    llm: Any,
+    tok: Any,
+    piece_bytes: Any,
+    render: Any,
+    eog: set[int],
+    add_bos: bool,
+    bos_id: int,
+) -> dict[str, Any] | None:
+    """One golden generation case, or None when the exact greedy continuation has no run of
+    GEN_MIN_TOKENS confident steps. llama.cpp proposes the greedy continuation; one exact forward
+    pass over prompt + proposal confirms it step by step (where the exact argmax differs, the
+    proposal ends), so the case is the exact reference's own greedy output."""
+    chat = isinstance(spec, list)
+    if chat:
+        prompt = render(spec)
+        prompt_ids = tok(prompt, False, True)
+        if add_bos and prompt_ids[:1] != [bos_id]:
+            prompt_ids = [bos_id, *prompt_ids]
+    else:
+        prompt = str(spec)
+        prompt_ids = tok(prompt, True, True)
+    proposal = _greedy(llm, prompt_ids, GEN_MAX_TOKENS + GEN_MAX_EXTEND, eog)
+    lp = log_softmax(exact.logits(prompt_ids + proposal, last=len(proposal) + 1))[:-1]
+    ids: list[int] = []
+    margins: list[float] = []
+    for row, want in zip(lp, proposal, strict=True):
+        top2 = np.argsort(row)[-2:]
+        if int(top2[-1]) != want or want in eog:
+            break
+        ids.append(want)
+        margins.append(float(row[top2[-1]] - row[top2[-2]]))
+    # skip a short run of near ties at the start (raw prompts only: the prompt absorbs them)
+    start = 0
+    if not chat:
+        low = [i for i, m in enumerate(margins[:GEN_MAX_EXTEND]) if m < GEN_MIN_MARGIN]
+        start = low[-1] + 1 if low else 0
+        if start:
+            try:
+                extended = prompt + b"".join(piece_bytes(i) for i in ids[:start]).decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+            if tok(extended, True, True) != prompt_ids + ids[:start]:
+                return None
+            prompt, prompt_ids = extended, prompt_ids + ids[:start]
+    run = 0
+    while start + run < len(ids) and margins[start + run] >= GEN_MIN_MARGIN:
+        run += 1
+    ids, margins = ids[start : start + min(run, GEN_MAX_TOKENS)], margins[start : start + run]
+    # end on whole characters, so that the text is the same however an engine streams it
+    while ids:
+        try:
+            text = b"".join(piece_bytes(i) for i in ids).decode("utf-8", "strict")
+            break
+        except UnicodeDecodeError:
+            ids.pop()
+    if len(ids) < GEN_MIN_TOKENS:
+        return None
+    return {
+        "name": name,
+        "kind": "chat" if chat else "raw",
+        "prompt": prompt,
+        "messages": spec if chat else None,
+        "prompt_ids": prompt_ids,
+        "ids": ids,
+        "text": text,
+        "margins": [round(m, 3) for m in margins[: len(ids)]],
+    }
 
 
 def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
@@ -189,6 +268,29 @@ def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
                 )
         log(f"chat: {len(chat['cases'])} renderings")
 
+    # --- generation -----------------------------------------------------------------------------
+    def piece_bytes(i: int) -> bytes:
+        return bytes(llm.detokenize([i], special=True))
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return render_template(template or "", messages, bos, eos, True)
+
+    add_bos = bool(llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(llm.model)))
+    generation = []
+    for name, spec in corpus.GENERATION_CANDIDATES.items():
+        if isinstance(spec, list) and not template:
+            continue
+        case = _generation_case(name, spec, exact, llm, tok, piece_bytes, render, set(eog), add_bos, bos_id)
+        if case is not None and case["messages"] and case["messages"][0]["role"] == "system":
+            # the system message must matter: without it the exact greedy answer differs
+            alone = _generation_case(
+                name, case["messages"][1:], exact, llm, tok, piece_bytes, render, set(eog), add_bos, bos_id
+            )
+            case["system_changes_answer"] = alone is None or alone["ids"] != case["ids"]
+        log(f"generation: {name}: " + (f"{len(case['ids'])} tokens {case['text']!r}" if case else "no case"))
+        if case is not None:
+            generation.append(case)
+
     # --- end of generation ----------------------------------------------------------------------
     eog_case: dict[str, Any] | None = None
     for e in [eos_id] + [i for i in eog if i != eos_id]:
@@ -227,7 +329,23 @@ def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
         "eog": {"ids": eog, "case": eog_case},
         "completion": {
             "prompt": corpus.COMPLETION_PROMPT,
+            "prompt_ids": completion_ids,
             "llama_cpp_greedy": _greedy(llm, completion_ids, 32, set(eog)),
+        },
+        "generation": {
+            "source": "exact float64 reference, greedy (llama.cpp proposes, the reference confirms)",
+            "min_margin": GEN_MIN_MARGIN,
+            "cases": generation,
+        },
+        # the text of every token the checks name (top ids, generated ids, end-of-generation ids),
+        # so that a server's top_logprobs, keyed by text, can be matched to the golden ids
+        "pieces": {
+            str(i): piece_bytes(i).decode("utf-8", errors="replace")
+            for i in sorted(
+                {i for t in ltexts for row in t["top_ids"] for i in row}
+                | {i for c in generation for i in c["ids"]}
+                | set(eog)
+            )
         },
     }
 

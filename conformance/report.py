@@ -95,8 +95,11 @@ def groups(results: Sequence[Result]) -> dict[str, str]:
 
 
 def to_json(results: Sequence[Result], meta: dict[str, Any]) -> dict[str, Any]:
+    from stdengine.conformance.runner import new_checks
+
     return {
         **meta,
+        "new_checks": new_checks([r.id for r in results]),
         "summary": counts(list(results)),
         "groups": groups(results),
         "exit_status": exit_status(list(results)),

@@ -9,6 +9,7 @@ The CLI (`infer conformance`) is a thin layer over this.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,37 @@ from stdengine.conformance import checks, http
 from stdengine.conformance.golden import GOLDEN_DIR, golden_path, load_golden, sha256_file
 from stdengine.conformance.suite import Check, Context, Result, run_check, select
 
-SUITE_VERSION = "1.1"  # 1.1: logits.stable
+SUITE_VERSION = "2.0"
+# The checks each version added (ID globs): results.json lists the run's checks that are new in
+# this version under `new_checks`, so an engine that passed 1.x knows what it is newly judged on.
+ADDED: dict[str, tuple[str, ...]] = {
+    "1.1": ("logits.stable",),
+    "2.0": (
+        "tokenizer.*:case=combining",
+        "tokenizer.*:case=fullwidth",
+        "tokenizer.*:case=ligatures",
+        "tokenizer.*:case=superscripts",
+        "tokenizer.*:case=nbsp",
+        "tokenizer.*:case=ellipsis",
+        "tokenizer.*:case=crlf",
+        "generation.golden:*",
+        "generation.exact:*",
+        "generation.sampler:*",
+        "generation.concurrent:*",
+        "http.generation.*",
+        "http.logprobs.*",
+        "http.stop*",
+        "http.temperature0.*",
+        "http.max_tokens*",
+        "http.stream.equals*",
+        "http.stream.incremental*",
+    ),
+}
+
+
+def new_checks(ids: list[str], version: str = SUITE_VERSION) -> list[str]:
+    """The check IDs among ids that `version` added."""
+    return [i for i in ids if any(fnmatch.fnmatchcase(i, g) for g in ADDED.get(version, ()))]
 
 
 def find_golden(model_ref: str | None, model_path: Path | None) -> tuple[dict[str, Any] | None, str]:

@@ -1,0 +1,81 @@
+"""The suite's power: every broken engine of tests/broken_engines.py (the reference engine plus one
+realistic bug) fails the checks that name its fault, and the correct reference engine passes them.
+
+Each fault runs the checks of the families that could see it (a full core run per fault would
+take minutes); the correct engine runs the same families, so a check that fails every engine
+cannot pass this test.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Any
+
+import pytest
+from broken_engines import FAULTS, Faulty, SkipsLayer, without_layer
+from stdengine.conformance.runner import find_golden, run_suite
+from stdengine.conformance.suite import Context, exit_status
+from stdengine.reference.adapter import ReferenceEngine
+
+from stdengine.events import null_emitter
+from stdengine.options import Options
+
+ALIAS = "smollm2-135m-instruct"
+N_CTX = 2048  # holds the induction case (about 1500 tokens)
+# the families a fault's checks belong to, run for the fault and for the correct engine
+FAMILIES = "tokenizer.ids:*|tokenizer.roundtrip:*|logits.kl:*|generation.*"
+
+
+@pytest.fixture(scope="module")
+def golden(smollm2_path: Path) -> dict[str, Any]:
+    g, note = find_golden(ALIAS, smollm2_path)
+    assert g is not None, note
+    assert g.get("generation", {}).get("cases"), "golden data without generation cases: regenerate it"
+    return g
+
+
+def run(cls: type[ReferenceEngine], model: Path, golden: dict[str, Any], original: Path) -> dict[str, Any]:
+    engine = cls.load(Options(model=str(model), ctx_size=N_CTX, threads=2), null_emitter())
+    try:
+        # the exact reference reads the original file: a broken copy is judged against the model
+        ctx = Context(engine=engine, golden=golden, golden_note="test", model=ALIAS, model_path=original)
+        results = []
+        for family in FAMILIES.split("|"):
+            results += run_suite(ctx, level="core", only=family)
+    finally:
+        engine.close()
+    return {r.id: r for r in results}
+
+
+def matching(results: dict[str, Any], glob: str) -> list[str]:
+    return [i for i in results if fnmatch.fnmatchcase(i, glob)]
+
+
+@pytest.fixture(scope="module")
+def correct(smollm2_path: Path, golden: dict[str, Any]) -> dict[str, Any]:
+    return run(ReferenceEngine, smollm2_path, golden, smollm2_path)
+
+
+def test_the_correct_engine_passes_every_check_the_faults_fail(correct: dict[str, Any]) -> None:
+    bad = {i: r.message for i, r in correct.items() if r.status != "pass"}
+    assert not bad, bad
+    for cls in FAULTS:
+        for glob in cls.fails:
+            assert matching(correct, glob), f"{cls.__name__}: no check matches {glob}"
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda c: c.__name__)
+def test_the_suite_fails_each_broken_engine_with_the_check_that_names_it(
+    fault: type[Faulty], smollm2_path: Path, golden: dict[str, Any], tmp_path: Path
+) -> None:
+    model = smollm2_path
+    if fault is SkipsLayer:
+        model = without_layer(smollm2_path, 15, tmp_path / "skips-layer-15.gguf")
+    results = run(fault, model, golden, smollm2_path)
+    failed = {i for i, r in results.items() if r.status == "fail"}
+    for glob in fault.fails:
+        ids = matching(results, glob)
+        assert ids, f"no check matches {glob}"
+        assert set(ids) & failed, {i: (results[i].status, results[i].message) for i in ids}
+    assert exit_status(list(results.values())) == 1
