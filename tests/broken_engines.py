@@ -26,9 +26,11 @@ BLACK_BOX = frozenset({"stream", "chat_template", "seed"})
 
 
 class Faulty(ReferenceEngine):
-    """A broken engine: `fails` are the check-ID globs the suite must fail."""
+    """A broken engine: `fails` are the check-ID globs the suite must fail in process, `fails_served`
+    those it must fail over HTTP when the engine is served by `infer serve` (empty: not tried)."""
 
     fails: ClassVar[tuple[str, ...]] = ()
+    fails_served: ClassVar[tuple[str, ...]] = ()
 
 
 # --- black boxes: wrong output, nothing to inspect but the text ---------------------------------
@@ -37,6 +39,7 @@ class RunnerUpEvery5th(Faulty):
 
     capabilities = BLACK_BOX
     fails = ("generation.golden:*", "generation.exact:*")
+    fails_served = ("http.generation.golden:*",)
 
     def _sample_tokens(self, s: SamplingParams) -> Generator[int, None, None]:
         for n, tok in enumerate(super()._sample_tokens(s), start=1):
@@ -49,6 +52,7 @@ class SkipsLayer(Faulty):
 
     capabilities = BLACK_BOX
     fails = ("generation.golden:*",)
+    fails_served = ("http.generation.golden:*",)
 
 
 def without_layer(model: Path, layer: int, out: Path) -> Path:
@@ -69,6 +73,7 @@ class ForgetsOldTokens(Faulty, kv_window(600)):  # type: ignore[misc]
 
     capabilities = BLACK_BOX
     fails = ("generation.golden:case=raw:induction",)
+    fails_served = ("http.generation.golden:case=raw:induction",)
 
 
 # --- generation details -------------------------------------------------------------------------
@@ -96,6 +101,7 @@ class PromptTokensOffByOne(Faulty):
 
     capabilities = BLACK_BOX
     fails = ("generation.golden:*",)
+    fails_served = ("http.generation.golden:*",)
 
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         def change(done: DoneEvent) -> DoneEvent:
@@ -123,6 +129,7 @@ class DecodesTokensApart(Faulty):
 
     capabilities = BLACK_BOX
     fails = ("generation.golden:case=raw:cjk",)
+    fails_served = ("http.generation.golden:case=raw:cjk",)
 
     def _text_stream(self) -> Any:
         engine = self
@@ -142,6 +149,7 @@ class DropsSystemMessage(Faulty):
 
     capabilities = BLACK_BOX
     fails = ("generation.golden:case=chat:*",)
+    fails_served = ("http.generation.golden:case=chat:system",)
 
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         if request.messages:
@@ -227,6 +235,7 @@ class NoisyLogits(Faulty, noisy_logits(0.1)):  # type: ignore[misc]
     """Logits with independent Gaussian noise of 0.1 nats."""
 
     fails = ("logits.kl:text=all",)
+    fails_served = ("http.logprobs.kl:text=all",)
 
 
 FAULTS: tuple[type[Faulty], ...] = (

@@ -97,3 +97,14 @@ def pytest_sessionfinish(session, exitstatus):
         for line in unexpected:
             print(f"  {line}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def smollm2_golden(smollm2_path: Path) -> dict:
+    """SmolLM2's golden conformance data (format 2: with generation cases)."""
+    from stdengine.conformance.runner import find_golden
+
+    golden, note = find_golden("smollm2-135m-instruct", smollm2_path)
+    assert golden is not None, note
+    assert golden.get("generation", {}).get("cases"), "golden data without generation cases: regenerate it"
+    return golden

@@ -14,6 +14,7 @@ which is what a kernel test compares against. Their rows must be multiples of 25
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,8 +191,11 @@ def write_llama_gguf(
         w.add_tokenizer_pre(tokenizer_pre)
     w.add_token_list(list(tokens))
     w.add_token_scores([0.0] * n_vocab)
-    if token_types is None:  # CONTROL for <...>, NORMAL for the rest
-        token_types = [3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens]
+    if token_types is None:  # BYTE for <0xXX>, CONTROL for other <...>, NORMAL for the rest
+        token_types = [
+            6 if re.fullmatch(r"<0x[0-9A-F]{2}>", t) else 3 if t.startswith("<") and t.endswith(">") else 1
+            for t in tokens
+        ]
     w.add_token_types(list(token_types))
     if merges is not None:
         w.add_token_merges(list(merges))

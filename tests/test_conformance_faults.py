@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 from broken_engines import FAULTS, Faulty, SkipsLayer, without_layer
-from stdengine.conformance.runner import find_golden, run_suite
+from served import KEY, InProcessServer
+from stdengine.conformance.runner import run_suite
 from stdengine.conformance.suite import Context, exit_status
 from stdengine.reference.adapter import ReferenceEngine
 
@@ -28,11 +29,8 @@ FAMILIES = "tokenizer.ids:*|tokenizer.roundtrip:*|logits.kl:*|generation.*"
 
 
 @pytest.fixture(scope="module")
-def golden(smollm2_path: Path) -> dict[str, Any]:
-    g, note = find_golden(ALIAS, smollm2_path)
-    assert g is not None, note
-    assert g.get("generation", {}).get("cases"), "golden data without generation cases: regenerate it"
-    return g
+def golden(smollm2_golden: dict[str, Any]) -> dict[str, Any]:
+    return smollm2_golden
 
 
 def run(cls: type[ReferenceEngine], model: Path, golden: dict[str, Any], original: Path) -> dict[str, Any]:
@@ -78,4 +76,26 @@ def test_the_suite_fails_each_broken_engine_with_the_check_that_names_it(
         ids = matching(results, glob)
         assert ids, f"no check matches {glob}"
         assert set(ids) & failed, {i: (results[i].status, results[i].message) for i in ids}
+    assert exit_status(list(results.values())) == 1
+
+
+SERVED = [cls for cls in FAULTS if cls.fails_served]
+
+
+@pytest.mark.parametrize("fault", SERVED, ids=lambda c: c.__name__)
+def test_served_by_infer_serve_each_broken_engine_fails_an_http_check(
+    fault: type[Faulty], smollm2_path: Path, golden: dict[str, Any], tmp_path: Path
+) -> None:
+    """The same engines behind `infer serve`, judged by the HTTP checks alone (a black box)."""
+    model = smollm2_path
+    if fault is SkipsLayer:
+        model = without_layer(smollm2_path, 15, tmp_path / "skips-layer-15.gguf")
+    server = InProcessServer(fault, model)
+    try:
+        ctx = Context(url=server.url, api_key=KEY, golden=golden, golden_note="test", model=ALIAS)
+        results = {r.id: r for glob in fault.fails_served for r in run_suite(ctx, level="core", only=glob)}
+    finally:
+        server.stop()
+    failed = {i for i, r in results.items() if r.status == "fail"}
+    assert failed, {i: (r.status, r.message) for i, r in results.items()}
     assert exit_status(list(results.values())) == 1

@@ -10,7 +10,6 @@ import json
 import math
 import random
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,9 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from served import ALIAS, KEY, InProcessServer
 from stdengine.conformance import metrics
 from stdengine.conformance.http import plan_http
-from stdengine.conformance.runner import find_golden, run_suite
+from stdengine.conformance.runner import run_suite
 from stdengine.conformance.suite import Context, Result, exit_status
 
 
@@ -69,55 +69,6 @@ def test_kl_by_text_buckets_shared_texts_and_floors_missing_ones():
 
 
 # --- `infer serve` in process, and a fault-injecting proxy in front of it ------------------------
-ALIAS = "smollm2-135m-instruct"
-KEY = "sekrit"
-N_CTX = 2048  # holds the golden induction case
-
-
-class InProcessServer:
-    """`infer serve`'s app (stdengine.server.app) on a real engine, served by uvicorn in a thread."""
-
-    def __init__(self, engine_name: str, model: Path) -> None:
-        import uvicorn
-
-        from stdengine import registry
-        from stdengine.adapter import SamplingParams
-        from stdengine.events import null_emitter
-        from stdengine.options import Options
-        from stdengine.server.app import build_state, create_app
-
-        engine = registry.engine_class(engine_name).load(
-            Options(engine=engine_name, model=str(model), ctx_size=N_CTX, threads=2), null_emitter()
-        )
-        self.state = build_state(
-            engine,
-            parallel=2,
-            defaults=SamplingParams(),
-            events=null_emitter(),
-            model_ref=ALIAS,
-            model_path=str(model),
-            api_key=KEY,
-        )
-        config = uvicorn.Config(
-            create_app(self.state), host="127.0.0.1", port=0, log_level="warning", lifespan="off"
-        )
-        sock = config.bind_socket()
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            assert self.thread.is_alive(), "the server thread died before listening"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        from stdengine.server.app import close_state
-
-        self.server.should_exit = True
-        self.thread.join(30)
-        close_state(self.state)
-
-
 def _noise(rng: random.Random, lp: Any) -> Any:
     return lp + rng.gauss(0.0, 0.3) if isinstance(lp, (int, float)) else lp
 
@@ -274,11 +225,8 @@ def _merge_content_chunks(lines: list[bytes]) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def golden(smollm2_path: Path) -> dict[str, Any]:
-    g, note = find_golden(ALIAS, smollm2_path)
-    assert g is not None, note
-    assert g.get("generation", {}).get("cases"), "golden data without generation cases: regenerate it"
-    return g
+def golden(smollm2_golden: dict[str, Any]) -> dict[str, Any]:
+    return smollm2_golden
 
 
 @pytest.fixture(scope="module")
