@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from stdengine.conformance.corpus import COMPLETION_PROMPT
 from stdengine.conformance.suite import Check, Context, Level, NotSupported, Outcome, Skip
 
 TIMEOUT_S = 120.0
@@ -437,6 +438,46 @@ def temperature0_repeat(ctx: Context, out: Outcome) -> None:
             expect_text(out, a.text or "", answers[0].text or "", f"answer {i} vs answer 1")
 
 
+def sampler_is_greedy(label: str, **params: Any) -> Callable[[Context, Outcome], None]:
+    """top_p 0.01 (or min_p 1, a llama.cpp extension) leaves only the top token: at temperature
+    1.5 the answer is still the golden greedy text, whatever the seed."""
+
+    def check(ctx: Context, out: Outcome) -> None:
+        case = gen_case(ctx, kind="raw")
+        for seed in (11, 12):
+            a = generate(ctx, case, temperature=1.5, seed=seed, **params)
+            if a.ok(out, f"{label}, seed {seed}"):
+                expect_text(out, a.text or "", case["text"], f"{label} at temperature 1.5, seed {seed}")
+
+    return check
+
+
+def seed(ctx: Context, out: Outcome) -> None:
+    """OpenAI's `seed`: temperature 1 on a prompt with near ties, seed 1234 twice gives one
+    text; seeds 4321, 99 and 7 do not all give that text."""
+    body = {
+        "model": model_id(ctx),
+        "prompt": COMPLETION_PROMPT,
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "top_p": 1.0,
+    }
+
+    def sample(s: int) -> str | None:
+        a = Answer(request(ctx, "POST", "/v1/completions", {**body, "seed": s}), False)
+        return a.text if a.ok(out, f"seed {s}") else None
+
+    first, again = sample(1234), sample(1234)
+    others = {sample(s) for s in (4321, 99, 7)}
+    if first is None or again is None or None in others:
+        return
+    out.expect(
+        first == again,
+        "seed 1234 twice: the same text" if first == again else f"seed 1234 gave {first!r}, then {again!r}",
+    )
+    out.expect(bool(others - {first}), f"seeds 4321, 99 and 7 do not all give seed 1234's text {first!r}")
+
+
 def max_tokens5(ctx: Context, out: Outcome) -> None:
     case = gen_case(ctx, kind="raw")
     n = 5
@@ -820,6 +861,19 @@ def plan_http(ctx: Context) -> list[Check]:
         max_tokens5,
         "max_tokens=5: the golden first 5 tokens, finish reason length",
     )
+    add(
+        "http.sampler:top_p=0.01",
+        "core",
+        sampler_is_greedy("top_p=0.01", top_p=0.01),
+        "top_p 0.01 at temperature 1.5 gives the golden greedy text",
+    )
+    add(
+        "http.sampler:min_p=1",
+        "optional",
+        sampler_is_greedy("min_p=1", min_p=1.0),
+        "min_p 1 (llama.cpp's extension) at temperature 1.5 gives the golden greedy text",
+    )
+    add("http.seed", "core", seed, "a seed reproduces a sample; other seeds give other samples")
     add(
         "http.stop",
         "core",

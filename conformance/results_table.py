@@ -4,7 +4,7 @@
     python -m stdengine.conformance.results_table DIR            # the table of bundles already in DIR
 
 --run runs `infer conformance --report DIR/ENGINE-MODEL` for each pair in RUNS (what CI proves:
-the reference engine on both catalogue models, llama.cpp on SmolLM2), one after another, their
+the reference engine and llama.cpp on both catalogue models), one after another, their
 output on stderr. The table (markdown, on stdout and in DIR/results.md) has one row per bundle
 found in DIR and says the commit, machine and date the bundles were made at. Exit status: 1 when a
 run (or, without --run, a bundle) had a failing core check or did not complete, else 0.
@@ -24,6 +24,7 @@ RUNS = (
     ("reference", "smollm2-135m-instruct"),
     ("reference", "gemma-3-270m"),
     ("llamacpp", "smollm2-135m-instruct"),
+    ("llamacpp", "gemma-3-270m"),
 )
 DEFAULT_DIR = "artifacts/conformance"
 

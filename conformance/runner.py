@@ -42,6 +42,8 @@ ADDED: dict[str, tuple[str, ...]] = {
         "http.max_tokens*",
         "http.stream.equals*",
         "http.stream.incremental*",
+        "http.sampler:*",
+        "http.seed",
     ),
 }
 

@@ -113,6 +113,12 @@ def fault_request(fault: str, body: dict[str, Any]) -> None:
         body["seed"] = 1
     if fault == "stop_dropped":
         body.pop("stop", None)
+    if fault == "top_p_dropped":
+        body.pop("top_p", None)
+    if fault == "seed_dropped":
+        body.pop("seed", None)
+    if fault == "seed_fixed" and "seed" in body:
+        body["seed"] = 42
 
 
 class FaultProxy(ThreadingHTTPServer):
@@ -297,6 +303,9 @@ FAULT_CHECKS: dict[str, tuple[list[str], str]] = {
     "eog_text_appended": (["raw", "chat"], "no end-of-generation token text"),
     "byte_token_fffd": (["wide"], "differs at character"),
     "logprobs_noise": (["http.logprobs.kl:text=all", "http.logprobs.chat"], "NOT MET"),
+    "top_p_dropped": (["http.sampler:top_p=0.01"], "differs at character"),
+    "seed_dropped": (["http.seed"], "seed 1234 gave"),
+    "seed_fixed": (["http.seed"], "do not all give"),
 }
 
 
