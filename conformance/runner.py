@@ -31,6 +31,7 @@ ADDED: dict[str, tuple[str, ...]] = {
         "tokenizer.*:case=nbsp",
         "tokenizer.*:case=ellipsis",
         "tokenizer.*:case=crlf",
+        "logprobs.kl:*",
         "generation.golden:*",
         "generation.exact:*",
         "generation.sampler:*",

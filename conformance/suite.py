@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from stdengine.errors import UnsupportedOption
+
 Status = Literal["pass", "warn", "fail", "skip", "not_supported"]
 Level = Literal["core", "optional", "ext"]
 STATUSES: tuple[Status, ...] = ("pass", "warn", "fail", "skip", "not_supported")
@@ -175,6 +177,8 @@ def run_check(check: Check, ctx: Context) -> Result:
             status, message = "skip", str(e)
         except (NotSupported, NotImplementedError) as e:
             status, message = "not_supported", str(e) or "not implemented by the engine"
+        except UnsupportedOption as e:  # a sampling option the engine declares it cannot honour
+            status, message = "not_supported", str(e)
         except Exception as e:  # the engine (or server) broke: that is a failure of this check
             status = "fail"
             message = f"unexpected {type(e).__name__}: {e}"

@@ -22,7 +22,7 @@ from stdengine.options import Options
 
 pytestmark = [pytest.mark.models, pytest.mark.llamacpp]
 ALIAS = "smollm2-135m-instruct"
-N_CTX = 1024  # holds every golden text; keeps the over-long prompts of the error checks short
+N_CTX = 2048  # holds every golden text and case; keeps the over-long prompts of the error checks short
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,12 @@ def failing(results: dict[str, Any]) -> set[str]:
 def test_working_engine_passes_every_core_check(llamacpp_cls, smollm2_path, golden):
     results = run(llamacpp_cls, smollm2_path, golden)
     assert len(results) > 50
-    bad = {i: r.message for i, r in results.items() if r.status not in ("pass",)}
+    # llama-cpp-python's Llama has one context: new_context() returns None
+    bad = {
+        i: r.message
+        for i, r in results.items()
+        if r.status != "pass" and (i, r.status) != ("generation.concurrent:contexts=3", "not_supported")
+    }
     assert not bad, bad
 
 

@@ -108,6 +108,8 @@ def test_load_probes_the_server(engine, smollm2_path):
     assert engine.model == str(smollm2_path)  # the first id of /v1/models
     assert "tokenize" in engine.capabilities and "tokenize" not in OpenAIEngine.capabilities
     assert "logits" not in engine.capabilities
+    # the server applies its template without showing it: nothing here can render it
+    assert "chat_template" not in engine.capabilities
     assert engine.info().backend == "remote"
 
 
@@ -294,6 +296,7 @@ def test_llama_server_dialect_fields_tokenize_and_timings(fake):
     url, bodies = fake
     engine = load(url, top_k=7, repeat_last_n=32)
     assert engine.dialect == "llama.cpp" and "tokenize" in engine.capabilities
+    assert "chat_template" in engine.capabilities  # llama-server shows it (/apply-template)
     assert engine.n_ctx() == 128 and engine.info().build == "b4747-fake"
     assert engine.tokenize("ab") == [1, 97, 98] and engine.tokenize("ab", add_special=False) == [97, 98]
     _, text, done = run(

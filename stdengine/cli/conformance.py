@@ -67,8 +67,11 @@ def conformance(level: str, only: str | None, report: str | None, list_only: boo
     from stdengine.conformance.suite import Context, exit_status, select
 
     explicit_engine = kwargs.get("engine") is not None
-    # a modest context keeps the over-long-prompt checks quick; -c overrides it
-    resolved = resolve_cli(kwargs, engine_defaults={"ctx_size": 2048})
+    # a modest context keeps the over-long-prompt checks quick (-c overrides it), for the engines
+    # that have one to set (not a remote server's)
+    resolved = resolve_cli(dict(kwargs), engine_defaults={"ctx_size": 2048})
+    if resolved.options.engine and "ctx_size" not in _honoured(resolved.options.engine):
+        resolved = resolve_cli(kwargs)
     options = resolved.options
     events = make_emitter(options)
     http_only = bool(options.url) and not explicit_engine and "engine" not in resolved.explicitly_set()
@@ -90,7 +93,7 @@ def conformance(level: str, only: str | None, report: str | None, list_only: boo
         golden=golden,
         golden_note=note,
         model=model_ref,
-        model_path=model_path,
+        model_path=model_path or _local_copy(model_ref),
         url=options.url,
         api_key=options.api_key,
     )
@@ -218,3 +221,23 @@ def _print_summary(results: list[Any], meta: dict[str, Any]) -> None:
     console.print(
         f"{verdict} ({', '.join(f'{n} {s}' for s, n in c.items() if n)}); golden: {meta.get('golden')}"
     )
+
+
+def _honoured(engine: str) -> frozenset[str]:
+    from stdengine.registry import engine_class
+
+    try:
+        return frozenset(engine_class(engine).honoured_options())
+    except Exception:  # an unknown engine: load_engine reports it
+        return frozenset({"ctx_size"})
+
+
+def _local_copy(ref: str) -> Path | None:
+    """For an engine without a model file (a server): the model's file when this machine has it
+    (a path, or a catalogue model already pulled), for the exact reference's checks; never pulled."""
+    from stdengine.store import resolve_model
+
+    try:
+        return resolve_model(ref, pull=False)
+    except Exception:
+        return None

@@ -165,6 +165,9 @@ class OpenAIEngine(Engine):
             engine.capabilities = engine.capabilities | {"tokenize"}  # type: ignore[misc]
         if engine._serves_logprobs():
             engine.capabilities = engine.capabilities | {"logprobs"}  # type: ignore[misc]
+        if engine.dialect != "llama.cpp" and not options.chat_template:
+            # the server applies its template without showing it: nothing here renders it
+            engine.capabilities = engine.capabilities - {"chat_template"}  # type: ignore[misc]
         events.info(
             "model.loaded",
             path=engine.model,
