@@ -38,7 +38,15 @@ def _require_server_extra() -> None:
     metavar="N",
     help="requests that may wait for a busy slot; one more gets 503 at once [default: 16]",
 )
-def serve(queue_size: int | None, **kwargs: Any) -> None:
+@click.option(
+    "--max-body",
+    "max_body",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="BYTES",
+    help="largest request body accepted; a larger one gets 413 [default: 4194304 (4 MiB)]",
+)
+def serve(queue_size: int | None, max_body: int | None, **kwargs: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with a web chat page at /.
 
     \b
@@ -58,7 +66,7 @@ def serve(queue_size: int | None, **kwargs: Any) -> None:
       infer serve -e llamacpp -m model.gguf --port 8081 -np 4 --api-key secret
     """
     _require_server_extra()  # first: nothing under stdengine.server imports without it
-    from stdengine.server.app import DEFAULT_QUEUE, build_state, close_state, run_server
+    from stdengine.server.app import DEFAULT_MAX_BODY, DEFAULT_QUEUE, build_state, close_state, run_server
 
     resolved = resolve_cli(kwargs)
     options: Options = resolved.options
@@ -86,6 +94,7 @@ def serve(queue_size: int | None, **kwargs: Any) -> None:
             api_key=server_key,
             queue_size=DEFAULT_QUEUE if queue_size is None else queue_size,
             verbose=options.verbosity > 0,
+            max_body=DEFAULT_MAX_BODY if max_body is None else max_body,
         )
         slots = state.slots.total
         turns = (

@@ -13,6 +13,7 @@ import base64
 import contextlib
 import hmac
 import json
+import re
 import signal
 import struct
 import threading
@@ -28,10 +29,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from stdengine import __version__
 from stdengine.adapter import DoneEvent, Engine, GenerateRequest, PromptLogprobs, SamplingParams, TokenEvent
-from stdengine.errors import EngineFailure, InferError, InvalidRequest, ModelNotFound
+from stdengine.errors import ContextOverflow, EngineFailure, InferError, InvalidRequest, ModelNotFound
 from stdengine.events import Emitter, Level
 from stdengine.server import api
 from stdengine.server.metrics import Metrics
@@ -41,6 +43,13 @@ LOG_KEY = "stdengine.log"  # per-request fields for the request.done event, kept
 # Routes anyone may call even when the server has an API key (as in llama-server).
 PUBLIC_ROUTES = frozenset({"/", "/health", "/models", "/v1/models"})
 DEFAULT_QUEUE = 16
+# Limits on what one request may cost before it reaches the engine (spec/server.md, "Limits").
+DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes of request body; --max-body raises it
+MAX_JSON_DEPTH = 64  # nested arrays and objects; a real request nests 5 deep
+# A prompt of more characters than this per context position cannot fit (real text has about 4
+# per token), so it is refused before the engine tokenizes it: tokenizing costs time in a slot.
+PROMPT_CHARS_PER_POSITION = 16
+_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\ud800" escapes give them; no UTF-8 can carry one
 
 
 class HttpError(Exception):
@@ -67,6 +76,7 @@ class ServerState:
     model_path: str | None = None
     api_key: str | None = None
     verbose: bool = False
+    max_body: int = DEFAULT_MAX_BODY
     started: float = field(default_factory=time.time)
     metrics: Metrics = field(default_factory=Metrics)
 
@@ -86,6 +96,7 @@ def build_state(
     api_key: str | None = None,
     queue_size: int = DEFAULT_QUEUE,
     verbose: bool = False,
+    max_body: int = DEFAULT_MAX_BODY,
 ) -> ServerState:
     """Make the slots (N contexts on the one loaded model, when the engine can) and the state."""
     contexts: list[Engine] = [engine]
@@ -107,6 +118,7 @@ def build_state(
         model_path=model_path,
         api_key=api_key,
         verbose=verbose,
+        max_body=max_body,
     )
 
 
@@ -140,9 +152,16 @@ def error_parts(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]
     return failure.http_status, failure.openai_envelope(), None
 
 
+class EnvelopeResponse(JSONResponse):
+    """An error's JSON, in ASCII: whatever text an error quotes, writing it cannot fail."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     status, body, headers = error_parts(exc)
-    return JSONResponse(body, status_code=status, headers=headers)
+    return EnvelopeResponse(body, status_code=status, headers=headers)
 
 
 def as_infer_error(exc: BaseException) -> BaseException:
@@ -154,13 +173,17 @@ def as_infer_error(exc: BaseException) -> BaseException:
 
 def note_error(request: Request, exc: BaseException, state: ServerState) -> None:
     log = request.scope.get(LOG_KEY)
-    if log is None:
-        return
+    if log is not None:
+        log_error(log, exc, state.verbose)
+
+
+def log_error(log: dict[str, Any], exc: BaseException, verbose: bool) -> None:
+    """Put what request.done should say about an error in the request's log fields."""
     log["error"] = getattr(exc, "code", None) if isinstance(exc, InferError) else type(exc).__name__
     if not isinstance(exc, (InferError, HttpError, ServerBusy)):
         # a bug in the server or an engine: keep what is needed to fix it
         log["message"] = f"{type(exc).__name__}: {exc}"
-        if state.verbose:
+        if verbose:
             log["traceback"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
@@ -182,9 +205,12 @@ class Gate:
         log: dict[str, Any] = {"status": None}
         scope[LOG_KEY] = log
         self.state.events.debug("request.start", method=scope["method"], route=scope["path"])
+        started = False
 
         async def send_logged(message: MutableMapping[str, Any]) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 log["status"] = log.get("status") or message["status"]
                 headers = list(message.get("headers", []))
                 headers.append((b"server", f"stdengine/{__version__}".encode()))
@@ -199,9 +225,14 @@ class Gate:
                 await response(scope, receive, send_logged)
                 return
             await self.app(scope, receive, send_logged)
-        except Exception:
+        except Exception as e:
             log["status"] = log["status"] or 500
-            raise
+            if started:
+                raise
+            # A bug outside the routes' own handling: still the envelope, and the error in
+            # request.done (its traceback with -v) instead of a plain-text 500 and a traceback.
+            log_error(log, e, self.state.verbose)
+            await error_response(e)(scope, receive, send_logged)
         finally:
             self._log_done(scope, log, t0)
 
@@ -239,15 +270,88 @@ class Gate:
 # --- the app ------------------------------------------------------------------------------------
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is over `limit` bytes (before reading it
+    when Content-Length says so)."""
+    too_large = HttpError(
+        413,
+        "invalid_request_error",
+        f"the request body is larger than this server accepts ({limit} bytes; "
+        "start the server with --max-body BYTES to raise the limit)",
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # uvicorn answers a malformed body (bad chunked encoding) with its own 400 and tells us the
+        # client is gone; this answer, never sent, makes the log say 400 too
+        raise InvalidRequest(
+            "the request body ended before it was complete (the connection closed, "
+            "or its chunked encoding is malformed)"
+        ) from None
+    return b"".join(chunks)
+
+
+def check_json(value: Any) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH and strings (keys too) with a lone surrogate,
+    which no UTF-8 text can hold (they would fail when the answer or the log is written)."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise InvalidRequest(
+                f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+            )
+        for key, item in node.items() if isinstance(node, dict) else enumerate(node):
+            if isinstance(item, (dict, list)):
+                stack.append((item, (*path, key)))
+            elif (isinstance(item, str) and _SURROGATE.search(item)) or (
+                isinstance(key, str) and _SURROGATE.search(key)
+            ):
+                where = ".".join(_SURROGATE.sub("?", str(k))[:40] for k in (*path, key))
+                raise InvalidRequest(
+                    f"{where}: a string holds a lone surrogate (a \\uD800-\\uDFFF escape without its "
+                    "pair), which is not valid Unicode"
+                )
+
+
+async def read_json(request: Request, state: ServerState) -> dict[str, Any]:
+    raw = await read_body(request, state.max_body)
     try:
         body = json.loads(raw)
+    except RecursionError:  # deeper than the parser can go: far over MAX_JSON_DEPTH
+        raise InvalidRequest(
+            f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    check_json(body)
     return body
+
+
+def check_prompt_size(state: ServerState, n_chars: int) -> None:
+    """A prompt of more than PROMPT_CHARS_PER_POSITION characters per context position is a
+    context overflow at once: it cannot fit, and tokenizing it would hold a slot for nothing."""
+    n_ctx = _n_ctx(state.engine)
+    if n_ctx is None or n_chars <= PROMPT_CHARS_PER_POSITION * n_ctx:
+        return
+    raise ContextOverflow(
+        f"the text has {n_chars} characters, more than any prompt that fits the context of {n_ctx} "
+        f"tokens ({PROMPT_CHARS_PER_POSITION} characters per token at most); it was not tokenized",
+        hint="shorten the prompt, or start the server with a larger -c",
+        n_prompt_chars=n_chars,
+        n_ctx=n_ctx,
+    )
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -366,7 +470,7 @@ def create_app(state: ServerState) -> FastAPI:
         )
 
     async def chat_completions(request: Request) -> Response:
-        req = api.parse(api.ChatRequest, await read_json(request))
+        req = api.parse(api.ChatRequest, await read_json(request, state))
         model = _check_model(state, req.model)
         api.refuse_unsupported(req)
         api.refuse_missing(req, state.engine.name, state.engine.capabilities)
@@ -379,6 +483,7 @@ def create_app(state: ServerState) -> FastAPI:
                 hint="use /v1/completions, or start the server with --chat-template",
             )
         messages = api.chat_messages(req)
+        check_prompt_size(state, sum(len(m["content"]) for m in messages))
         request.scope[LOG_KEY]["prompt"] = messages
         reply = api.Reply(
             "chat",
@@ -393,7 +498,7 @@ def create_app(state: ServerState) -> FastAPI:
         return await generate(request, gen_request, reply, req.stream)
 
     async def completions(request: Request) -> Response:
-        req = api.parse(api.CompletionRequest, await read_json(request))
+        req = api.parse(api.CompletionRequest, await read_json(request, state))
         model = _check_model(state, req.model)
         api.refuse_unsupported(req)
         api.refuse_missing(req, state.engine.name, state.engine.capabilities)
@@ -401,6 +506,8 @@ def create_app(state: ServerState) -> FastAPI:
             req, state.defaults, state.engine.name, type(state.engine).honoured_options()
         )
         prompt = api.completion_prompt(req)
+        if isinstance(prompt, str):
+            check_prompt_size(state, len(prompt))
         request.scope[LOG_KEY]["prompt"] = prompt
         reply = api.Reply(
             "text",
@@ -554,7 +661,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def tokenize(request: Request) -> Response:
         _need(state, "tokenize")
-        req = api.parse(api.TokenizeRequest, await read_json(request))
+        req = api.parse(api.TokenizeRequest, await read_json(request, state))
+        check_prompt_size(state, len(req.content))
         engine = state.engine
         tokens = await run_in_threadpool(engine.tokenize, req.content, req.add_special, True)
         if not req.with_pieces:
@@ -564,7 +672,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def detokenize(request: Request) -> Response:
         _need(state, "tokenize")
-        req = api.parse(api.DetokenizeRequest, await read_json(request))
+        req = api.parse(api.DetokenizeRequest, await read_json(request, state))
         try:
             content = await run_in_threadpool(state.engine.detokenize, req.tokens)
         except InferError:
@@ -581,11 +689,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def embeddings(request: Request) -> Response:
         _need(state, "embeddings")
-        req = api.parse(api.EmbeddingsRequest, await read_json(request))
+        req = api.parse(api.EmbeddingsRequest, await read_json(request, state))
         model = _check_model(state, req.model)
         texts = [req.input] if isinstance(req.input, str) else list(req.input)
         if not texts or any(t == "" for t in texts):
             raise InvalidRequest("input must be a non-empty string or a list of non-empty strings")
+        for t in texts:
+            check_prompt_size(state, len(t))
         watch = DisconnectWatch(request.receive)
         try:
             ctx = await watch.guard(state.slots.acquire())

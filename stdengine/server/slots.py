@@ -179,6 +179,8 @@ class Generation:
 
     def _events(self) -> Iterator[Any]:
         """The prompt's PromptLogprobs first when asked, then generate()'s events."""
+        if self._cancel.is_set():  # the client left before the worker started: no work for nobody
+            return
         if self.score is not None:
             yield self.ctx.score_prompt(*self.score)
         yield from self.ctx.generate(self.request)
