@@ -257,3 +257,21 @@ def test_special_token_dense_gemma_text_is_linear_and_matches_llamacpp(gemma3_pa
             assert tok.encode(sample, add_special=True, parse_special=parse_special) == want
     finally:
         oracle.close()
+
+
+def test_max_body_option_raises_the_limit(tmp_path: Path) -> None:
+    """`infer serve --max-body BYTES`: the limit is the option's, and a body under it is served."""
+    from test_server_toy import toy_server
+
+    server = toy_server(tmp_path, "--max-body", "300")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            r = client.post("/v1/completions", json={"prompt": "x" * 300})
+            envelope(r, 413, match="(300 bytes")
+            assert (
+                client.post("/v1/completions", json={"prompt": "x" * 200, "max_tokens": 2}).status_code == 200
+            )
+        assert [e["status"] for e in server.events("request.done")] == [413, 200]
+    finally:
+        assert server.stop() == 0
+    assert "Traceback" not in server.log_path.read_text()
