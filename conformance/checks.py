@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 from stdengine.conformance import corpus, metrics
+from stdengine.conformance.cases import FFFD, all_cases, eog_texts, find_case, first_difference
 from stdengine.conformance.suite import Check, Context, Level, NotSupported, Outcome, Skip
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
@@ -61,19 +62,8 @@ def greedy(n: int = GEN_N, **kw: Any) -> SamplingParams:
     return SamplingParams(temp=0.0, n_predict=n, seed=1, **kw)
 
 
-def golden_cases(ctx: Context) -> list[dict[str, Any]]:
-    return list(((ctx.golden or {}).get("generation") or {}).get("cases") or [])
-
-
-def golden_case(ctx: Context, name: str) -> dict[str, Any]:
-    case = next((c for c in golden_cases(ctx) if c["name"] == name), None)
-    if case is None:
-        raise Skip(f"the golden data has no generation case {name!r}")
-    return case
-
-
 def first_raw_case(ctx: Context) -> dict[str, Any] | None:
-    return next((c for c in golden_cases(ctx) if c["kind"] == "raw"), None)
+    return next((c for c in all_cases(ctx) if c["kind"] == "raw"), None)
 
 
 def completion_prompt(ctx: Context) -> str:
@@ -397,7 +387,7 @@ def _spanning_stop(ctx: Context) -> tuple[str, list[str], int, str, int]:
     """A stop string that spans a token boundary of a greedy text: the string, the text's token
     texts, the string's start, the prompt and the token count. The prompts tried are the raw golden
     cases, shortest first (no near ties), then the corpus prompt (no golden data)."""
-    raw = sorted((c for c in golden_cases(ctx) if c["kind"] == "raw"), key=lambda c: len(c["prompt_ids"]))
+    raw = sorted((c for c in all_cases(ctx) if c["kind"] == "raw"), key=lambda c: len(c["prompt_ids"]))
     prompts = [(c["prompt"], len(c["ids"])) for c in raw] or [(corpus.COMPLETION_PROMPT, GEN_N)]
     for prompt, n in prompts:
         pieces = ctx.memo(f"greedy_pieces:{prompt}", lambda p=prompt, k=n: _greedy_pieces(ctx, p, k))
@@ -506,20 +496,6 @@ def gen_seed(ctx: Context, out: Outcome) -> None:
 
 
 # --- golden generation: every correct engine reproduces these exactly -----------------------------
-def _first_difference(got: str, want: str) -> str:
-    at = next(
-        (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
-    )
-    return f"differs at character {at}: got {got[max(0, at - 12) : at + 12]!r}, want {want[max(0, at - 12) : at + 12]!r}"
-
-
-def eog_texts(ctx: Context) -> list[str]:
-    """The texts of the model's end-of-generation tokens, which must never appear in an answer."""
-    g = ctx.golden or {}
-    pieces = g.get("pieces") or {}
-    return [t for i in (g.get("eog") or {}).get("ids", []) if (t := pieces.get(str(i), "")).strip()]
-
-
 def request_of(case: dict[str, Any], sampling: SamplingParams) -> GenerateRequest:
     if case["kind"] == "chat":
         return GenerateRequest(messages=case["messages"], sampling=sampling)
@@ -532,9 +508,9 @@ def expect_golden_text(ctx: Context, out: Outcome, case: dict[str, Any], text: s
         text == want,
         f"{what}: the exact reference's {len(case['ids'])}-token greedy text"
         if text == want
-        else f"{what}: {_first_difference(text, want)}",
+        else f"{what}: {first_difference(text, want)}",
     )
-    out.expect("\ufffd" not in text, f"{what}: no U+FFFD (bytes of a character decoded apart)")
+    out.expect(FFFD not in text, f"{what}: no U+FFFD (bytes of a character decoded apart)")
     leaked = [t for t in eog_texts(ctx) if t in text]
     out.expect(not leaked, f"{what}: no end-of-generation text" + (f" (found {leaked})" if leaked else ""))
 
@@ -551,7 +527,7 @@ def _fits(ctx: Context, case: dict[str, Any]) -> None:
 
 def gen_golden(name: str) -> Callable[[Context, Outcome], None]:
     def check(ctx: Context, out: Outcome) -> None:
-        case = golden_case(ctx, name)
+        case = find_case(ctx, name)
         _fits(ctx, case)
         n = len(case["ids"])
         ids, text, done = run_generate(ctx.engine, request_of(case, greedy(n)))
@@ -651,7 +627,7 @@ def _sampler_is_greedy(label: str, **kw: Any) -> Callable[[Context, Outcome], No
 
 def repetitive_case(ctx: Context) -> dict[str, Any]:
     """The raw golden case whose continuation repeats the most tokens of its prompt's last 64."""
-    raw = [c for c in golden_cases(ctx) if c["kind"] == "raw"]
+    raw = [c for c in all_cases(ctx) if c["kind"] == "raw"]
     if not raw:
         raise Skip("the golden data has no raw generation case")
     return max(raw, key=lambda c: len(set(c["ids"]) & set(c["prompt_ids"][-64:])))
@@ -674,7 +650,7 @@ def gen_repeat_penalty(ctx: Context, out: Outcome) -> None:
 def gen_concurrent(ctx: Context, out: Outcome) -> None:
     """Contexts from new_context() are independent: generations interleaved token by token, each
     in its own context, give each golden answer, as the same request alone does."""
-    cases = [c for c in golden_cases(ctx) if len(c["prompt_ids"]) + len(c["ids"]) <= 512][:3]
+    cases = [c for c in all_cases(ctx) if len(c["prompt_ids"]) + len(c["ids"]) <= 512][:3]
     if len(cases) < 2:
         raise Skip("the golden data has fewer than two short generation cases")
     contexts = [ctx.engine.new_context() for _ in cases]

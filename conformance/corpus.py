@@ -147,7 +147,7 @@ FILLER_TEXT = (
 def _induction_text() -> str:
     """The long text, then about 440 tokens of other texts, then the long text's first 60 words
     again: continuing it means copying from about 1100 tokens back, further than any window of
-    1024 tokens or less (the prompt has about 1160 tokens); without the first copy the
+    1024 tokens or less (the prompt has 1150-1190 tokens); without the first copy the
     continuation is not predictable."""
     long = LOGIT_TEXTS["long"]
     head = " ".join(long.split()[:60])

@@ -68,7 +68,7 @@ def _llama(path: Path) -> Any:
 
     return llama_cpp.Llama(
         str(path),
-        n_ctx=4096,  # the induction prompt has about 1500 tokens
+        n_ctx=4096,  # the induction prompt has about 1200 tokens
         n_batch=512,
         logits_all=True,
         n_threads=os.cpu_count() or 1,

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from stdengine.conformance.cases import FFFD, all_cases, eog_texts, find_case, first_difference
 from stdengine.conformance.corpus import COMPLETION_PROMPT
 from stdengine.conformance.suite import Check, Context, Level, NotSupported, Outcome, Skip
 
@@ -286,10 +287,7 @@ def auth(ctx: Context, out: Outcome) -> None:
     _envelope(out, r, (401,), "a wrong API key")
 
 
-# --- generation compared with the golden data -----------------------------------------------------
-# Every golden continuation wins each step by >= 1 nat (golden["generation"]["min_margin"]), so a
-# correct engine reproduces it exactly at temperature 0: text, token counts and finish reason.
-FFFD = "\ufffd"
+# --- generation compared with the golden data (cases.py) ------------------------------------------
 STREAM_FIRST_FRACTION = 0.5  # http.stream.incremental: first content chunk by half the time
 MIN_STREAM_CHUNKS = 4
 
@@ -317,19 +315,6 @@ class Answer:
         return out.expect(isinstance(self.text, str), f"{what}: the answer has text")
 
 
-def gen_cases(ctx: Context) -> list[dict[str, Any]]:
-    cases: list[dict[str, Any]] = ctx.need_golden("generation")["cases"]
-    return cases
-
-
-def gen_case(ctx: Context, name: str | None = None, kind: str | None = None) -> dict[str, Any]:
-    """The golden case called name, or the first of a kind (raw: the completion checks' prompt)."""
-    for c in gen_cases(ctx):
-        if c["name"] == name or (name is None and c["kind"] == kind):
-            return c
-    raise Skip(f"the golden data has no generation case {name or kind!r}")
-
-
 def _route(case: dict[str, Any]) -> str:
     return "/v1/chat/completions" if case["kind"] == "chat" else "/v1/completions"
 
@@ -354,17 +339,6 @@ def golden_answer(ctx: Context, case: dict[str, Any]) -> Answer:
     return answer
 
 
-def first_difference(got: str, want: str) -> str:
-    """Where two texts part: the character and word index, and a little of each around it."""
-    i = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-    word = len(want[:i].split()) + (0 if i == 0 or want[i - 1].isspace() else -1)
-    lo = max(0, i - 20)
-    return (
-        f"differs at character {i} (word {word + 1}): got {'…' if lo else ''}{got[lo : i + 20]!r}, "
-        f"want {'…' if lo else ''}{want[lo : i + 20]!r}"
-    )
-
-
 def expect_text(out: Outcome, got: str, want: str, what: str) -> bool:
     return out.expect(
         got == want,
@@ -372,16 +346,6 @@ def expect_text(out: Outcome, got: str, want: str, what: str) -> bool:
         if got == want
         else f"{what}: {first_difference(got, want)}",
     )
-
-
-def eog_texts(ctx: Context) -> list[str]:
-    """The texts of the model's end-of-generation tokens (`<|im_end|>`, `</s>`…): an engine that
-    stops on one must not print it."""
-    g = ctx.golden or {}
-    pieces = g.get("pieces") or {}
-    texts = {pieces.get(str(i), "") for i in (g.get("eog") or {}).get("ids", [])}
-    texts.add((g.get("chat") or {}).get("eos_token") or "")
-    return sorted(t for t in texts if len(t.strip()) > 1 and FFFD not in t)
 
 
 def expect_usage(out: Outcome, usage: Any, case: dict[str, Any], n: int, what: str) -> None:
@@ -397,7 +361,7 @@ def expect_usage(out: Outcome, usage: Any, case: dict[str, Any], n: int, what: s
 
 def generation_golden(name: str) -> Callable[[Context, Outcome], None]:
     def check(ctx: Context, out: Outcome) -> None:
-        case = gen_case(ctx, name)
+        case = find_case(ctx, name)
         a = golden_answer(ctx, case)
         if not a.ok(out, f"POST {_route(case)}"):
             return
@@ -424,8 +388,9 @@ def least_certain_case(ctx: Context) -> dict[str, Any]:
     """The golden case a sampler that is not greedy is likeliest to leave: the largest expected
     number of steps where the runner-up would be drawn at temperature 1 (sum of
     e^-margin / (1 + e^-margin)). Every step still wins by >= 1 nat, so greedy is unambiguous."""
+    ctx.need_golden("generation")
     return max(
-        gen_cases(ctx), key=lambda c: sum(math.exp(-m) / (1 + math.exp(-m)) for m in c.get("margins") or [])
+        all_cases(ctx), key=lambda c: sum(math.exp(-m) / (1 + math.exp(-m)) for m in c.get("margins") or [])
     )
 
 
@@ -443,7 +408,7 @@ def sampler_is_greedy(label: str, **params: Any) -> Callable[[Context, Outcome],
     1.5 the answer is still the golden greedy text, whatever the seed."""
 
     def check(ctx: Context, out: Outcome) -> None:
-        case = gen_case(ctx, kind="raw")
+        case = find_case(ctx, kind="raw")
         for seed in (11, 12):
             a = generate(ctx, case, temperature=1.5, seed=seed, **params)
             if a.ok(out, f"{label}, seed {seed}"):
@@ -454,7 +419,9 @@ def sampler_is_greedy(label: str, **params: Any) -> Callable[[Context, Outcome],
 
 def seed(ctx: Context, out: Outcome) -> None:
     """OpenAI's `seed`: temperature 1 on a prompt with near ties, seed 1234 twice gives one
-    text; seeds 4321, 99 and 7 do not all give that text."""
+    text; seeds 4321, 99 and 7 do not all give that text. Golden data says the model has near ties
+    on that prompt (a server of another model may well answer it with certainty)."""
+    ctx.need_golden("completion")
     body = {
         "model": model_id(ctx),
         "prompt": COMPLETION_PROMPT,
@@ -479,7 +446,7 @@ def seed(ctx: Context, out: Outcome) -> None:
 
 
 def max_tokens5(ctx: Context, out: Outcome) -> None:
-    case = gen_case(ctx, kind="raw")
+    case = find_case(ctx, kind="raw")
     n = 5
     a = generate(ctx, case, max_tokens=n)
     if not a.ok(out, "POST /v1/completions"):
@@ -526,7 +493,7 @@ def stop_strings(text: str) -> tuple[int, str, str]:
 
 
 def stop(ctx: Context, out: Outcome) -> None:
-    case = gen_case(ctx, kind="raw")
+    case = find_case(ctx, kind="raw")
     k, s, later = stop_strings(case["text"])
     want = case["text"][:k]
     out.details.update({"stop": [s, later], "want": want})
@@ -558,7 +525,7 @@ def _stream_parts(r: Reply, chat: bool) -> tuple[list[str], list[float], Any, li
 
 def stream_equals(kind: str) -> Callable[[Context, Outcome], None]:
     def check(ctx: Context, out: Outcome) -> None:
-        case = gen_case(ctx, kind=kind)
+        case = find_case(ctx, kind=kind)
         whole = golden_answer(ctx, case)
         r = request(
             ctx,
@@ -592,7 +559,7 @@ def stream_incremental(ctx: Context, out: Outcome) -> None:
     """A stream must arrive as it is generated: at least 4 content chunks, and the first one by
     half of the time the last one took (from sending the request). A server that buffers the
     answer and sends it at the end delivers every chunk within milliseconds of the last."""
-    case = gen_case(ctx, kind="raw")
+    case = find_case(ctx, kind="raw")
     r = request(ctx, "POST", "/v1/completions", gen_body(ctx, case, stream=True), timed=True)
     if not _status(out, r, 200, "POST /v1/completions stream"):
         return
@@ -736,7 +703,7 @@ def logprobs_kl(name: str) -> Callable[[Context, Outcome], None]:
 
 
 def logprobs_chat(ctx: Context, out: Outcome) -> None:
-    case = gen_case(ctx, kind="chat")
+    case = find_case(ctx, kind="chat")
     r = request(ctx, "POST", "/v1/chat/completions", gen_body(ctx, case, logprobs=True, top_logprobs=5))
     if 400 <= r.status < 500:
         raise NotSupported(f"the server refuses logprobs/top_logprobs: HTTP {r.status}: {r.body[:200]!r}")
@@ -773,7 +740,7 @@ def concurrent(n: int) -> Callable[[Context, Outcome], None]:
 
     def check(ctx: Context, out: Outcome) -> None:
         cases = sorted(
-            ((ctx.golden or {}).get("generation") or {}).get("cases") or [],
+            all_cases(ctx),
             key=lambda c: len(c["prompt_ids"]),
         )
         answers: list[Answer | BaseException] = [RuntimeError("no reply")] * n
