@@ -307,9 +307,7 @@ def check_json(value: Any) -> None:
     while stack:
         node, path = stack.pop()
         if len(path) >= MAX_JSON_DEPTH:
-            raise InvalidRequest(
-                f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
-            )
+            raise _too_deep()
         for key, item in node.items() if isinstance(node, dict) else enumerate(node):
             if isinstance(item, (dict, list)):
                 stack.append((item, (*path, key)))
@@ -323,14 +321,16 @@ def check_json(value: Any) -> None:
                 )
 
 
+def _too_deep() -> InvalidRequest:
+    return InvalidRequest(f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
+
+
 async def read_json(request: Request, state: ServerState) -> dict[str, Any]:
     raw = await read_body(request, state.max_body)
     try:
         body = json.loads(raw)
     except RecursionError:  # deeper than the parser can go: far over MAX_JSON_DEPTH
-        raise InvalidRequest(
-            f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
-        ) from None
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -346,8 +346,9 @@ def check_prompt_size(state: ServerState, n_chars: int) -> None:
     if n_ctx is None or n_chars <= PROMPT_CHARS_PER_POSITION * n_ctx:
         return
     raise ContextOverflow(
-        f"the text has {n_chars} characters, more than any prompt that fits the context of {n_ctx} "
-        f"tokens ({PROMPT_CHARS_PER_POSITION} characters per token at most); it was not tokenized",
+        f"the text has {n_chars} characters: over this server's limit of {PROMPT_CHARS_PER_POSITION} "
+        f"characters per position of the {n_ctx}-token context, so it cannot be a prompt that fits; "
+        "it was not tokenized",
         hint="shorten the prompt, or start the server with a larger -c",
         n_prompt_chars=n_chars,
         n_ctx=n_ctx,
