@@ -46,6 +46,11 @@ def run(cls: type[ReferenceEngine], model: Path, golden: dict[str, Any], origina
     return {r.id: r for r in results}
 
 
+def model_for(fault: type[Faulty], model: Path, tmp: Path) -> Path:
+    """The file a broken engine loads: the model, or for SkipsLayer a copy without layer 15."""
+    return without_layer(model, 15, tmp / "skips-layer-15.gguf") if fault is SkipsLayer else model
+
+
 def matching(results: dict[str, Any], glob: str) -> list[str]:
     return [i for i in results if fnmatch.fnmatchcase(i, glob)]
 
@@ -67,10 +72,7 @@ def test_the_correct_engine_passes_every_check_the_faults_fail(correct: dict[str
 def test_the_suite_fails_each_broken_engine_with_the_check_that_names_it(
     fault: type[Faulty], smollm2_path: Path, golden: dict[str, Any], tmp_path: Path
 ) -> None:
-    model = smollm2_path
-    if fault is SkipsLayer:
-        model = without_layer(smollm2_path, 15, tmp_path / "skips-layer-15.gguf")
-    results = run(fault, model, golden, smollm2_path)
+    results = run(fault, model_for(fault, smollm2_path, tmp_path), golden, smollm2_path)
     failed = {i for i, r in results.items() if r.status == "fail"}
     for glob in fault.fails:
         ids = matching(results, glob)
@@ -87,10 +89,7 @@ def test_served_by_infer_serve_each_broken_engine_fails_an_http_check(
     fault: type[Faulty], smollm2_path: Path, golden: dict[str, Any], tmp_path: Path
 ) -> None:
     """The same engines behind `infer serve`, judged by the HTTP checks alone (a black box)."""
-    model = smollm2_path
-    if fault is SkipsLayer:
-        model = without_layer(smollm2_path, 15, tmp_path / "skips-layer-15.gguf")
-    server = InProcessServer(fault, model)
+    server = InProcessServer(fault, model_for(fault, smollm2_path, tmp_path))
     try:
         ctx = Context(url=server.url, api_key=KEY, golden=golden, golden_note="test", model=ALIAS)
         results = {r.id: r for glob in fault.fails_served for r in run_suite(ctx, level="core", only=glob)}
