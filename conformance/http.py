@@ -445,6 +445,56 @@ def seed(ctx: Context, out: Outcome) -> None:
     out.expect(bool(others - {first}), f"seeds 4321, 99 and 7 do not all give seed 1234's text {first!r}")
 
 
+def eog(ctx: Context, out: Outcome) -> None:
+    """The golden prompt whose greedy continuation ends with an end-of-generation token: finish
+    reason stop, the token neither counted in usage nor its text in the answer."""
+    case = ctx.need_golden("eog").get("case")
+    if not case:
+        raise Skip("the golden data has no prompt that ends with an end-of-generation token")
+    body = {"model": model_id(ctx), "prompt": case["prompt"], "max_tokens": 16, "temperature": 0}
+    a = Answer(request(ctx, "POST", "/v1/completions", body), False)
+    if not a.ok(out, "POST /v1/completions"):
+        return
+    n = len(case["llama_cpp_greedy"]) - 1  # llama.cpp's greedy run ends with the token itself
+    out.expect(a.finish == "stop", f"finish_reason {a.finish!r} (want 'stop': an end-of-generation token)")
+    leaked = [e for e in eog_texts(ctx) if e in (a.text or "")]
+    out.expect(
+        not leaked, "no end-of-generation text in the answer" + (f" (found {leaked})" if leaked else "")
+    )
+    got = a.usage.get("completion_tokens") if isinstance(a.usage, dict) else a.usage
+    out.expect(
+        got == n, f"usage.completion_tokens {got} (want {n}: the end-of-generation token is not counted)"
+    )
+
+
+def tokenize(name: str) -> Callable[[Context, Outcome], None]:
+    """`POST /tokenize` (llama-server's and infer serve's extension), where the server has it:
+    the golden ids of the tokenizer case with special tokens added (both servers parse special
+    tokens by default)."""
+
+    def check(ctx: Context, out: Outcome) -> None:
+        case = next(
+            (c for c in ctx.need_golden("tokenizer")["cases"] if c["name"] == name and c["add_special"]), None
+        )
+        if case is None:
+            raise Skip(f"the golden data has no tokenizer case {name!r}")
+        r = request(ctx, "POST", "/tokenize", {"content": case["text"], "add_special": True})
+        if r.status in (404, 405, 501):
+            raise NotSupported(f"the server has no /tokenize (HTTP {r.status})")
+        if not _status(out, r, 200, "POST /tokenize"):
+            return
+        tokens = r.json().get("tokens")
+        got = [t["id"] if isinstance(t, dict) else t for t in tokens] if isinstance(tokens, list) else tokens
+        out.expect(
+            got == case["ids"],
+            f"{len(case['ids'])} ids match llama.cpp's"
+            if got == case["ids"]
+            else f"ids {got}, want {case['ids']}",
+        )
+
+    return check
+
+
 def max_tokens5(ctx: Context, out: Outcome) -> None:
     case = find_case(ctx, kind="raw")
     n = 5
@@ -828,6 +878,9 @@ def plan_http(ctx: Context) -> list[Check]:
         max_tokens5,
         "max_tokens=5: the golden first 5 tokens, finish reason length",
     )
+    add("http.eog", "core", eog, "an end-of-generation token: finish reason stop, not counted, not shown")
+    for name in sorted({c["name"] for c in (g.get("tokenizer") or {}).get("cases", [])}):
+        add(f"http.tokenize:case={name}", "core", tokenize(name), "POST /tokenize gives llama.cpp's ids")
     add(
         "http.sampler:top_p=0.01",
         "core",

@@ -45,6 +45,8 @@ ADDED: dict[str, tuple[str, ...]] = {
         "http.stream.incremental*",
         "http.sampler:*",
         "http.seed",
+        "http.eog",
+        "http.tokenize:*",
     ),
 }
 

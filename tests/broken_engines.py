@@ -86,6 +86,7 @@ class CountsEogToken(Faulty):
     """usage.completion_tokens counts the end-of-generation token."""
 
     fails = ("generation.eog",)
+    fails_served = ("http.eog",)
 
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         def change(done: DoneEvent) -> DoneEvent:
@@ -115,6 +116,7 @@ class LeaksEogText(Faulty):
     """The end-of-generation token's text is left at the end of the answer."""
 
     fails = ("generation.eog",)
+    fails_served = ("http.eog",)
 
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         for ev in super().generate(request):
@@ -207,6 +209,7 @@ class NormalisesText(Faulty):
         "tokenizer.ids:case=ligatures",
         "tokenizer.roundtrip:case=fullwidth",
     )
+    fails_served = ("http.tokenize:case=fullwidth",)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return super().tokenize(unicodedata.normalize("NFKC", text), add_special, parse_special)
