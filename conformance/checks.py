@@ -192,8 +192,6 @@ def logprobs_kl(ctx: Context, out: Outcome) -> None:
     """For an engine that serves log-probabilities but no logits (the `openai` engine): the
     restricted KL of its top-20 lists (engine.score) over every golden text, by token text as a
     server serves them (metrics.restricted_kl_by_text), within the logits.kl bound."""
-    if "logits" in ctx.capabilities:
-        raise Skip("the engine declares logits: logits.kl judges the full distributions")
     lg = ctx.need_golden("logits")
     pieces = (ctx.golden or {}).get("pieces") or {}
     kls = []
@@ -852,13 +850,14 @@ def plan(ctx: Context) -> list[Check]:
         ("logits",),
         "top-1 agreement with the exact reference on confident positions",
     )
-    add(
-        "logprobs.kl:text=all",
-        "core",
-        logprobs_kl,
-        ("logprobs",),
-        "served top-20 log-probabilities (score) within the logits.kl bound, for engines without logits",
-    )
+    if "logits" not in ctx.capabilities:  # with logits, logits.kl judges the whole distribution
+        add(
+            "logprobs.kl:text=all",
+            "core",
+            logprobs_kl,
+            ("logprobs",),
+            "served top-20 log-probabilities (score) within the logits.kl bound",
+        )
     add(
         "logits.stable",
         "core",
