@@ -49,3 +49,9 @@ def first_difference(got: str, want: str) -> str:
         f"differs at character {i} (word {word + 1}): got {'…' if lo else ''}{got[lo : i + 20]!r}, "
         f"want {'…' if lo else ''}{want[lo : i + 20]!r}"
     )
+
+
+def eog_answer_tokens(eog_case: dict[str, Any]) -> int:
+    """The completion tokens of the golden end-of-generation prompt's answer: llama.cpp's greedy
+    run ends with the end-of-generation token itself, which is not part of the answer."""
+    return len(eog_case["llama_cpp_greedy"]) - 1

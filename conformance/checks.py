@@ -13,7 +13,14 @@ from typing import Any
 
 import numpy as np
 from stdengine.conformance import corpus, metrics
-from stdengine.conformance.cases import FFFD, all_cases, eog_texts, find_case, first_difference
+from stdengine.conformance.cases import (
+    FFFD,
+    all_cases,
+    eog_answer_tokens,
+    eog_texts,
+    find_case,
+    first_difference,
+)
 from stdengine.conformance.suite import Check, Context, Level, NotSupported, Outcome, Skip
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
@@ -463,8 +470,7 @@ def gen_eog(ctx: Context, out: Outcome) -> None:
     out.expect(
         not leaked, "no end-of-generation text in the answer" + (f" (found {leaked})" if leaked else "")
     )
-    # the end-of-generation token is not part of the answer: llama.cpp's greedy run ends with it
-    n = len(case["llama_cpp_greedy"]) - 1
+    n = eog_answer_tokens(case)
     out.expect(
         done.usage.completion_tokens == n,
         f"usage.completion_tokens {done.usage.completion_tokens} (want {n}: the end-of-generation token is not counted)",

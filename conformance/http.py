@@ -17,7 +17,14 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from stdengine.conformance.cases import FFFD, all_cases, eog_texts, find_case, first_difference
+from stdengine.conformance.cases import (
+    FFFD,
+    all_cases,
+    eog_answer_tokens,
+    eog_texts,
+    find_case,
+    first_difference,
+)
 from stdengine.conformance.corpus import COMPLETION_PROMPT
 from stdengine.conformance.suite import Check, Context, Level, NotSupported, Outcome, Skip
 
@@ -455,7 +462,7 @@ def eog(ctx: Context, out: Outcome) -> None:
     a = Answer(request(ctx, "POST", "/v1/completions", body), False)
     if not a.ok(out, "POST /v1/completions"):
         return
-    n = len(case["llama_cpp_greedy"]) - 1  # llama.cpp's greedy run ends with the token itself
+    n = eog_answer_tokens(case)
     out.expect(a.finish == "stop", f"finish_reason {a.finish!r} (want 'stop': an end-of-generation token)")
     leaked = [e for e in eog_texts(ctx) if e in (a.text or "")]
     out.expect(

@@ -9,6 +9,7 @@ the engine does not honour is refused the same way `infer run` refuses the flag.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import time
 import uuid
@@ -316,11 +317,13 @@ class Offsets:
 
     def __init__(self, start: int = 0) -> None:
         self.start = start
-        self.seen = b""
+        # characters of the pieces so far; an incomplete character waits in the decoder
+        self.chars = 0
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("ignore")
 
     def next(self, piece: bytes) -> int:
-        offset = self.start + len(self.seen.decode("utf-8", errors="ignore"))
-        self.seen += piece
+        offset = self.start + self.chars
+        self.chars += len(self.utf8.decode(piece))
         return offset
 
 
