@@ -15,22 +15,6 @@ from stdengine.errors import InvalidRequest, UsageError
 from stdengine.options import Options
 
 
-def sampling_from(options: Options) -> SamplingParams:
-    return SamplingParams(
-        temp=options.temp,
-        top_k=options.top_k,
-        top_p=options.top_p,
-        min_p=options.min_p,
-        repeat_penalty=options.repeat_penalty,
-        repeat_last_n=options.repeat_last_n,
-        presence_penalty=options.presence_penalty,
-        frequency_penalty=options.frequency_penalty,
-        seed=options.seed,
-        n_predict=options.n_predict,
-        stop=list(options.stop),
-    )
-
-
 def utf8_prompt(raw: bytes, source: str) -> str:
     """A prompt must be UTF-8 whichever way it comes (-p, -f, stdin): bytes that are not are a
     usage error naming the source and the offset, rather than guessed at or replaced."""
@@ -108,14 +92,14 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
         if not raw and engine.has_chat_template():
             messages = [{"role": "system", "content": options.system}] if options.system else []
             messages.append({"role": "user", "content": prompt})
-            request = GenerateRequest(messages=messages, sampling=sampling_from(options))
+            request = GenerateRequest(messages=messages, sampling=SamplingParams.from_options(options))
         else:
             if options.system:
                 raise UsageError(
                     "--system needs a chat template, and this run has none",
                     hint="drop --raw, or put the system text into the prompt",
                 )
-            request = GenerateRequest(prompt=prompt, sampling=sampling_from(options))
+            request = GenerateRequest(prompt=prompt, sampling=SamplingParams.from_options(options))
         pieces: list[str] = []
         done: DoneEvent | None = None
         received = 0

@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
+from stdengine.adapter import SamplingParams
 from stdengine.cli.common import canonical_options, load_engine, make_emitter, resolve_cli
-from stdengine.cli.run import sampling_from
 from stdengine.errors import EngineUnavailable
 from stdengine.options import OPTION_NAMES, Options
 
@@ -87,7 +87,7 @@ def serve(queue_size: int | None, max_body: int | None, **kwargs: Any) -> None:
         state = build_state(
             engine,
             parallel=options.parallel,
-            defaults=sampling_from(options),
+            defaults=SamplingParams.from_options(options),
             events=events,
             model_ref=model_ref,
             model_path=events.model if getattr(type(engine), "needs_model_file", True) else None,
