@@ -194,27 +194,18 @@ def bos_token(engine: Any) -> int | None:
     return int(ids[0]) if ids else None
 
 
-Loader = Callable[[type, dict[str, Any], Any], Any]
-
-
-def default_loader(cls: Any, values: dict[str, Any], events: Any) -> Any:
-    from stdengine.options import Options
-
-    return cls.load(Options.model_validate(values), events)
-
-
 def run(
     params: BenchParams,
     on_record: Callable[[dict[str, Any]], None],
     events: Any,
     progress: Progress | None = None,
-    loader: Loader = default_loader,
     warn: Callable[[str], None] | None = None,
     on_start: Callable[[], None] | None = None,
 ) -> int:
     """Run every test; each finished record goes to on_record. Returns the exit status: 0, or the
     status of the last error (an engine that failed to load or run is reported and skipped)."""
     from stdengine import registry
+    from stdengine.options import Options
     from stdengine.store import resolve_model
 
     warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -228,6 +219,8 @@ def run(
             from stdengine.errors import EngineUnavailable
 
             raise EngineUnavailable(f"engine '{cls.name}' cannot load here: {reason}")
+    # Before anything loads, the classes' declarations are all there is to go by (fail fast); a
+    # loaded engine's own capabilities are read from the instance (bos_token).
     no_decode = [name for name, cls in classes.items() if "logits" not in cls.capabilities]
     if no_decode:
         raise UnsupportedOption(
@@ -262,9 +255,8 @@ def run(
             for _ in range(n * ((0 if params.no_warmup else 1) + params.reps)):
                 progress.advance()
             continue
-        events.engine, events.model = cls.name, model_path
         try:
-            engine = loader(cls, values, events)
+            engine = registry.load(Options.model_validate(values), events, given).engine
         except Exception as e:  # reported, and the other engines still run
             warn(f"error: engine '{cls.name}' failed to load {model_path}: {_message(e)}")
             if isinstance(e, InferError) and e.hint:

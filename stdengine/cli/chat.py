@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
-from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load_engine, make_emitter, resolve_cli
+from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load, make_emitter, resolve_cli
 from stdengine.cli.run import summary_line
 from stdengine.errors import InferError, UsageError
 
@@ -28,7 +28,7 @@ def chat(**kwargs: Any) -> None:
     resolved = resolve_cli(kwargs)
     options = resolved.options
     events = make_emitter(options)
-    engine = load_engine(resolved, events)
+    engine = load(resolved, events).engine
     if not engine.has_chat_template():
         raise UsageError(
             "this model has no chat template, so `infer chat` cannot format a conversation",

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, Timings, TokenEvent, now_ms
-from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load_engine, make_emitter, resolve_cli
+from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load, make_emitter, resolve_cli
 from stdengine.errors import InvalidRequest, UsageError
 from stdengine.options import Options
 
@@ -87,7 +87,7 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
     prompt = read_prompt(options)
     if prompt == "":
         raise InvalidRequest("the prompt is empty", hint="give some text with -p, -f or stdin")
-    engine = load_engine(resolved, events)
+    engine = load(resolved, events).engine
     try:
         if not raw and engine.has_chat_template():
             messages = [{"role": "system", "content": options.system}] if options.system else []
