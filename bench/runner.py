@@ -10,6 +10,7 @@ the tests that share it.
 
 from __future__ import annotations
 
+import io
 import random
 import sys
 import time
@@ -119,6 +120,13 @@ def measure(
 # --- loading -------------------------------------------------------------------------------
 
 
+def bench_emitter(params: BenchParams) -> Any:
+    """infer-bench's log: events on stderr (text) only with -v, as llama-bench prints nothing else."""
+    from stdengine.events import Emitter
+
+    return Emitter(verbosity=1 if params.verbose else 0, stream=None if params.verbose else io.StringIO())
+
+
 def options_for(inst: Instance, cls: Any, params: BenchParams, n_ctx: int) -> tuple[dict[str, Any], set[str]]:
     """The canonical options to load `inst` with, and those the user set (which the engine must
     honour or refuse). infer-bench's own choices (n_ctx, threads) are passed only to engines that
@@ -185,7 +193,7 @@ def _flag_value(v: Any) -> str:
 
 def bos_token(engine: Any) -> int | None:
     """The BOS id if the model adds one: what the engine's own tokenizer puts before an empty text."""
-    if "tokenize" not in getattr(engine, "capabilities", frozenset()):
+    if "tokenize" not in engine.capabilities:
         return None
     try:
         ids = engine.tokenize("", add_special=True, parse_special=True)

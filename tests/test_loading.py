@@ -160,7 +160,7 @@ def test_serve_resolves_the_model_once_and_serves_the_loaded_path(engines, monke
 
 def test_bench_loads_through_the_registry(engines, capsys):
     model, resolves, loads = engines
-    from stdengine.bench.cli import main as bench
+    from stdengine.cli.bench import main as bench
 
     with pytest.raises(SystemExit) as e:
         bench(["-m", str(model), "-e", "fileeng", "-p", "4", "-n", "0", "-r", "1", "-o", "jsonl"])
@@ -168,3 +168,51 @@ def test_bench_loads_through_the_registry(engines, capsys):
     assert '"n_prompt": 4' in capsys.readouterr().out
     assert loads == ["fileeng"]
     assert Path(FileEngine.loaded_with[-1].model or "") == model
+
+
+# --- infer bench is infer-bench ------------------------------------------------------------
+
+TIMED = {"test_time", "samples_ns", "samples_ts", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts"}
+
+
+def _exit_code(f, argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as e:
+        f(argv)
+    return int(e.value.code or 0)
+
+
+def test_infer_bench_is_infer_bench(engines, capsys):
+    """`infer bench ARGS` and `infer-bench ARGS` are one function: the same records (but for the
+    timings), the same usage text, the same errors."""
+    import json
+
+    from stdengine.cli.bench import main as infer_bench
+
+    model, _, _ = engines
+    argv = ["-m", str(model), "-e", "fileeng", "-p", "4,8", "-n", "2", "-r", "2", "-o", "jsonl"]
+    outputs = []
+    for f, args in ((infer, ["bench", *argv]), (infer_bench, argv)):
+        assert _exit_code(f, args) == 0
+        out = capsys.readouterr().out
+        outputs.append([{k: v for k, v in json.loads(x).items() if k not in TIMED} for x in out.splitlines()])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 3
+    for args in (["-h"], ["-p", "8-4"], ["compare", "--reps", "3"]):
+        codes, texts = [], []
+        for f, a in ((infer, ["bench", *args]), (infer_bench, args)):
+            codes.append(_exit_code(f, a))
+            texts.append(capsys.readouterr())
+        assert codes[0] == codes[1] and texts[0] == texts[1], args
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert 'infer-bench = "stdengine.cli.bench:main"' in pyproject
+
+
+@pytest.mark.parametrize("args", [[], ["--reps", "3"], ["--out", "x", "--models", "y"]])
+def test_bench_compare_without_results_files_points_to_vs_llamacpp(args, capsys):
+    assert run(["bench", "compare", *args]) == 1
+    err = capsys.readouterr().err
+    assert "error: " in err and "hint: " in err and "infer bench vs-llamacpp" in err
+
+
+def test_bench_compare_of_two_files_gives_no_such_hint(tmp_path, capsys):
+    assert run(["bench", "compare", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 1
+    assert "vs-llamacpp" not in capsys.readouterr().err
