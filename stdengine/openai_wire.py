@@ -252,11 +252,11 @@ def tokenize_body(
     or llama-cpp-python's {"input", "model"} (which always adds and parses special tokens)."""
     if route == "/tokenize":
         return {"content": text, "add_special": add_special, "parse_special": parse_special}
-    return {"input": text, "model": model}
+    return {"input": text, **({"model": model} if model else {})}
 
 
 def detokenize_body(route: str, tokens: list[int], model: str = "") -> dict[str, Any]:
-    return {"tokens": tokens} if route == "/tokenize" else {"tokens": tokens, "model": model}
+    return {"tokens": tokens, **({"model": model} if model and route != "/tokenize" else {})}
 
 
 def tokens_of(answer: Any) -> list[int] | None:
