@@ -19,7 +19,6 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from stdengine import __version__
@@ -69,6 +68,7 @@ from stdengine.openai_wire import (
     tokenize_body,
     tokens_of,
 )
+from stdengine.options import SAMPLING
 
 if TYPE_CHECKING:
     import httpx
@@ -87,7 +87,6 @@ ENGINE_ARGS = {
     "dialect": "auto (default), llama.cpp, llama-cpp-python or openai: which extra fields the server takes",
     "timeout": "seconds to wait for the server's next bytes (default 600, llama-server's own)",
 }
-SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.name != "stop"}
 
 
 class OpenAIEngine(Engine):
@@ -176,7 +175,7 @@ class OpenAIEngine(Engine):
         except Exception:
             client.close()
             raise
-        engine._check_extras_supported(_sampling_of(options), at="load")
+        engine._check_extras_supported(SamplingParams.from_options(options), at="load")
         # the instance's own capabilities (an instance attribute: the class's stay as declared)
         caps = set(cls.capabilities)
         if engine.tokenize_route:
@@ -432,9 +431,7 @@ class OpenAIEngine(Engine):
         unless it is left at its default (then it is simply not sent)."""
         extras = DIALECT_EXTRAS[self.dialect]
         refused = [
-            k
-            for k in DIALECT_EXTRAS["llama.cpp"]
-            if k not in extras and getattr(s, k) != SAMPLING_DEFAULTS[k]
+            k for k in DIALECT_EXTRAS["llama.cpp"] if k not in extras and getattr(s, k) != SAMPLING[k].default
         ]
         if refused:
             raise UnsupportedOption(
@@ -602,10 +599,6 @@ def _root_url(url: str | None) -> str:
             hint="pass --url http://HOST:PORT (or set INFER_URL or OPENAI_BASE_URL)",
         )
     return root_url(url)
-
-
-def _sampling_of(options: Options) -> SamplingParams:
-    return SamplingParams(**{k: getattr(options, k) for k in SAMPLING_DEFAULTS})
 
 
 def wait_until_ready(url: str, timeout_s: float = 60.0) -> None:
