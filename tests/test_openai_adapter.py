@@ -398,3 +398,10 @@ def test_infer_serve_forwards_tokenize_to_the_upstream(upstream, request, tmp_pa
             assert text in back.json()["content"]
     finally:
         stop_server(proc)  # type: ignore[arg-type]
+
+
+def test_an_answer_that_is_not_json_is_an_engine_failure(fake):
+    engine = load(fake[0])  # the stand-in answers /detokenize with an event stream
+    with pytest.raises(EngineFailure, match="not JSON"):
+        engine.detokenize([1, 97])
+    engine.close()

@@ -288,7 +288,7 @@ class OpenAIEngine(Engine):
                 hint="tokenize with parse_special=True, or use a llama-server",
             )
         body = tokenize_body(route, text, add_special, parse_special, self.model)
-        tokens = tokens_of(self._request("POST", route, body, what=f"POST {route}").json())
+        tokens = tokens_of(self._json("POST", route, body, what=f"POST {route}"))
         if tokens is None:
             raise EngineFailure(f"the server at {self.root} answered POST {route} without a token list")
         # llama-cpp-python's tokenizer always adds the special prefix; take it off when not asked for
@@ -301,7 +301,11 @@ class OpenAIEngine(Engine):
         route = self._need_tokenize()
         back = TOKENIZE_ROUTES[route]
         body = detokenize_body(route, [int(t) for t in tokens], self.model)
-        return detokenized(route, self._request("POST", back, body, what=f"POST {back}").json())
+        answer = self._json("POST", back, body, what=f"POST {back}")
+        try:
+            return detokenized(route, answer)
+        except (KeyError, TypeError):
+            raise EngineFailure(f"the server at {self.root} answered POST {back} without the text") from None
 
     def decode(self, tokens: Sequence[int], all_logits: bool = False) -> Any:
         raise InvalidRequest(
@@ -341,9 +345,9 @@ class OpenAIEngine(Engine):
         )
 
     def _echo(self, ids: list[int], top_n: int) -> list[Entry]:
-        data = self._request(
+        data = self._json(
             "POST", "/v1/completions", echo_body(self.model, ids, top_n), what="POST /v1/completions (echo)"
-        ).json()
+        )
         try:
             return logprob_entries(data["choices"][0]["logprobs"])
         except (KeyError, IndexError, TypeError, WireError) as e:
@@ -360,9 +364,7 @@ class OpenAIEngine(Engine):
                 self.options.chat_template, messages, add_generation_prompt=add_generation_prompt
             )
         if self.dialect == "llama.cpp":
-            data = self._request(
-                "POST", "/apply-template", {"messages": messages}, what="POST /apply-template"
-            ).json()
+            data = self._json("POST", "/apply-template", {"messages": messages}, what="POST /apply-template")
             return str(data["prompt"])
         raise InvalidRequest(
             "this server applies its chat template itself and does not show it",
@@ -453,6 +455,17 @@ class OpenAIEngine(Engine):
         if r.status_code != 200:
             raise self._error(r, what)
         return r
+
+    def _json(self, method: str, path: str, body: Any = None, *, what: str) -> Any:
+        """A request's JSON answer; an answer that is not JSON is the server's failure."""
+        r = self._request(method, path, body, what=what)
+        try:
+            return r.json()
+        except ValueError:
+            raise EngineFailure(
+                f"the server at {self.root} answered {what} with something that is not JSON: {r.text[:200]!r}",
+                hint="is this an OpenAI-compatible server?",
+            ) from None
 
     def _stream(
         self, route: str, body: dict[str, Any], s: SamplingParams, logprobs: bool
