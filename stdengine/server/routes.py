@@ -52,24 +52,10 @@ async def props(request: Request) -> Response:
     state = state_of(request)
     engine = state.engine
     info = engine.info()
-    d = state.defaults
     honoured = engine.honoured_options()
     return JSONResponse(
         {
-            "default_generation_settings": {
-                "temperature": d.temp,
-                "top_k": d.top_k,
-                "top_p": d.top_p,
-                "min_p": d.min_p,
-                "repeat_penalty": d.repeat_penalty,
-                "repeat_last_n": d.repeat_last_n,
-                "presence_penalty": d.presence_penalty,
-                "frequency_penalty": d.frequency_penalty,
-                "seed": d.seed,
-                "n_predict": d.n_predict,
-                "stop": d.stop,
-                "n_ctx": state.n_ctx(),
-            },
+            "default_generation_settings": {**api.props_defaults(state.defaults), "n_ctx": state.n_ctx()},
             "total_slots": state.slots.total,
             "model": state.model_id,
             "model_path": state.model_path,
