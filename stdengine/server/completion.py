@@ -127,11 +127,14 @@ class Run:
         InferError that ended the generation instead, or ClientGone when the client leaves."""
         item = await self.watch.guard(self.gen.next())
         state, log = self.state, self.log
+        if isinstance(item, PromptLogprobs):
+            return item
         if isinstance(item, TokenEvent):
             state.metrics.count_decode(state.slots.busy)
             if item.text and "ttft_ms" not in log:
                 log["ttft_ms"] = round((time.perf_counter() - self.t0) * 1e3, 1)
-        elif isinstance(item, DoneEvent):
+            return item
+        if isinstance(item, DoneEvent):
             state.metrics.count_decode(state.slots.busy)  # the prompt's decode
             state.metrics.record(self.gen.ctx, item)
             log.update(
@@ -140,9 +143,7 @@ class Run:
                 finish_reason=item.finish_reason,
                 timings=item.timings.to_dict(),
             )
-        if isinstance(item, (TokenEvent, DoneEvent, PromptLogprobs)):
-            if isinstance(item, DoneEvent):
-                await self.watch.guard(self.gen.finish())
+            await self.watch.guard(self.gen.finish())
             return item
         # the worker's exception, or END (or a stray object) before any DoneEvent: the worker has
         # ended, let it give the slot back first
