@@ -13,6 +13,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -474,29 +475,31 @@ static const struct {
  * use. */
 static se_type_traits traits[SE_TYPE_COUNT];
 static se_isa_kernels tiles[SE_TYPE_COUNT]; /* the chosen ISA's tiles (tile NULL: none) */
-static const char *isa_name = "scalar";
+static se_isa isa_in_use = SE_ISA_SCALAR;
+static const char *const isa_names[SE_ISA_COUNT] = {
+    [SE_ISA_SCALAR] = "scalar", [SE_ISA_AVX2] = "avx2", [SE_ISA_AVX512] = "avx512",
+};
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
 /* ---------------------------------------------------------------- ISA choice */
 
-enum { ISA_SCALAR, ISA_AVX2, ISA_AVX512 };
-
-static int cpu_best_isa(void) {
+static se_isa cpu_best_isa(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return ISA_AVX512;
+        return SE_ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
-        return ISA_AVX2;
+        return SE_ISA_AVX2;
 #endif
-    return ISA_SCALAR;
+    return SE_ISA_SCALAR;
 }
 
-static void install(int isa) {
-    static const char *names[] = {"scalar", "avx2", "avx512"};
+/* Every kernel of path `isa`: the live trait table and tiles (read by se_matmul) and the path's
+ * index (read by the attention), set together so that nothing compares names per call. */
+static void install(se_isa isa) {
     for (int t = 0; t < SE_TYPE_COUNT; t++) {
         traits[t] = se_types[t];
         traits[t].to_float = scalar_fns[t].to_float;
@@ -505,37 +508,41 @@ static void install(int isa) {
     }
     memset(tiles, 0, sizeof tiles);
     /* Layer the paths: AVX-512 falls back to AVX2 for a type it does not cover, then scalar. */
-    for (int level = ISA_AVX2; level <= isa; level++) {
-        const se_isa_kernels *k = level == ISA_AVX2 ? se_kernels_avx2 : se_kernels_avx512;
+    static const se_isa_kernels *const isa_kernels[SE_ISA_COUNT] = {
+        [SE_ISA_AVX2] = se_kernels_avx2, [SE_ISA_AVX512] = se_kernels_avx512,
+    };
+    for (int level = SE_ISA_AVX2; level <= (int)isa; level++) {
+        const se_isa_kernels *k = isa_kernels[level];
         for (int t = 0; t < SE_TYPE_COUNT; t++) {
             if (k[t].dot) traits[t].dot = k[t].dot;
             if (k[t].tile) tiles[t] = k[t];
             if (k[t].from_float) traits[t].from_float = k[t].from_float;
         }
     }
-    isa_name = names[isa];
+    isa_in_use = isa;
 }
 
+/* The path a name asks for (NULL or "": the best here); -1 for an unknown name. */
 static int isa_from_name(const char *s) {
     if (!s || !*s) return cpu_best_isa();
-    if (!strcmp(s, "scalar")) return ISA_SCALAR;
-    if (!strcmp(s, "avx2")) return ISA_AVX2;
-    if (!strcmp(s, "avx512")) return ISA_AVX512;
+    for (int i = 0; i < SE_ISA_COUNT; i++)
+        if (!strcmp(s, isa_names[i])) return i;
     return -1;
 }
 
 int se_set_isa(const char *isa) {
     se_kernels_init(); /* so that a later first use does not undo this choice */
     int want = isa_from_name(isa);
-    if (want < 0 || want > cpu_best_isa()) return -1;
-    install(want);
+    if (want < 0 || want > (int)cpu_best_isa()) return -1;
+    install((se_isa)want);
     return 0;
 }
 
 static void init_from_env(void) {
     /* An unknown or unsupported INFER_REF_ISA falls back to the best path here. */
-    int want = isa_from_name(getenv("INFER_REF_ISA")), best = cpu_best_isa();
-    install(want < 0 || want > best ? best : want);
+    int want = isa_from_name(getenv("INFER_REF_ISA"));
+    se_isa best = cpu_best_isa();
+    install(want < 0 || want > (int)best ? best : (se_isa)want);
 }
 
 /* Safe to call from several threads; the first call decides (later ones return at once). */
@@ -543,7 +550,15 @@ void se_kernels_init(void) { pthread_once(&init_once, init_from_env); }
 
 const char *se_isa_name(void) {
     se_kernels_init();
-    return isa_name;
+    return isa_names[isa_in_use];
+}
+
+se_isa se_isa_in_use(void) { return isa_in_use; }
+
+void se_bad_tile_shape(const char *isa, int type, int nr, int nc) {
+    fprintf(stderr, "reference engine: the %s tile of %s has no %d x %d shape (a bug in its kernel table)\n",
+            isa, se_types[type].name, nr, nc);
+    abort();
 }
 
 const se_type_traits *se_traits(int type) {

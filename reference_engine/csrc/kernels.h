@@ -39,9 +39,14 @@ typedef struct {
     int qh_offset;             /* byte offset of their high bits (q5_0, q5_1, q5_K, q6_K); 0: none */
 } se_type_traits;
 
-/* Picks SIMD variants. Honours INFER_REF_ISA=scalar|avx2|avx512 (forces a lower path). */
+/* The SIMD paths, slowest first. */
+typedef enum { SE_ISA_SCALAR, SE_ISA_AVX2, SE_ISA_AVX512, SE_ISA_COUNT } se_isa;
+
+/* Picks the SIMD path once, for the matmul kernels and the attention (which reads se_isa_in_use()).
+ * Honours INFER_REF_ISA=scalar|avx2|avx512 (forces a lower path). */
 void se_kernels_init(void);
 const char *se_isa_name(void);                 /* the path in use: "scalar", "avx2", "avx512" */
+se_isa se_isa_in_use(void);                    /* the same as an index (after se_kernels_init) */
 const se_type_traits *se_traits(int type);     /* NULL for a type the engine does not know */
 size_t se_row_size(int type, int64_t n);       /* bytes of a row of n elements */
 
@@ -155,30 +160,12 @@ float se_fp16_to_fp32(uint16_t h);
 uint16_t se_fp32_to_fp16(float f);
 void se_get_scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *m);
 
-/* Instances for the ISA files: with CALL(TYPE) defined as one kernel call on a constant type and
- * tile shape (nr rows x nc tokens), TILE_N(name, TYPE) makes tile_name for every shape up to 4x4
- * that the kernels use, TILE_1(name, TYPE) for one row only, and DOT(name) the 1x1 dot from the
- * tile. */
-#define SHAPE(T, R, C) case R * 8 + C: { const int nr = R, nc = C; CALL(T); break; }
-#define TILE_1(name, T)                                                                            \
-    static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
-                            int nc_, float *out) {                                                 \
-        switch (nr_ * 8 + nc_) { SHAPE(T, 1, 1) SHAPE(T, 1, 2) SHAPE(T, 1, 3) default: SHAPE(T, 1, 4) } \
-    }
-#define TILE_N(name, T)                                                                            \
-    static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
-                            int nc_, float *out) {                                                 \
-        switch (nr_ * 8 + nc_) {                                                                   \
-        SHAPE(T, 1, 1) SHAPE(T, 1, 2) SHAPE(T, 1, 3) SHAPE(T, 1, 4) SHAPE(T, 2, 1) SHAPE(T, 2, 2)  \
-        SHAPE(T, 2, 3) SHAPE(T, 2, 4) SHAPE(T, 3, 1) default: SHAPE(T, 4, 1)                       \
-        }                                                                                          \
-    }
-#define DOT(name)                                                                                  \
-    static float dot_##name(int64_t n, const void *w, const void *a) {                             \
-        float o;                                                                                   \
-        tile_##name(n, w, 0, 1, a, 0, 1, &o);                                                      \
-        return o;                                                                                  \
-    }
+/* A tile shape (nr rows x nc tokens) as one number, for the ISA files' shape switches. Each ISA
+ * family lists the shapes se_matmul asks of its table entries (tg_rows x 1, pp_rows x 1..4 and
+ * 1 x 1..4); an unlisted one is a bug in the table, which se_bad_tile_shape reports before it
+ * aborts. */
+#define SE_SHAPE(nr, nc) ((nr) * 8 + (nc))
+__attribute__((noreturn, cold)) void se_bad_tile_shape(const char *isa, int type, int nr, int nc);
 #endif
 
 #endif

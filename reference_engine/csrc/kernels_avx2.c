@@ -253,6 +253,13 @@ INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
     }
 }
 
+/* One weight row x nc activation rows, for the types whose kernels take a single row. */
+INLINE void one_row_tile(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    if (type == SE_Q4_K || type == SE_Q5_K) q45_K_dotx(type, n, w, a, as, nc, out);
+    else if (type == SE_Q6_K) q6_K_dotx(n, w, a, as, nc, out);
+    else float_dotx(type, n, w, a, as, nc, out);
+}
+
 /* ---------------------------------------------------------------- activation quantizers
  * Byte for byte the scalar code's results: the same float operations, and roundf's halfway
  * cases (away from zero) rebuilt from a truncation, since the vector rounding mode is to even. */
@@ -351,35 +358,98 @@ static void q8_K_from_float(const float *x, void *dst, int64_t n) {
 }
 
 /* ---------------------------------------------------------------- instances
- * Each kernel is inlined with a constant type and tile shape, so the loops over rows and tokens
- * unroll and the accumulators stay in registers. */
+ * The table's tiles and dots. Each gives its family's kernel a constant type, and the family's
+ * shape switch gives it a constant shape, so that the loops over rows and tokens unroll and the
+ * accumulators stay in registers. The shapes listed are the ones se_matmul asks of the table's
+ * tg_rows and pp_rows (kernels.h); an unlisted one stops the process (se_bad_tile_shape). */
 
-#define CALL(TYPE) legacy_tile(TYPE, n, w, wr, nr, a, as, nc, out)
-TILE_N(q4_0, SE_Q4_0) DOT(q4_0)
-TILE_N(q4_1, SE_Q4_1) DOT(q4_1)
-TILE_N(q5_0, SE_Q5_0) DOT(q5_0)
-TILE_N(q5_1, SE_Q5_1) DOT(q5_1)
-TILE_N(q8_0, SE_Q8_0) DOT(q8_0)
-#undef CALL
-#define CALL(TYPE) ((void)wr, (void)nr, float_dotx(TYPE, n, w, a, as, nc, out))
-TILE_1(f32, SE_F32) DOT(f32)
-TILE_1(f16, SE_F16) DOT(f16)
-TILE_1(bf16, SE_BF16) DOT(bf16)
-#undef CALL
-#define CALL(TYPE) ((void)wr, (void)nr, q45_K_dotx(TYPE, n, w, a, as, nc, out))
-TILE_1(q4_K, SE_Q4_K) DOT(q4_K)
-TILE_1(q5_K, SE_Q5_K) DOT(q5_K)
-#undef CALL
-#define CALL(TYPE) ((void)wr, (void)nr, q6_K_dotx(n, w, a, as, nc, out))
-TILE_1(q6_K, SE_Q6_K) DOT(q6_K)
-#undef CALL
+/* Legacy types: tg_rows 4, pp_rows 1. */
+INLINE void legacy_shapes(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
+                          int nc, float *out) {
+    switch (SE_SHAPE(nr, nc)) {
+    case SE_SHAPE(4, 1): legacy_tile(type, n, w, wr, 4, a, as, 1, out); return;
+    case SE_SHAPE(1, 1): legacy_tile(type, n, w, wr, 1, a, as, 1, out); return;
+    case SE_SHAPE(1, 2): legacy_tile(type, n, w, wr, 1, a, as, 2, out); return;
+    case SE_SHAPE(1, 3): legacy_tile(type, n, w, wr, 1, a, as, 3, out); return;
+    case SE_SHAPE(1, 4): legacy_tile(type, n, w, wr, 1, a, as, 4, out); return;
+    }
+    se_bad_tile_shape("avx2", type, nr, nc);
+}
 
-#define K(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp }
+/* Float types, Q4_K/Q5_K and Q6_K: one row (tg_rows 1, pp_rows 1). */
+INLINE void one_row_shapes(int type, int64_t n, const uint8_t *w, int nr, const uint8_t *a, size_t as, int nc,
+                           float *out) {
+    switch (SE_SHAPE(nr, nc)) {
+    case SE_SHAPE(1, 1): one_row_tile(type, n, w, a, as, 1, out); return;
+    case SE_SHAPE(1, 2): one_row_tile(type, n, w, a, as, 2, out); return;
+    case SE_SHAPE(1, 3): one_row_tile(type, n, w, a, as, 3, out); return;
+    case SE_SHAPE(1, 4): one_row_tile(type, n, w, a, as, 4, out); return;
+    }
+    se_bad_tile_shape("avx2", type, nr, nc);
+}
+
+static void tile_q4_0(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    legacy_shapes(SE_Q4_0, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q4_1(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    legacy_shapes(SE_Q4_1, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q5_0(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    legacy_shapes(SE_Q5_0, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q5_1(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    legacy_shapes(SE_Q5_1, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q8_0(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    legacy_shapes(SE_Q8_0, n, w, wr, nr, a, as, nc, out);
+}
+/* The one-row tiles have no row stride: they take a single row. */
+static void tile_f32(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_F32, n, w, nr, a, as, nc, out);
+}
+static void tile_f16(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_F16, n, w, nr, a, as, nc, out);
+}
+static void tile_bf16(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_BF16, n, w, nr, a, as, nc, out);
+}
+static void tile_q4_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_Q4_K, n, w, nr, a, as, nc, out);
+}
+static void tile_q5_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_Q5_K, n, w, nr, a, as, nc, out);
+}
+static void tile_q6_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_Q6_K, n, w, nr, a, as, nc, out);
+}
+
+/* The dots: the 1 x 1 tile of each type. */
+static float dot_q4_0(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q4_0, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q4_1(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q4_1, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q5_0(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q5_0, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q5_1(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q5_1, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q8_0(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q8_0, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_f32(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_F32, n, w, a, 0, 1, &o); return o; }
+static float dot_f16(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_F16, n, w, a, 0, 1, &o); return o; }
+static float dot_bf16(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_BF16, n, w, a, 0, 1, &o); return o; }
+static float dot_q4_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q4_K, n, w, a, 0, 1, &o); return o; }
+static float dot_q5_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q5_K, n, w, a, 0, 1, &o); return o; }
+static float dot_q6_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q6_K, n, w, a, 0, 1, &o); return o; }
+
 const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
-    K(SE_Q4_0, q4_0, 4, 1), K(SE_Q4_1, q4_1, 4, 1), K(SE_Q5_0, q5_0, 4, 1), K(SE_Q5_1, q5_1, 4, 1),
-    [SE_Q8_0] = { dot_q8_0, tile_q8_0, 4, 1, q8_0_from_float }, K(SE_Q4_K, q4_K, 1, 1), K(SE_Q5_K, q5_K, 1, 1), K(SE_Q6_K, q6_K, 1, 1),
-    K(SE_F32, f32, 1, 1), K(SE_F16, f16, 1, 1), K(SE_BF16, bf16, 1, 1),
-    [SE_Q8_1] = { .from_float = q8_1_from_float }, [SE_Q8_K] = { .from_float = q8_K_from_float },
+    [SE_Q4_0] = { .dot = dot_q4_0, .tile = tile_q4_0, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q4_1] = { .dot = dot_q4_1, .tile = tile_q4_1, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 1, .from_float = q8_0_from_float },
+    [SE_Q4_K] = { .dot = dot_q4_K, .tile = tile_q4_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q5_K] = { .dot = dot_q5_K, .tile = tile_q5_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q6_K] = { .dot = dot_q6_K, .tile = tile_q6_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_F32] = { .dot = dot_f32, .tile = tile_f32, .tg_rows = 1, .pp_rows = 1 },
+    [SE_F16] = { .dot = dot_f16, .tile = tile_f16, .tg_rows = 1, .pp_rows = 1 },
+    [SE_BF16] = { .dot = dot_bf16, .tile = tile_bf16, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q8_1] = { .from_float = q8_1_from_float },
+    [SE_Q8_K] = { .from_float = q8_K_from_float },
 };
 
 #else
