@@ -213,7 +213,7 @@ struct se_context {
     /* sampler */
     se_cand *cand;           /* [n_vocab] */
     int32_t *counts;         /* [n_vocab] occurrences in the penalty window, kept all zero */
-    uint64_t rng[2];
+    uint64_t rng[2];         /* xoroshiro128** state (sampling.c) */
     int64_t rng_seed;
     int rng_seeded;
 };

@@ -129,9 +129,9 @@ static const se_type_traits se_types[SE_TYPE_COUNT] = {
 };
 
 /* nr weight rows (w, w + w_stride, ...) against nc activation rows (a, a + a_stride, ...):
- * out[r * nc + c]. Supports nr <= tg_rows with nc == 1 (token generation: rows share the
- * activation loads) and nr <= pp_rows with nc <= 4 (prompts: each weight block is unpacked once
- * for 4 tokens). */
+ * out[r * nc + c]. se_matmul asks for nr = tg_rows (or 1) with nc == 1 (token generation: rows
+ * share the activation loads) and nr = pp_rows (or 1) with nc <= 4 (prompts: each weight block
+ * is unpacked once for 4 tokens); each ISA file lists exactly those shapes (SE_SHAPE). */
 typedef void (*se_tile_fn)(int64_t n, const void *w, size_t w_stride, int nr, const void *a, size_t a_stride,
                            int nc, float *out);
 /* The whole of se_matmul for a batch of at least SE_GEMM_MIN_TOKENS tokens (see se_matmul);
