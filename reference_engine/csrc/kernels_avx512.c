@@ -704,8 +704,11 @@ INLINE void multi_row_tile(int type, int64_t n, const uint8_t *w, size_t wr, int
 }
 INLINE void multi_row_shapes(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
                              int nc, float *out) {
+    if (__builtin_expect(nr == 4 && nc == 1, 1)) { /* token generation: the hot shape */
+        multi_row_tile(type, n, w, wr, 4, a, as, 1, out);
+        return;
+    }
     switch (SE_SHAPE(nr, nc)) {
-    case SE_SHAPE(4, 1): multi_row_tile(type, n, w, wr, 4, a, as, 1, out); return;
     case SE_SHAPE(2, 1): multi_row_tile(type, n, w, wr, 2, a, as, 1, out); return;
     case SE_SHAPE(2, 2): multi_row_tile(type, n, w, wr, 2, a, as, 2, out); return;
     case SE_SHAPE(2, 3): multi_row_tile(type, n, w, wr, 2, a, as, 3, out); return;
