@@ -56,7 +56,8 @@ void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const flo
  * The kernel (attention_kernel.h), once per SIMD level: the level the matmul kernels use
  * (kernels.c chooses it from the CPU, or INFER_REF_ISA), so the portable path is tested the same
  * way. Only these functions are compiled for AVX2 or AVX-512 (by the pragmas): the library is
- * built with portable flags. Multiplies and adds may fuse (FMA) here: -std=c11 turns that off.
+ * built with portable flags. Multiplies and adds may fuse (FMA) in this file only: the pragma
+ * below turns on the contraction that -std=c11 turns off everywhere else.
  */
 
 /* One query row: what it reads and writes, and the key positions [lo, hi) it sees. */
@@ -112,15 +113,18 @@ typedef void (*attend_fn)(const att_row *rows, int n, const float *kc, const flo
 #pragma GCC pop_options
 #endif
 
-static attend_fn attend_kernel(void) {
-    const char *isa = se_isa_name();
+/* The kernel of each SIMD path (attention_kernel.h defines attend_rows_portable, _avx2 and
+ * _avx512 above), indexed by the path kernels.c chose once: se_isa_in_use(). */
+static const attend_fn attend_kernels[SE_ISA_COUNT] = {
+    [SE_ISA_SCALAR] = attend_rows_portable,
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (!strcmp(isa, "avx512")) return attend_rows_avx512;
-    if (!strcmp(isa, "avx2")) return attend_rows_avx2;
+    [SE_ISA_AVX2] = attend_rows_avx2,
+    [SE_ISA_AVX512] = attend_rows_avx512,
+#else
+    [SE_ISA_AVX2] = attend_rows_portable, /* never chosen off x86 */
+    [SE_ISA_AVX512] = attend_rows_portable,
 #endif
-    (void)isa;
-    return attend_rows_portable;
-}
+};
 
 /* ---------------------------------------------------------------------------------------------
  * The block
@@ -163,7 +167,7 @@ void se_forward_attention(se_context *c, int il, int ith, int nth) {
     attention_split(c, nth, &T, &g);
     int64_t Dq = (int64_t)H * hd, per_chunk = H / g, n_items = (c->ub_n + T - 1) / T * per_chunk;
     att_row rows[ATT_TOKENS * ATT_MAX_GROUP];
-    attend_fn attend = attend_kernel();
+    attend_fn attend = attend_kernels[se_isa_in_use()];
     int64_t i0 = ith, i1 = n_items, step = nth;
     if (T == 1) {
         se_split(n_items, ith, nth, 1, &i0, &i1);

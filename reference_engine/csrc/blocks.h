@@ -1,7 +1,11 @@
-/* The building blocks of the forward passes, shared by the architectures (llama.c defines them,
- * next to the llama forward pass, and attention.c the attention; gemma3.c uses them). Internal:
- * include after defining SE_ENGINE_INTERNAL. Every block runs on every thread of the pool (ith of
- * nth) and says in its comment whether it ends with a barrier.
+/* The building blocks of the forward passes (blocks.c; the attention itself and the KV cache in
+ * attention.c) and the architecture table that model.c dispatches through. Internal: include after
+ * defining SE_ENGINE_INTERNAL.
+ *
+ * A forward pass takes one ubatch (c->ub_*) through every layer and runs on every thread of the
+ * pool at once (thread ith of nth). Each block says in its comment whether it ends with a
+ * barrier; the blocks an architecture file calls all do, so that the next block may read
+ * everything the previous one wrote.
  */
 #ifndef SE_BLOCKS_H
 #define SE_BLOCKS_H
@@ -18,6 +22,27 @@ typedef struct {
     const void *ptr[3];
 } se_acts;
 
+/* The gate's activation in a gated feed-forward: down(act(gate x) * up x). */
+typedef enum {
+    SE_FFN_SILU,      /* SwiGLU (llama) */
+    SE_FFN_GELU_TANH, /* GEGLU with GELU's tanh approximation (gemma) */
+} se_ffn_act;
+
+/* ---- the blocks an architecture's forward pass is made of (every one ends with a barrier) */
+
+/* Token embeddings (times hp.embd_scale) and the rope tables of the ubatch. */
+void se_forward_prologue(se_context *c, int ith, int nth);
+/* x += O(attention(Q, K, V of norm(x))) for layer il; with post_w (not NULL) the block's output is
+ * RMS-normalised by post_w before it is added. */
+void se_attention_block(se_context *c, int il, const float *post_w, int ith, int nth);
+/* x += down(act(gate h) * up h), h = norm(x), for layer il; post_w as for the attention block. */
+void se_ffn_block(se_context *c, int il, se_ffn_act act, const float *post_w, int ith, int nth);
+/* Final norm and output head for the tokens whose logits are wanted (none: it returns at once).
+ * No barrier: it is the last step. */
+void se_forward_output(se_context *c, int ith, int nth);
+
+/* ---- the steps inside the blocks */
+
 /* [*r0, *r1): this thread's share of n items, boundaries on multiples of align */
 void se_split(int64_t n, int ith, int nth, int64_t align, int64_t *r0, int64_t *r1);
 /* y = x / rms(x) * w */
@@ -29,8 +54,6 @@ void se_prep_acts(se_context *c, int ith, int nth, const float *src, int64_t k, 
 /* y rows [r0, r1) = W x for every token (no barrier) */
 void se_matmul_rows(const se_tensor *W, const se_acts *a, int n_tok, float *y, int64_t ldy,
                     int64_t r0, int64_t r1);
-/* Token embeddings (times hp.embd_scale) and rope tables of the ubatch; barrier. */
-void se_forward_prologue(se_context *c, int ith, int nth);
 /* Q, K, V of layer il (q/k norms when the layer has them, rope, K and V into the cache); barrier. */
 void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth);
 /* Attention of every (token, head), sliding window per layer, into c->att; barrier. */
@@ -41,10 +64,18 @@ void se_forward_attention(se_context *c, int il, int ith, int nth);
 int64_t se_kv_positions(int64_t n_ctx);
 float *se_kv_value_row(const se_context *c, int il, int h, int64_t p);
 void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const float *k);
-/* Final norm and output head for the tokens whose logits are wanted (no barrier: the last step). */
-void se_forward_output(se_context *c, int ith, int nth);
 
-/* The forward passes: one ubatch (c->ub_*), run on every thread of the pool. */
-void se_gemma3_forward(void *arg, int ith, int nth);
+/* ---- the architecture table (model.c lists the entries; each architecture's file defines one) */
+
+typedef struct {
+    const char *name;           /* GGUF's general.architecture */
+    se_pool_fn forward;         /* one ubatch (c->ub_*), on every thread of the pool */
+    const int32_t *layer_slots; /* the per-layer tensors its forward pass reads, in the order
+                                 * se_model_finalize checks them (all required) */
+    int n_layer_slots;
+} se_arch_desc;
+
+extern const se_arch_desc se_arch_llama;  /* llama.c */
+extern const se_arch_desc se_arch_gemma3; /* gemma3.c */
 
 #endif

@@ -29,7 +29,9 @@ enum se_status {
     SE_ERR_MISSING = -5,          /* finalize: a required tensor was not set */
 };
 
-enum se_arch { SE_ARCH_LLAMA = 1, SE_ARCH_GEMMA3 = 2 };
+/* The architectures (model.c's table: name, forward pass, the per-layer tensors it reads).
+ * se_arch_count() / se_arch_name() / se_arch_id() / se_arch_layer_slot() read the table. */
+enum se_arch { SE_ARCH_LLAMA = 1, SE_ARCH_GEMMA3 = 2, SE_ARCH_COUNT /* one past the last id */ };
 
 /* How RoPE pairs the dimensions of a head (llama.cpp's rope modes). NORM rotates adjacent pairs
  * (2i, 2i+1): llama's GGUF Q/K weights are stored permuted by the converter so that this is
@@ -100,6 +102,16 @@ typedef struct se_model se_model;
 typedef struct se_context se_context;
 
 SE_API const char *se_version(void);
+
+/* The architecture table: ids 1..se_arch_count(). se_arch_name: GGUF's general.architecture for
+ * an id (NULL for an unknown id); se_arch_id: the id of a name (SE_ERR_INVALID if unknown);
+ * se_arch_layer_slot: 1 if every layer of the architecture needs tensor slot `slot`
+ * (se_model_finalize requires it), 0 if its forward pass does not read it per layer (the global
+ * slots included), SE_ERR_INVALID for an unknown id or slot. */
+SE_API int32_t se_arch_count(void);
+SE_API const char *se_arch_name(int32_t arch);
+SE_API int32_t se_arch_id(const char *name);
+SE_API int se_arch_layer_slot(int32_t arch, int32_t slot);
 
 SE_API se_model *se_model_new(const se_hparams *hp); /* NULL: invalid hparams or no memory */
 SE_API int se_model_set_tensor(se_model *m, int32_t layer, int32_t slot, const void *data,
@@ -201,7 +213,7 @@ struct se_context {
     /* sampler */
     se_cand *cand;           /* [n_vocab] */
     int32_t *counts;         /* [n_vocab] occurrences in the penalty window, kept all zero */
-    uint64_t rng[2];
+    uint64_t rng[2];         /* xoroshiro128** state (sampling.c) */
     int64_t rng_seed;
     int rng_seeded;
 };

@@ -1,6 +1,7 @@
 /* The type-trait table, the portable scalar kernels, and the run-time choice of SIMD path.
  *
- * Every type is one row of `scalar_traits` below. The scalar code is the definition of each
+ * Every type is one row of the trait table: its facts in se_types (kernels.h), its scalar
+ * functions in scalar_fns below. The scalar code is the definition of each
  * type; the AVX2 and AVX-512 files only replace `dot`, the activation quantizers, and add the
  * tiles (several rows x several tokens) that se_matmul uses, for the types they know. The tests
  * check every path against gguf and numpy.
@@ -12,6 +13,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -153,7 +155,7 @@ static void q4_0_to_float(const void *src, float *y, int64_t n) {
     const se_blk_q4_0 *b = src;
     for (int64_t i = 0; i < n / SE_QK; i++, y += SE_QK) {
         int8_t q[32]; float d = F16(b[i].d);
-        unpack_nibbles(b[i].qs, 8, q);
+        unpack_nibbles(b[i].qs, se_types[SE_Q4_0].q_offset, q);
         for (int j = 0; j < 32; j++) y[j] = q[j] * d;
     }
 }
@@ -169,7 +171,7 @@ static void q5_0_to_float(const void *src, float *y, int64_t n) {
     const se_blk_q5_0 *b = src;
     for (int64_t i = 0; i < n / SE_QK; i++, y += SE_QK) {
         int8_t q[32]; float d = F16(b[i].d);
-        unpack_q5(b[i].qs, b[i].qh, 16, q);
+        unpack_q5(b[i].qs, b[i].qh, se_types[SE_Q5_0].q_offset, q);
         for (int j = 0; j < 32; j++) y[j] = q[j] * d;
     }
 }
@@ -239,7 +241,7 @@ static float dot_q4_0(int64_t n, const void *w, const void *a) {
     float sum = 0;
     for (int64_t i = 0; i < n / SE_QK; i++) {
         int8_t q[32];
-        unpack_nibbles(x[i].qs, 8, q);
+        unpack_nibbles(x[i].qs, se_types[SE_Q4_0].q_offset, q);
         sum += F16(x[i].d) * F16(y[i].d) * (float)isum32(q, y[i].qs);
     }
     return sum;
@@ -260,7 +262,7 @@ static float dot_q5_0(int64_t n, const void *w, const void *a) {
     float sum = 0;
     for (int64_t i = 0; i < n / SE_QK; i++) {
         int8_t q[32];
-        unpack_q5(x[i].qs, x[i].qh, 16, q);
+        unpack_q5(x[i].qs, x[i].qh, se_types[SE_Q5_0].q_offset, q);
         sum += F16(x[i].d) * F16(y[i].d) * (float)isum32(q, y[i].qs);
     }
     return sum;
@@ -317,14 +319,15 @@ static void unpack_q45_K(const uint8_t *qs, const uint8_t *qh, uint8_t q[256]) {
 /* Q6_K: per 128 elements, 64 bytes of ql (low 4 bits) and 32 of qh (2 bits each); q in -32..31,
  * one int8 scale per 16 elements (scale index = element / 16). */
 static void unpack_q6_K(const se_blk_q6_K *b, int8_t q[256]) {
+    const int off = se_types[SE_Q6_K].q_offset;
     for (int h = 0; h < 2; h++) {
         const uint8_t *ql = b->ql + 64 * h, *qh = b->qh + 32 * h;
         int8_t *o = q + 128 * h;
         for (int l = 0; l < 32; l++) {
-            o[l] = (int8_t)(((ql[l] & 15) | ((qh[l] >> 0) & 3) << 4) - 32);
-            o[l + 32] = (int8_t)(((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4) - 32);
-            o[l + 64] = (int8_t)(((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32);
-            o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32);
+            o[l] = (int8_t)(((ql[l] & 15) | ((qh[l] >> 0) & 3) << 4) - off);
+            o[l + 32] = (int8_t)(((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4) - off);
+            o[l + 64] = (int8_t)(((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - off);
+            o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - off);
         }
     }
 }
@@ -446,85 +449,100 @@ static float dot_q6_K(int64_t n, const void *w, const void *a) {
 
 /* ---------------------------------------------------------------- the table */
 
-#define ROW(T, nm, bl, sz, act, tof, fromf, dt) [T] = { nm, bl, sz, act, tof, fromf, dt }
-
-static const se_type_traits scalar_traits[SE_TYPE_COUNT] = {
-    ROW(SE_F32,  "f32",  1, 4, SE_F32, f32_to_float, f32_from_float, dot_f32),
-    ROW(SE_F16,  "f16",  1, 2, SE_F32, f16_to_float, f16_from_float, dot_f16),
-    ROW(SE_BF16, "bf16", 1, 2, SE_F32, bf16_to_float, bf16_from_float, dot_bf16),
-    ROW(SE_Q4_0, "q4_0", SE_QK, 18, SE_Q8_0, q4_0_to_float, NULL, dot_q4_0),
-    ROW(SE_Q4_1, "q4_1", SE_QK, 20, SE_Q8_1, q4_1_to_float, NULL, dot_q4_1),
-    ROW(SE_Q5_0, "q5_0", SE_QK, 22, SE_Q8_0, q5_0_to_float, NULL, dot_q5_0),
-    ROW(SE_Q5_1, "q5_1", SE_QK, 24, SE_Q8_1, q5_1_to_float, NULL, dot_q5_1),
-    ROW(SE_Q8_0, "q8_0", SE_QK, 34, SE_Q8_0, q8_0_to_float, q8_0_from_float, dot_q8_0),
-    ROW(SE_Q8_1, "q8_1", SE_QK, 36, SE_Q8_1, q8_1_to_float, q8_1_from_float, NULL),
-    ROW(SE_Q4_K, "q4_K", SE_QK_K, 144, SE_Q8_K, q4_K_to_float, NULL, dot_q4_K),
-    ROW(SE_Q5_K, "q5_K", SE_QK_K, 176, SE_Q8_K, q5_K_to_float, NULL, dot_q5_K),
-    ROW(SE_Q6_K, "q6_K", SE_QK_K, 210, SE_Q8_K, q6_K_to_float, NULL, dot_q6_K),
-    ROW(SE_Q8_K, "q8_K", SE_QK_K, 292, SE_Q8_K, q8_K_to_float, q8_K_from_float, NULL),
+/* The scalar functions of every type; the facts (block layout, act_type) are se_types in kernels.h. */
+static const struct {
+    se_to_float_fn to_float;
+    se_from_float_fn from_float;
+    se_dot_fn dot;
+} scalar_fns[SE_TYPE_COUNT] = {
+    [SE_F32] = { f32_to_float, f32_from_float, dot_f32 },
+    [SE_F16] = { f16_to_float, f16_from_float, dot_f16 },
+    [SE_BF16] = { bf16_to_float, bf16_from_float, dot_bf16 },
+    [SE_Q4_0] = { q4_0_to_float, NULL, dot_q4_0 },
+    [SE_Q4_1] = { q4_1_to_float, NULL, dot_q4_1 },
+    [SE_Q5_0] = { q5_0_to_float, NULL, dot_q5_0 },
+    [SE_Q5_1] = { q5_1_to_float, NULL, dot_q5_1 },
+    [SE_Q8_0] = { q8_0_to_float, q8_0_from_float, dot_q8_0 },
+    [SE_Q8_1] = { q8_1_to_float, q8_1_from_float, NULL },
+    [SE_Q4_K] = { q4_K_to_float, NULL, dot_q4_K },
+    [SE_Q5_K] = { q5_K_to_float, NULL, dot_q5_K },
+    [SE_Q6_K] = { q6_K_to_float, NULL, dot_q6_K },
+    [SE_Q8_K] = { q8_K_to_float, q8_K_from_float, NULL },
 };
 
-/* The live table: the scalar rows with `dot` replaced by the chosen ISA's, plus that ISA's
- * tiles. Every entry point initialises it on first use. */
+/* The live table: se_types with the scalar functions, `dot` and the activation quantizers
+ * replaced by the chosen ISA's, plus that ISA's tiles. Every entry point initialises it on first
+ * use. */
 static se_type_traits traits[SE_TYPE_COUNT];
 static se_isa_kernels tiles[SE_TYPE_COUNT]; /* the chosen ISA's tiles (tile NULL: none) */
-static const char *isa_name = "scalar";
+static se_isa isa_in_use = SE_ISA_SCALAR;
+static const char *const isa_names[SE_ISA_COUNT] = {
+    [SE_ISA_SCALAR] = "scalar", [SE_ISA_AVX2] = "avx2", [SE_ISA_AVX512] = "avx512",
+};
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
 /* ---------------------------------------------------------------- ISA choice */
 
-enum { ISA_SCALAR, ISA_AVX2, ISA_AVX512 };
-
-static int cpu_best_isa(void) {
+static se_isa cpu_best_isa(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return ISA_AVX512;
+        return SE_ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
-        return ISA_AVX2;
+        return SE_ISA_AVX2;
 #endif
-    return ISA_SCALAR;
+    return SE_ISA_SCALAR;
 }
 
-static void install(int isa) {
-    static const char *names[] = {"scalar", "avx2", "avx512"};
-    memcpy(traits, scalar_traits, sizeof traits);
+/* Every kernel of path `isa`: the live trait table and tiles (read by se_matmul) and the path's
+ * index (read by the attention), set together so that nothing compares names per call. */
+static void install(se_isa isa) {
+    for (int t = 0; t < SE_TYPE_COUNT; t++) {
+        traits[t] = se_types[t];
+        traits[t].to_float = scalar_fns[t].to_float;
+        traits[t].from_float = scalar_fns[t].from_float;
+        traits[t].dot = scalar_fns[t].dot;
+    }
     memset(tiles, 0, sizeof tiles);
     /* Layer the paths: AVX-512 falls back to AVX2 for a type it does not cover, then scalar. */
-    for (int level = ISA_AVX2; level <= isa; level++) {
-        const se_isa_kernels *k = level == ISA_AVX2 ? se_kernels_avx2 : se_kernels_avx512;
+    static const se_isa_kernels *const isa_kernels[SE_ISA_COUNT] = {
+        [SE_ISA_AVX2] = se_kernels_avx2, [SE_ISA_AVX512] = se_kernels_avx512,
+    };
+    for (int level = SE_ISA_AVX2; level <= (int)isa; level++) {
+        const se_isa_kernels *k = isa_kernels[level];
         for (int t = 0; t < SE_TYPE_COUNT; t++) {
             if (k[t].dot) traits[t].dot = k[t].dot;
             if (k[t].tile) tiles[t] = k[t];
             if (k[t].from_float) traits[t].from_float = k[t].from_float;
         }
     }
-    isa_name = names[isa];
+    isa_in_use = isa;
 }
 
+/* The path a name asks for (NULL or "": the best here); -1 for an unknown name. */
 static int isa_from_name(const char *s) {
     if (!s || !*s) return cpu_best_isa();
-    if (!strcmp(s, "scalar")) return ISA_SCALAR;
-    if (!strcmp(s, "avx2")) return ISA_AVX2;
-    if (!strcmp(s, "avx512")) return ISA_AVX512;
+    for (int i = 0; i < SE_ISA_COUNT; i++)
+        if (!strcmp(s, isa_names[i])) return i;
     return -1;
 }
 
 int se_set_isa(const char *isa) {
     se_kernels_init(); /* so that a later first use does not undo this choice */
     int want = isa_from_name(isa);
-    if (want < 0 || want > cpu_best_isa()) return -1;
-    install(want);
+    if (want < 0 || want > (int)cpu_best_isa()) return -1;
+    install((se_isa)want);
     return 0;
 }
 
 static void init_from_env(void) {
     /* An unknown or unsupported INFER_REF_ISA falls back to the best path here. */
-    int want = isa_from_name(getenv("INFER_REF_ISA")), best = cpu_best_isa();
-    install(want < 0 || want > best ? best : want);
+    int want = isa_from_name(getenv("INFER_REF_ISA"));
+    se_isa best = cpu_best_isa();
+    install(want < 0 || want > (int)best ? best : (se_isa)want);
 }
 
 /* Safe to call from several threads; the first call decides (later ones return at once). */
@@ -532,7 +550,15 @@ void se_kernels_init(void) { pthread_once(&init_once, init_from_env); }
 
 const char *se_isa_name(void) {
     se_kernels_init();
-    return isa_name;
+    return isa_names[isa_in_use];
+}
+
+se_isa se_isa_in_use(void) { return isa_in_use; }
+
+void se_bad_tile_shape(const char *isa, int type, int nr, int nc) {
+    fprintf(stderr, "reference engine: the %s tile of %s has no %d x %d shape (a bug in its kernel table)\n",
+            isa, se_types[type].name, nr, nc);
+    abort();
 }
 
 const se_type_traits *se_traits(int type) {

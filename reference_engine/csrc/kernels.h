@@ -31,11 +31,22 @@ typedef struct {
     se_to_float_fn to_float;   /* dequantize a row */
     se_from_float_fn from_float; /* quantize a row (activation types, and float types) */
     se_dot_fn dot;             /* filled by se_kernels_init with the best variant here */
+    /* Appended fields (reference_engine/core.py mirrors the ones above): the block's layout. */
+    int sub_blck;              /* elements per scale: a K-quant's sub-block, else the block */
+    int has_min;               /* x = d*q + m (q4_1, q5_1) or d*sc*q - dmin*m (q4_K, q5_K) */
+    int q_offset;              /* quants read as unsigned integers are q + q_offset (below) */
+    int qs_offset;             /* byte offset of the quants (their low bits) in a block */
+    int qh_offset;             /* byte offset of their high bits (q5_0, q5_1, q5_K, q6_K); 0: none */
 } se_type_traits;
 
-/* Picks SIMD variants. Honours INFER_REF_ISA=scalar|avx2|avx512 (forces a lower path). */
+/* The SIMD paths, slowest first. */
+typedef enum { SE_ISA_SCALAR, SE_ISA_AVX2, SE_ISA_AVX512, SE_ISA_COUNT } se_isa;
+
+/* Picks the SIMD path once, for the matmul kernels and the attention (which reads se_isa_in_use()).
+ * Honours INFER_REF_ISA=scalar|avx2|avx512 (forces a lower path). */
 void se_kernels_init(void);
 const char *se_isa_name(void);                 /* the path in use: "scalar", "avx2", "avx512" */
+se_isa se_isa_in_use(void);                    /* the same as an index (after se_kernels_init) */
 const se_type_traits *se_traits(int type);     /* NULL for a type the engine does not know */
 size_t se_row_size(int type, int64_t n);       /* bytes of a row of n elements */
 
@@ -60,8 +71,9 @@ int se_set_isa(const char *isa);
 #ifdef SE_KERNELS_INTERNAL
 /* Shared by kernels*.c only.
  *
- * Adding a type: its block struct below, its to_float and scalar dot in kernels.c and one row of
- * scalar_traits (which also names its act_type); that is enough for se_matmul, on every path.
+ * Adding a type: its block struct and its row of se_types below (its layout and act_type), its
+ * to_float and scalar dot in kernels.c and their row of scalar_fns; that is enough for se_matmul,
+ * on every path.
  * SIMD is optional: a dot and a tile in kernels_avx2.c / kernels_avx512.c, one entry in their
  * table, and tests/test_kernels.py runs it against gguf on every path by adding the type there.
  * So is the prompt GEMM (kernels_avx512.c): the type's panel shape and how to unpack its rows.
@@ -81,10 +93,45 @@ typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t q
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } se_blk_q6_K; /* 210 B */
 typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } se_blk_q8_K; /* 292 B */
 
+/* The facts of every type, the first part of the trait table (kernels.c adds the functions):
+ * here, in a header, so that the ISA files read them as constants. q_offset: the stored quants
+ * are unsigned and the weight's quant is q - q_offset (q4_0: 8, q5_0: 16, q6_K: 32); q8_0's are
+ * int8, which read as unsigned bytes after flipping the top bit are q + 128; the types with a min
+ * need no offset (the min does that job). */
+static const se_type_traits se_types[SE_TYPE_COUNT] = {
+    [SE_F32] = { .name = "f32", .blck = 1, .size = sizeof(float), .act_type = SE_F32, .sub_blck = 1 },
+    [SE_F16] = { .name = "f16", .blck = 1, .size = sizeof(uint16_t), .act_type = SE_F32, .sub_blck = 1 },
+    [SE_BF16] = { .name = "bf16", .blck = 1, .size = sizeof(uint16_t), .act_type = SE_F32, .sub_blck = 1 },
+    [SE_Q4_0] = { .name = "q4_0", .blck = SE_QK, .size = sizeof(se_blk_q4_0), .act_type = SE_Q8_0,
+                  .sub_blck = SE_QK, .q_offset = 8, .qs_offset = offsetof(se_blk_q4_0, qs) },
+    [SE_Q4_1] = { .name = "q4_1", .blck = SE_QK, .size = sizeof(se_blk_q4_1), .act_type = SE_Q8_1,
+                  .sub_blck = SE_QK, .has_min = 1, .qs_offset = offsetof(se_blk_q4_1, qs) },
+    [SE_Q5_0] = { .name = "q5_0", .blck = SE_QK, .size = sizeof(se_blk_q5_0), .act_type = SE_Q8_0,
+                  .sub_blck = SE_QK, .q_offset = 16, .qs_offset = offsetof(se_blk_q5_0, qs),
+                  .qh_offset = offsetof(se_blk_q5_0, qh) },
+    [SE_Q5_1] = { .name = "q5_1", .blck = SE_QK, .size = sizeof(se_blk_q5_1), .act_type = SE_Q8_1,
+                  .sub_blck = SE_QK, .has_min = 1, .qs_offset = offsetof(se_blk_q5_1, qs),
+                  .qh_offset = offsetof(se_blk_q5_1, qh) },
+    [SE_Q8_0] = { .name = "q8_0", .blck = SE_QK, .size = sizeof(se_blk_q8_0), .act_type = SE_Q8_0,
+                  .sub_blck = SE_QK, .q_offset = 128, .qs_offset = offsetof(se_blk_q8_0, qs) },
+    [SE_Q8_1] = { .name = "q8_1", .blck = SE_QK, .size = sizeof(se_blk_q8_1), .act_type = SE_Q8_1,
+                  .sub_blck = SE_QK, .qs_offset = offsetof(se_blk_q8_1, qs) },
+    [SE_Q4_K] = { .name = "q4_K", .blck = SE_QK_K, .size = sizeof(se_blk_q4_K), .act_type = SE_Q8_K,
+                  .sub_blck = 32, .has_min = 1, .qs_offset = offsetof(se_blk_q4_K, qs) },
+    [SE_Q5_K] = { .name = "q5_K", .blck = SE_QK_K, .size = sizeof(se_blk_q5_K), .act_type = SE_Q8_K,
+                  .sub_blck = 32, .has_min = 1, .qs_offset = offsetof(se_blk_q5_K, qs),
+                  .qh_offset = offsetof(se_blk_q5_K, qh) },
+    [SE_Q6_K] = { .name = "q6_K", .blck = SE_QK_K, .size = sizeof(se_blk_q6_K), .act_type = SE_Q8_K,
+                  .sub_blck = 16, .q_offset = 32, .qs_offset = offsetof(se_blk_q6_K, ql),
+                  .qh_offset = offsetof(se_blk_q6_K, qh) },
+    [SE_Q8_K] = { .name = "q8_K", .blck = SE_QK_K, .size = sizeof(se_blk_q8_K), .act_type = SE_Q8_K,
+                  .sub_blck = SE_QK_K, .qs_offset = offsetof(se_blk_q8_K, qs) },
+};
+
 /* nr weight rows (w, w + w_stride, ...) against nc activation rows (a, a + a_stride, ...):
- * out[r * nc + c]. Supports nr <= tg_rows with nc == 1 (token generation: rows share the
- * activation loads) and nr <= pp_rows with nc <= 4 (prompts: each weight block is unpacked once
- * for 4 tokens). */
+ * out[r * nc + c]. se_matmul asks for nr = tg_rows (or 1) with nc == 1 (token generation: rows
+ * share the activation loads) and nr = pp_rows (or 1) with nc <= 4 (prompts: each weight block
+ * is unpacked once for 4 tokens); each ISA file lists exactly those shapes (SE_SHAPE). */
 typedef void (*se_tile_fn)(int64_t n, const void *w, size_t w_stride, int nr, const void *a, size_t a_stride,
                            int nc, float *out);
 /* The whole of se_matmul for a batch of at least SE_GEMM_MIN_TOKENS tokens (see se_matmul);
@@ -113,30 +160,12 @@ float se_fp16_to_fp32(uint16_t h);
 uint16_t se_fp32_to_fp16(float f);
 void se_get_scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *m);
 
-/* Instances for the ISA files: with CALL(TYPE) defined as one kernel call on a constant type and
- * tile shape (nr rows x nc tokens), TILE_N(name, TYPE) makes tile_name for every shape up to 4x4
- * that the kernels use, TILE_1(name, TYPE) for one row only, and DOT(name) the 1x1 dot from the
- * tile. */
-#define SHAPE(T, R, C) case R * 8 + C: { const int nr = R, nc = C; CALL(T); break; }
-#define TILE_1(name, T)                                                                            \
-    static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
-                            int nc_, float *out) {                                                 \
-        switch (nr_ * 8 + nc_) { SHAPE(T, 1, 1) SHAPE(T, 1, 2) SHAPE(T, 1, 3) default: SHAPE(T, 1, 4) } \
-    }
-#define TILE_N(name, T)                                                                            \
-    static void tile_##name(int64_t n, const void *w, size_t wr, int nr_, const void *a, size_t as,  \
-                            int nc_, float *out) {                                                 \
-        switch (nr_ * 8 + nc_) {                                                                   \
-        SHAPE(T, 1, 1) SHAPE(T, 1, 2) SHAPE(T, 1, 3) SHAPE(T, 1, 4) SHAPE(T, 2, 1) SHAPE(T, 2, 2)  \
-        SHAPE(T, 2, 3) SHAPE(T, 2, 4) SHAPE(T, 3, 1) default: SHAPE(T, 4, 1)                       \
-        }                                                                                          \
-    }
-#define DOT(name)                                                                                  \
-    static float dot_##name(int64_t n, const void *w, const void *a) {                             \
-        float o;                                                                                   \
-        tile_##name(n, w, 0, 1, a, 0, 1, &o);                                                      \
-        return o;                                                                                  \
-    }
+/* A tile shape (nr rows x nc tokens) as one number, for the ISA files' shape switches. Each ISA
+ * family lists the shapes se_matmul asks of its table entries (tg_rows x 1, pp_rows x 1..4 and
+ * 1 x 1..4); an unlisted one is a bug in the table, which se_bad_tile_shape reports before it
+ * aborts. */
+#define SE_SHAPE(nr, nc) ((nr) * 8 + (nc))
+__attribute__((noreturn, cold)) void se_bad_tile_shape(const char *isa, int type, int nr, int nc);
 #endif
 
 #endif

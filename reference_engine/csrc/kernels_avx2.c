@@ -50,24 +50,13 @@ INLINE __m256i fifth_bits(uint32_t h) {
 
 /* ---------------------------------------------------------------- legacy 32-blocks */
 
+/* The 32 quants of a legacy block b as signed bytes (se_types gives the layout). */
 INLINE __m256i unpack1(int type, const uint8_t *b) {
-    switch (type) {
-    case SE_Q4_0: return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
-    case SE_Q4_1: return nibbles(b + 4);
-    case SE_Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), fifth_bits(ld32(b + 2))), _mm256_set1_epi8(16));
-    case SE_Q5_1: return _mm256_or_si256(nibbles(b + 8), fifth_bits(ld32(b + 4)));
-    default: return _mm256_loadu_si256((const __m256i *)(b + 2)); /* SE_Q8_0 */
-    }
-}
-
-static int legacy_size(int type) {
-    switch (type) {
-    case SE_Q4_0: return 18;
-    case SE_Q4_1: return 20;
-    case SE_Q5_0: return 22;
-    case SE_Q5_1: return 24;
-    default: return 34;
-    }
+    const se_type_traits *t = &se_types[type];
+    if (type == SE_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + t->qs_offset));
+    __m256i q = nibbles(b + t->qs_offset);
+    if (t->qh_offset) q = _mm256_or_si256(q, fifth_bits(ld32(b + t->qh_offset)));
+    return t->q_offset ? _mm256_sub_epi8(q, _mm256_set1_epi8((char)t->q_offset)) : q;
 }
 
 /* [d, m] of 4 blocks as fp16 pairs -> 8 floats. Reading 4 bytes from a block's start gives d and
@@ -84,8 +73,9 @@ INLINE __m256 scales4(const uint8_t *b, int size, int cnt) {
  * gives the copies a zero scale. */
 INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
                         int nc, float *out) {
-    const int is1 = type == SE_Q4_1 || type == SE_Q5_1; /* has a min; activations are Q8_1 */
-    const int ws = legacy_size(type), asz = is1 ? 36 : 34, aq = is1 ? 4 : 2;
+    const se_type_traits *wt = &se_types[type], *at = &se_types[wt->act_type];
+    const int is1 = wt->has_min; /* the _1 types: blocks add m * s */
+    const int ws = wt->size, asz = at->size, aq = at->qs_offset;
     const int64_t nb = n / 32;
     __m256 acc[8], accm[8];
     for (int k = 0; k < nr * nc; k++) acc[k] = accm[k] = _mm256_setzero_ps();
@@ -138,11 +128,13 @@ INLINE void scales_mins_k4(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
     *mn = mn_lo | (uint64_t)mn_hi << 32;
 }
 
-/* Q4_K (q5 = 0) and Q5_K: 8 sub-blocks of 32 quants, each one ymm; the scale multiplies the
- * s16 pair sums in vpmaddwd. Mins come from the activations' bsums. */
-INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
+/* Q4_K and Q5_K: 8 sub-blocks of 32 quants, each one ymm; the scale multiplies the s16 pair
+ * sums in vpmaddwd. Mins come from the activations' bsums. The two types share the layout up to
+ * the scales (se_blk_q4_K); Q5_K's fifth bits sit between them and the quants. */
+INLINE void q45_K_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc,
                        float *out) {
-    const int ws = q5 ? 176 : 144, qs_off = q5 ? 48 : 16;
+    const se_type_traits *t = &se_types[type];
+    const int q5 = t->qh_offset != 0, ws = t->size, qs_off = t->qs_offset;
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[4], accm[4];
     for (int c = 0; c < nc; c++) { acc[c] = _mm256_setzero_ps(); accm[c] = _mm256_setzero_ps(); }
@@ -150,10 +142,10 @@ INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, si
     for (int64_t i = 0; i < n / 256; i++) {
         const uint8_t *x = w + i * ws;
         uint64_t sc8, mn8;
-        scales_mins_k4(x + 4, &sc8, &mn8);
+        scales_mins_k4(x + offsetof(se_blk_q4_K, scales), &sc8, &mn8);
         const __m256i mn = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
-        const float d = h2f(x), dmin = h2f(x + 2);
-        __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(x + 16)) : _mm256_setzero_si256();
+        const float d = h2f(x + offsetof(se_blk_q4_K, d)), dmin = h2f(x + offsetof(se_blk_q4_K, dmin));
+        __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(x + t->qh_offset)) : _mm256_setzero_si256();
         __m256i q[8], sv[8];
         for (int j = 0; j < 4; j++) {
             __m256i raw = _mm256_loadu_si256((const __m256i *)(x + qs_off + 32 * j));
@@ -246,7 +238,7 @@ INLINE float load_w1(int type, const uint8_t *p) {
 }
 
 INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
-    const int es = type == SE_F32 ? 4 : 2;
+    const int es = se_types[type].size;
     __m256 acc[4];
     for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
     int64_t i = 0;
@@ -259,6 +251,13 @@ INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
         out[c] = hsum8(acc[c]);
         for (int64_t j = i; j < n; j++) out[c] += load_w1(type, w + j * es) * ((const float *)(a + c * as))[j];
     }
+}
+
+/* One weight row x nc activation rows, for the types whose kernels take a single row. */
+INLINE void one_row_tile(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    if (type == SE_Q4_K || type == SE_Q5_K) q45_K_dotx(type, n, w, a, as, nc, out);
+    else if (type == SE_Q6_K) q6_K_dotx(n, w, a, as, nc, out);
+    else float_dotx(type, n, w, a, as, nc, out);
 }
 
 /* ---------------------------------------------------------------- activation quantizers
@@ -359,35 +358,98 @@ static void q8_K_from_float(const float *x, void *dst, int64_t n) {
 }
 
 /* ---------------------------------------------------------------- instances
- * Each kernel is inlined with a constant type and tile shape, so the loops over rows and tokens
- * unroll and the accumulators stay in registers. */
+ * The table's tiles and dots. Each gives its family's kernel a constant type, and the family's
+ * shape switch gives it a constant shape, so that the loops over rows and tokens unroll and the
+ * accumulators stay in registers. The shapes listed are the ones se_matmul asks of the table's
+ * tg_rows and pp_rows (kernels.h); an unlisted one stops the process (se_bad_tile_shape). */
 
-#define CALL(TYPE) legacy_tile(TYPE, n, w, wr, nr, a, as, nc, out)
-TILE_N(q4_0, SE_Q4_0) DOT(q4_0)
-TILE_N(q4_1, SE_Q4_1) DOT(q4_1)
-TILE_N(q5_0, SE_Q5_0) DOT(q5_0)
-TILE_N(q5_1, SE_Q5_1) DOT(q5_1)
-TILE_N(q8_0, SE_Q8_0) DOT(q8_0)
-#undef CALL
-#define CALL(TYPE) ((void)wr, (void)nr, float_dotx(TYPE, n, w, a, as, nc, out))
-TILE_1(f32, SE_F32) DOT(f32)
-TILE_1(f16, SE_F16) DOT(f16)
-TILE_1(bf16, SE_BF16) DOT(bf16)
-#undef CALL
-#define CALL(TYPE) ((void)wr, (void)nr, q45_K_dotx(TYPE == SE_Q5_K, n, w, a, as, nc, out))
-TILE_1(q4_K, SE_Q4_K) DOT(q4_K)
-TILE_1(q5_K, SE_Q5_K) DOT(q5_K)
-#undef CALL
-#define CALL(TYPE) ((void)wr, (void)nr, q6_K_dotx(n, w, a, as, nc, out))
-TILE_1(q6_K, SE_Q6_K) DOT(q6_K)
-#undef CALL
+/* Legacy types: tg_rows 4, pp_rows 1. */
+INLINE void legacy_shapes(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
+                          int nc, float *out) {
+    switch (SE_SHAPE(nr, nc)) {
+    case SE_SHAPE(4, 1): legacy_tile(type, n, w, wr, 4, a, as, 1, out); return;
+    case SE_SHAPE(1, 1): legacy_tile(type, n, w, wr, 1, a, as, 1, out); return;
+    case SE_SHAPE(1, 2): legacy_tile(type, n, w, wr, 1, a, as, 2, out); return;
+    case SE_SHAPE(1, 3): legacy_tile(type, n, w, wr, 1, a, as, 3, out); return;
+    case SE_SHAPE(1, 4): legacy_tile(type, n, w, wr, 1, a, as, 4, out); return;
+    }
+    se_bad_tile_shape("avx2", type, nr, nc);
+}
 
-#define K(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp }
+/* Float types, Q4_K/Q5_K and Q6_K: one row (tg_rows 1, pp_rows 1). */
+INLINE void one_row_shapes(int type, int64_t n, const uint8_t *w, int nr, const uint8_t *a, size_t as, int nc,
+                           float *out) {
+    switch (SE_SHAPE(nr, nc)) {
+    case SE_SHAPE(1, 1): one_row_tile(type, n, w, a, as, 1, out); return;
+    case SE_SHAPE(1, 2): one_row_tile(type, n, w, a, as, 2, out); return;
+    case SE_SHAPE(1, 3): one_row_tile(type, n, w, a, as, 3, out); return;
+    case SE_SHAPE(1, 4): one_row_tile(type, n, w, a, as, 4, out); return;
+    }
+    se_bad_tile_shape("avx2", type, nr, nc);
+}
+
+static void tile_q4_0(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    legacy_shapes(SE_Q4_0, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q4_1(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    legacy_shapes(SE_Q4_1, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q5_0(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    legacy_shapes(SE_Q5_0, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q5_1(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    legacy_shapes(SE_Q5_1, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q8_0(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    legacy_shapes(SE_Q8_0, n, w, wr, nr, a, as, nc, out);
+}
+/* The one-row tiles have no row stride: they take a single row. */
+static void tile_f32(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_F32, n, w, nr, a, as, nc, out);
+}
+static void tile_f16(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_F16, n, w, nr, a, as, nc, out);
+}
+static void tile_bf16(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_BF16, n, w, nr, a, as, nc, out);
+}
+static void tile_q4_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_Q4_K, n, w, nr, a, as, nc, out);
+}
+static void tile_q5_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_Q5_K, n, w, nr, a, as, nc, out);
+}
+static void tile_q6_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_Q6_K, n, w, nr, a, as, nc, out);
+}
+
+/* The dots: the 1 x 1 tile of each type. */
+static float dot_q4_0(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q4_0, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q4_1(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q4_1, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q5_0(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q5_0, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q5_1(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q5_1, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q8_0(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q8_0, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_f32(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_F32, n, w, a, 0, 1, &o); return o; }
+static float dot_f16(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_F16, n, w, a, 0, 1, &o); return o; }
+static float dot_bf16(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_BF16, n, w, a, 0, 1, &o); return o; }
+static float dot_q4_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q4_K, n, w, a, 0, 1, &o); return o; }
+static float dot_q5_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q5_K, n, w, a, 0, 1, &o); return o; }
+static float dot_q6_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q6_K, n, w, a, 0, 1, &o); return o; }
+
 const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
-    K(SE_Q4_0, q4_0, 4, 1), K(SE_Q4_1, q4_1, 4, 1), K(SE_Q5_0, q5_0, 4, 1), K(SE_Q5_1, q5_1, 4, 1),
-    [SE_Q8_0] = { dot_q8_0, tile_q8_0, 4, 1, q8_0_from_float }, K(SE_Q4_K, q4_K, 1, 1), K(SE_Q5_K, q5_K, 1, 1), K(SE_Q6_K, q6_K, 1, 1),
-    K(SE_F32, f32, 1, 1), K(SE_F16, f16, 1, 1), K(SE_BF16, bf16, 1, 1),
-    [SE_Q8_1] = { .from_float = q8_1_from_float }, [SE_Q8_K] = { .from_float = q8_K_from_float },
+    [SE_Q4_0] = { .dot = dot_q4_0, .tile = tile_q4_0, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q4_1] = { .dot = dot_q4_1, .tile = tile_q4_1, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 1, .from_float = q8_0_from_float },
+    [SE_Q4_K] = { .dot = dot_q4_K, .tile = tile_q4_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q5_K] = { .dot = dot_q5_K, .tile = tile_q5_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q6_K] = { .dot = dot_q6_K, .tile = tile_q6_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_F32] = { .dot = dot_f32, .tile = tile_f32, .tg_rows = 1, .pp_rows = 1 },
+    [SE_F16] = { .dot = dot_f16, .tile = tile_f16, .tg_rows = 1, .pp_rows = 1 },
+    [SE_BF16] = { .dot = dot_bf16, .tile = tile_bf16, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q8_1] = { .from_float = q8_1_from_float },
+    [SE_Q8_K] = { .from_float = q8_K_from_float },
 };
 
 #else

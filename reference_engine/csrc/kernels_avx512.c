@@ -71,41 +71,18 @@ INLINE void hsum16x4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
 
 /* ---------------------------------------------------------------- legacy 32-blocks */
 
-/* 64 quants of two blocks as unsigned bytes; the weight is the byte minus offset(type). */
+/* 64 quants of two legacy blocks as unsigned bytes; the weight's quant is the byte minus the
+ * type's q_offset (se_types gives the layout). */
 INLINE __m512i unpack2(int type, const uint8_t *b0, const uint8_t *b1) {
-    switch (type) {
-    case SE_Q4_0:
-        return nibbles2(b0 + 2, b1 + 2);
-    case SE_Q4_1:
-        return nibbles2(b0 + 4, b1 + 4);
-    case SE_Q5_0: case SE_Q5_1: { /* the fifth bits of both blocks make one 64-bit mask */
-        const int qh = type == SE_Q5_0 ? 2 : 4;
-        __mmask64 hi = (__mmask64)ld32(b0 + qh) | (__mmask64)ld32(b1 + qh) << 32;
-        __m512i q = nibbles2(b0 + qh + 4, b1 + qh + 4);
-        return _mm512_mask_add_epi8(q, hi, q, _mm512_set1_epi8(16));
+    const se_type_traits *t = &se_types[type];
+    if (type == SE_Q8_0) /* int8 + 128: the top bit flipped */
+        return _mm512_xor_si512(load2x32(b0 + t->qs_offset, b1 + t->qs_offset), _mm512_set1_epi8((char)0x80));
+    __m512i q = nibbles2(b0 + t->qs_offset, b1 + t->qs_offset);
+    if (t->qh_offset) { /* the fifth bits of both blocks make one 64-bit mask */
+        __mmask64 hi = (__mmask64)ld32(b0 + t->qh_offset) | (__mmask64)ld32(b1 + t->qh_offset) << 32;
+        q = _mm512_mask_add_epi8(q, hi, q, _mm512_set1_epi8(16));
     }
-    default: /* SE_Q8_0: int8 + 128 */
-        return _mm512_xor_si512(load2x32(b0 + 2, b1 + 2), _mm512_set1_epi8((char)0x80));
-    }
-}
-
-static int offset(int type) {
-    switch (type) {
-    case SE_Q4_0: return 8;
-    case SE_Q5_0: return 16;
-    case SE_Q8_0: return 128;
-    default: return 0;
-    }
-}
-
-static int legacy_size(int type) {
-    switch (type) {
-    case SE_Q4_0: return 18;
-    case SE_Q4_1: return 20;
-    case SE_Q5_0: return 22;
-    case SE_Q5_1: return 24;
-    default: return 34;
-    }
+    return q;
 }
 
 /* ---------------------------------------------------------------- K-quants */
@@ -121,15 +98,15 @@ INLINE void scales_mins_k4(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
     *mn = mn_lo | (uint64_t)mn_hi << 32;
 }
 
-/* The 256 quants of a Q4_K (q5 = 0) or Q5_K super-block x as unsigned bytes in element order. */
-INLINE void unpack_q45_K(int q5, const uint8_t *x, __m512i q[4]) {
-    const int qs_off = q5 ? 48 : 16;
+/* The 256 quants of a Q4_K or Q5_K super-block x as unsigned bytes in element order. */
+INLINE void unpack_q45_K(int type, const uint8_t *x, __m512i q[4]) {
+    const se_type_traits *t = &se_types[type];
     for (int j = 0; j < 4; j++) {
-        __m256i raw = _mm256_loadu_si256((const __m256i *)(x + qs_off + 32 * j));
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(x + t->qs_offset + 32 * j));
         q[j] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
                                 _mm512_set1_epi8(15));
-        if (q5) { /* element 64j+l takes bit 2j of qh[l]; element 64j+32+l takes bit 2j+1 */
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 16));
+        if (t->qh_offset) { /* Q5_K: element 64j+l takes bit 2j of qh[l]; element 64j+32+l takes bit 2j+1 */
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(x + t->qh_offset));
             __mmask64 hi = (__mmask64)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * j)))) |
                            (__mmask64)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * j)))) << 32;
             q[j] = _mm512_mask_add_epi8(q[j], hi, q[j], _mm512_set1_epi8(16));
@@ -214,8 +191,9 @@ INLINE void hsum_tiles(const __m512 *acc, int nk, float *out) {
  * reduced once per token; each row's blocks are unpacked once for all tokens. */
 INLINE void legacy_group(int type, const int nv, int cnt, const uint8_t *x, size_t wr, int nr, const uint8_t *y,
                          size_t as, int nc, __m512 *acc) {
-    const int is1 = type == SE_Q4_1 || type == SE_Q5_1; /* has a min; activations are Q8_1 */
-    const int ws = legacy_size(type), asz = is1 ? 36 : 34, aq = is1 ? 4 : 2, off = offset(type);
+    const se_type_traits *wt = &se_types[type], *at = &se_types[wt->act_type];
+    const int is1 = wt->has_min; /* the _1 types: blocks add m * s */
+    const int ws = wt->size, asz = at->size, aq = at->qs_offset, off = wt->q_offset;
     const __m512i zero = _mm512_setzero_si512();
     __m512i aq2[4][8], bias[4];
     __m512 ad[4], asum[4];
@@ -255,8 +233,7 @@ INLINE void legacy_group(int type, const int nv, int cnt, const uint8_t *x, size
  * groups of 16 blocks, a short last group with fewer vectors. */
 INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
                         int nc, float *out) {
-    const int is1 = type == SE_Q4_1 || type == SE_Q5_1;
-    const int ws = legacy_size(type), asz = is1 ? 36 : 34;
+    const int ws = se_types[type].size, asz = se_types[se_types[type].act_type].size;
     const int64_t nb = n / 32;
     __m512 acc[8];
     for (int k = 0; k < nr * nc; k++) acc[k] = _mm512_setzero_ps();
@@ -271,11 +248,14 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
     hsum_tiles(acc, nr * nc, out);
 }
 
-/* Q4_K (q5 = 0) and Q5_K, one row x nc tokens: per group of two super-blocks (16 sub-blocks of
- * 32), 8 vpdpbusd; the scales d*sc and mins -dmin*m are exact products, the mins' partner is
- * S = d_a * (the sub-block's sum of activations, from the bsums). */
-INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
-    const int ws = q5 ? 176 : 144;
+/* Q4_K and Q5_K, one row x nc tokens: per group of two super-blocks (16 sub-blocks of 32),
+ * 8 vpdpbusd; the scales d*sc and mins -dmin*m are exact products, the mins' partner is
+ * S = d_a * (the sub-block's sum of activations, from the bsums). The two types share the layout
+ * of d, dmin and the scales (se_blk_q4_K). */
+INLINE void q45_K_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    const int ws = se_types[type].size;
+    const size_t sc_at = offsetof(se_blk_q4_K, scales), d_at = offsetof(se_blk_q4_K, d);
+    const size_t dmin_at = offsetof(se_blk_q4_K, dmin);
     const int64_t nsb = n / 256;
     const __m512i zero = _mm512_setzero_si512(), lane = _mm512_loadu_si512(LANE32);
     __m512 acc[4];
@@ -285,15 +265,15 @@ INLINE void q45_K_dotx(int q5, int64_t n, const uint8_t *w, const uint8_t *a, si
         const int two = g + 1 < nsb; /* a lone last super-block: the second half gets zero scales */
         const uint8_t *xa = w + g * ws, *xb = two ? xa + ws : xa;
         __m512i q[8];
-        unpack_q45_K(q5, xa, q);
-        unpack_q45_K(q5, xb, q + 4);
+        unpack_q45_K(type, xa, q);
+        unpack_q45_K(type, xb, q + 4);
         uint64_t sca, mna, scb, mnb;
-        scales_mins_k4(xa + 4, &sca, &mna);
-        scales_mins_k4(xb + 4, &scb, &mnb);
+        scales_mins_k4(xa + sc_at, &sca, &mna);
+        scales_mins_k4(xb + sc_at, &scb, &mnb);
         const __mmask16 half = two ? 0xffff : 0x00ff;
         /* lanes 0-7 hold sub-blocks of the first super-block, lanes 8-15 of the second */
-        const __m512 d = _mm512_maskz_mov_ps(half, _mm512_insertf32x8(_mm512_set1_ps(h2f(xa)), _mm256_set1_ps(h2f(xb)), 1));
-        const __m512 dmin = _mm512_insertf32x8(_mm512_set1_ps(-h2f(xa + 2)), _mm256_set1_ps(-h2f(xb + 2)), 1);
+        const __m512 d = _mm512_maskz_mov_ps(half, _mm512_insertf32x8(_mm512_set1_ps(h2f(xa + d_at)), _mm256_set1_ps(h2f(xb + d_at)), 1));
+        const __m512 dmin = _mm512_insertf32x8(_mm512_set1_ps(-h2f(xa + dmin_at)), _mm256_set1_ps(-h2f(xb + dmin_at)), 1);
         const __m512 wd = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes_u8(_mm_set_epi64x((long long)scb, (long long)sca), LANE32)), d);
         const __m512 wm = _mm512_maskz_mul_ps(half, dmin,
                                               _mm512_cvtepi32_ps(lanes_u8(_mm_set_epi64x((long long)mnb, (long long)mna), LANE32)));
@@ -458,37 +438,36 @@ static void q8_K_from_float(const float *x, void *dst, int64_t n) {
 #define PANEL_ROWS 16
 typedef struct { float d; union { float s; int32_t bias; }; } side_t;
 
-/* How a weight type maps onto panels. */
+/* How a weight type maps onto panels (from its row of se_types). */
 typedef struct {
-    int blk;    /* quants per panel block: 32 or 16 */
+    int blk;    /* quants per panel block: the elements per scale, 32 or 16 (Q6_K) */
     int group;  /* quants unpacked at once per row: two legacy blocks, or one super-block */
     int offset; /* stored quants are weight + offset (0 for the types with a min) */
     int min;    /* has a min: blocks add m*s */
+    int act;    /* the activations' type */
 } panel_shape;
 
 INLINE panel_shape shape_of(int type) {
-    switch (type) {
-    case SE_Q4_1: case SE_Q5_1: return (panel_shape){ 32, 64, 0, 1 };
-    case SE_Q4_K: case SE_Q5_K: return (panel_shape){ 32, 256, 0, 1 };
-    case SE_Q6_K: return (panel_shape){ 16, 256, 32, 0 };
-    default: return (panel_shape){ 32, 64, offset(type), 0 }; /* Q4_0, Q5_0, Q8_0 */
-    }
+    const se_type_traits *t = &se_types[type];
+    return (panel_shape){ .blk = t->sub_blck, .group = t->blck == SE_QK_K ? SE_QK_K : 2 * t->blck,
+                          .offset = t->q_offset, .min = t->has_min, .act = t->act_type };
 }
 
 /* Group g of one row: its quants as unsigned bytes in element order, and each BLK-block's scale
  * d and min m (exact products of the stored scales). Returns the number of quants (a short last
  * legacy group has one block). */
 INLINE int unpack_group(int type, const uint8_t *row, int64_t g, int64_t n, uint8_t *q, float *d, float *m) {
+    const se_type_traits *t = &se_types[type];
     if (type == SE_Q4_K || type == SE_Q5_K) {
-        const uint8_t *x = row + g * (type == SE_Q5_K ? 176 : 144);
+        const uint8_t *x = row + g * t->size;
         __m512i v[4];
-        unpack_q45_K(type == SE_Q5_K, x, v);
+        unpack_q45_K(type, x, v);
         for (int j = 0; j < 4; j++) _mm512_storeu_si512(q + 64 * j, v[j]);
         uint64_t sc, mn;
-        scales_mins_k4(x + 4, &sc, &mn);
+        scales_mins_k4(x + offsetof(se_blk_q4_K, scales), &sc, &mn);
         for (int j = 0; j < 8; j++) {
-            d[j] = h2f(x) * (float)(uint8_t)(sc >> 8 * j);
-            m[j] = -h2f(x + 2) * (float)(uint8_t)(mn >> 8 * j);
+            d[j] = h2f(x + offsetof(se_blk_q4_K, d)) * (float)(uint8_t)(sc >> 8 * j);
+            m[j] = -h2f(x + offsetof(se_blk_q4_K, dmin)) * (float)(uint8_t)(mn >> 8 * j);
         }
         return 256;
     }
@@ -500,13 +479,14 @@ INLINE int unpack_group(int type, const uint8_t *row, int64_t g, int64_t n, uint
         for (int j = 0; j < 16; j++) d[j] = h2f((const uint8_t *)&x->d) * (float)x->scales[j], m[j] = 0;
         return 256;
     }
-    const int ws = legacy_size(type), two = 64 * g + 64 <= n;
+    /* legacy: two blocks; d first, then (the _1 types) m, in every layout (se_blk_q4_0 ... q5_1) */
+    const int ws = t->size, two = 2 * g * t->blck + 2 * t->blck <= n;
     const uint8_t *b0 = row + 2 * g * ws, *b1 = two ? b0 + ws : b0;
     _mm512_storeu_si512(q, unpack2(type, b0, b1));
-    const int is1 = type == SE_Q4_1 || type == SE_Q5_1;
+    const size_t m_at = offsetof(se_blk_q4_1, m);
     d[0] = h2f(b0), d[1] = h2f(b1);
-    m[0] = is1 ? h2f(b0 + 2) : 0, m[1] = is1 ? h2f(b1 + 2) : 0;
-    return two ? 64 : 32;
+    m[0] = t->has_min ? h2f(b0 + m_at) : 0, m[1] = t->has_min ? h2f(b1 + m_at) : 0;
+    return two ? 2 * t->blck : t->blck;
 }
 
 /* The 16 x 16 dwords of v transposed in place: v[j] becomes dword j of every input vector. */
@@ -570,11 +550,11 @@ INLINE void build_panel(int type, panel_shape sh, const uint8_t *w, size_t wrow,
 /* Each token's side (see above) and where each block's quants start in an activation row. */
 static void build_side(panel_shape sh, int64_t nb, const uint8_t *a, size_t arow, int n_tok,
                        side_t *side, int32_t *qoff) {
-    const int act = sh.group == 256 ? SE_Q8_K : (sh.min ? SE_Q8_1 : SE_Q8_0);
-    const int asz = act == SE_Q8_K ? 292 : act == SE_Q8_1 ? 36 : 34;
-    const int per = act == SE_Q8_K ? 256 / sh.blk : 1; /* panel blocks per activation block */
+    const se_type_traits *at = &se_types[sh.act];
+    const int act = sh.act, asz = at->size;
+    const int per = at->blck / sh.blk; /* panel blocks per activation block */
     for (int64_t b = 0; b < nb; b++)
-        qoff[b] = (int32_t)((b / per) * asz + (act == SE_Q8_K ? 4 + (b % per) * sh.blk : act == SE_Q8_1 ? 4 : 2));
+        qoff[b] = (int32_t)((b / per) * asz + at->qs_offset + (b % per) * sh.blk);
     for (int t = 0; t < n_tok; t++) {
         const uint8_t *y = a + (size_t)t * arow;
         side_t *st = side + (size_t)t * nb;
@@ -587,12 +567,12 @@ static void build_side(panel_shape sh, int64_t nb, const uint8_t *a, size_t arow
                 if (sh.min) st[b].s = k8->d * (float)(k8->bsums[2 * j] + k8->bsums[2 * j + 1]);
                 else st[b].bias = -sh.offset * k8->bsums[j];
             } else {
-                st[b].d = h2f(blk);
+                st[b].d = h2f(blk); /* Q8_0 and Q8_1 start with d; Q8_1's s follows */
                 if (sh.min) {
-                    st[b].s = h2f(blk + 2);
+                    st[b].s = h2f(blk + offsetof(se_blk_q8_1, s));
                 } else {
                     int sum = 0;
-                    for (int i = 0; i < 32; i++) sum += (int8_t)blk[2 + i];
+                    for (int i = 0; i < at->blck; i++) sum += (int8_t)blk[at->qs_offset + i];
                     st[b].bias = -sh.offset * sum;
                 }
             }
@@ -666,60 +646,160 @@ INLINE int gemm(int type, int64_t k, const void *W, size_t wrow, const void *act
             const uint8_t *at = a + (size_t)t * arow;
             const side_t *st = side + (size_t)t * nb;
             float *yt = y + t * ldy + r;
-#define GEMM_TILE(N) gemm_tile(sh.blk, sh.min, N, panel, nb, at, arow, qoff, st, yt, ldy, mask)
-            switch (nt) {
-            case 1: GEMM_TILE(1); break;
-            case 2: GEMM_TILE(2); break;
-            case 3: GEMM_TILE(3); break;
-            default: GEMM_TILE(4);
+            switch (nt) { /* a constant token count for each: the loops over tokens unroll */
+            case 1: gemm_tile(sh.blk, sh.min, 1, panel, nb, at, arow, qoff, st, yt, ldy, mask); break;
+            case 2: gemm_tile(sh.blk, sh.min, 2, panel, nb, at, arow, qoff, st, yt, ldy, mask); break;
+            case 3: gemm_tile(sh.blk, sh.min, 3, panel, nb, at, arow, qoff, st, yt, ldy, mask); break;
+            case 4: gemm_tile(sh.blk, sh.min, 4, panel, nb, at, arow, qoff, st, yt, ldy, mask); break;
             }
-#undef GEMM_TILE
         }
     }
     return 0;
 }
 
-#define GEMM(name, T)                                                                              \
-    static int gemm_##name(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,      \
-                           float *y, int64_t ldy, int64_t r0, int64_t r1) {                         \
-        return gemm(T, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);                               \
-    }
-GEMM(q4_0, SE_Q4_0) GEMM(q4_1, SE_Q4_1) GEMM(q5_0, SE_Q5_0) GEMM(q5_1, SE_Q5_1) GEMM(q8_0, SE_Q8_0)
-GEMM(q4_K, SE_Q4_K) GEMM(q5_K, SE_Q5_K) GEMM(q6_K, SE_Q6_K)
-#undef GEMM
-
 /* ---------------------------------------------------------------- instances
- * Each kernel is inlined with a constant type and tile shape, so the loops over rows and tokens
- * unroll and the accumulators stay in registers. */
+ * The table's GEMMs, tiles and dots. Each gives its family's kernel a constant type, and the
+ * family's shape switch gives it a constant shape, so that the loops over rows and tokens unroll
+ * and the accumulators stay in registers. The shapes listed are the ones se_matmul asks of the
+ * table's tg_rows and pp_rows (kernels.h); an unlisted one stops the process (se_bad_tile_shape). */
 
-#define CALL(TYPE) legacy_tile(TYPE, n, w, wr, nr, a, as, nc, out)
-TILE_N(q4_0, SE_Q4_0) DOT(q4_0)
-TILE_N(q4_1, SE_Q4_1) DOT(q4_1)
-TILE_N(q5_0, SE_Q5_0) DOT(q5_0)
-TILE_N(q5_1, SE_Q5_1) DOT(q5_1)
-TILE_N(q8_0, SE_Q8_0) DOT(q8_0)
-#undef CALL
-#define CALL(TYPE) float_tile(TYPE, n, w, wr, nr, a, as, nc, out)
-TILE_N(f32, SE_F32) DOT(f32)
-TILE_N(f16, SE_F16) DOT(f16)
-TILE_N(bf16, SE_BF16) DOT(bf16)
-#undef CALL
-#define CALL(TYPE) ((void)wr, (void)nr, q45_K_dotx(TYPE == SE_Q5_K, n, w, a, as, nc, out))
-TILE_1(q4_K, SE_Q4_K) DOT(q4_K)
-TILE_1(q5_K, SE_Q5_K) DOT(q5_K)
-#undef CALL
-#define CALL(TYPE) ((void)wr, (void)nr, q6_K_dotx(n, w, a, as, nc, out))
-TILE_1(q6_K, SE_Q6_K) DOT(q6_K)
-#undef CALL
+static int gemm_q4_0(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+    return gemm(SE_Q4_0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int gemm_q4_1(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+    return gemm(SE_Q4_1, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int gemm_q5_0(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+    return gemm(SE_Q5_0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int gemm_q5_1(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+    return gemm(SE_Q5_1, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int gemm_q8_0(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+    return gemm(SE_Q8_0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int gemm_q4_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+    return gemm(SE_Q4_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int gemm_q5_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+    return gemm(SE_Q5_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int gemm_q6_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+    return gemm(SE_Q6_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
 
-#define K(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp, NULL, NULL }
-#define KG(T, name, tg, pp) [T] = { dot_##name, tile_##name, tg, pp, NULL, gemm_##name }
+/* Legacy and float types, whose kernels take several rows: tg_rows 4, pp_rows 2. */
+INLINE void multi_row_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
+                           int nc, float *out) {
+    if (se_types[type].blck == 1) float_tile(type, n, w, wr, nr, a, as, nc, out);
+    else legacy_tile(type, n, w, wr, nr, a, as, nc, out);
+}
+INLINE void multi_row_shapes(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
+                             int nc, float *out) {
+    if (__builtin_expect(nr == 4 && nc == 1, 1)) { /* token generation: the hot shape */
+        multi_row_tile(type, n, w, wr, 4, a, as, 1, out);
+        return;
+    }
+    switch (SE_SHAPE(nr, nc)) {
+    case SE_SHAPE(2, 1): multi_row_tile(type, n, w, wr, 2, a, as, 1, out); return;
+    case SE_SHAPE(2, 2): multi_row_tile(type, n, w, wr, 2, a, as, 2, out); return;
+    case SE_SHAPE(2, 3): multi_row_tile(type, n, w, wr, 2, a, as, 3, out); return;
+    case SE_SHAPE(2, 4): multi_row_tile(type, n, w, wr, 2, a, as, 4, out); return;
+    case SE_SHAPE(1, 1): multi_row_tile(type, n, w, wr, 1, a, as, 1, out); return;
+    case SE_SHAPE(1, 2): multi_row_tile(type, n, w, wr, 1, a, as, 2, out); return;
+    case SE_SHAPE(1, 3): multi_row_tile(type, n, w, wr, 1, a, as, 3, out); return;
+    case SE_SHAPE(1, 4): multi_row_tile(type, n, w, wr, 1, a, as, 4, out); return;
+    }
+    se_bad_tile_shape("avx512", type, nr, nc);
+}
+
+/* The K-quants, whose kernels take a single row: tg_rows 1, pp_rows 1. */
+INLINE void k_quant_tile(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    if (type == SE_Q6_K) q6_K_dotx(n, w, a, as, nc, out);
+    else q45_K_dotx(type, n, w, a, as, nc, out);
+}
+INLINE void k_quant_shapes(int type, int64_t n, const uint8_t *w, int nr, const uint8_t *a, size_t as, int nc,
+                           float *out) {
+    switch (SE_SHAPE(nr, nc)) {
+    case SE_SHAPE(1, 1): k_quant_tile(type, n, w, a, as, 1, out); return;
+    case SE_SHAPE(1, 2): k_quant_tile(type, n, w, a, as, 2, out); return;
+    case SE_SHAPE(1, 3): k_quant_tile(type, n, w, a, as, 3, out); return;
+    case SE_SHAPE(1, 4): k_quant_tile(type, n, w, a, as, 4, out); return;
+    }
+    se_bad_tile_shape("avx512", type, nr, nc);
+}
+
+static void tile_q4_0(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    multi_row_shapes(SE_Q4_0, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q4_1(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    multi_row_shapes(SE_Q4_1, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q5_0(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    multi_row_shapes(SE_Q5_0, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q5_1(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    multi_row_shapes(SE_Q5_1, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_q8_0(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    multi_row_shapes(SE_Q8_0, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_f32(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    multi_row_shapes(SE_F32, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_f16(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    multi_row_shapes(SE_F16, n, w, wr, nr, a, as, nc, out);
+}
+static void tile_bf16(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    multi_row_shapes(SE_BF16, n, w, wr, nr, a, as, nc, out);
+}
+/* The one-row tiles have no row stride: they take a single row. */
+static void tile_q4_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, k_quant_shapes(SE_Q4_K, n, w, nr, a, as, nc, out);
+}
+static void tile_q5_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, k_quant_shapes(SE_Q5_K, n, w, nr, a, as, nc, out);
+}
+static void tile_q6_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, k_quant_shapes(SE_Q6_K, n, w, nr, a, as, nc, out);
+}
+
+/* The dots: the 1 x 1 tile of each type. */
+static float dot_q4_0(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_Q4_0, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q4_1(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_Q4_1, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q5_0(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_Q5_0, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q5_1(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_Q5_1, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q8_0(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_Q8_0, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_f32(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_F32, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_f16(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_F16, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_bf16(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_BF16, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q4_K(int64_t n, const void *w, const void *a) { float o; k_quant_tile(SE_Q4_K, n, w, a, 0, 1, &o); return o; }
+static float dot_q5_K(int64_t n, const void *w, const void *a) { float o; k_quant_tile(SE_Q5_K, n, w, a, 0, 1, &o); return o; }
+static float dot_q6_K(int64_t n, const void *w, const void *a) { float o; k_quant_tile(SE_Q6_K, n, w, a, 0, 1, &o); return o; }
+
 const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {
-    KG(SE_Q4_0, q4_0, 4, 2), KG(SE_Q4_1, q4_1, 4, 2), KG(SE_Q5_0, q5_0, 4, 2), KG(SE_Q5_1, q5_1, 4, 2),
-    [SE_Q8_0] = { dot_q8_0, tile_q8_0, 4, 2, q8_0_from_float, gemm_q8_0 },
-    KG(SE_Q4_K, q4_K, 1, 1), KG(SE_Q5_K, q5_K, 1, 1), KG(SE_Q6_K, q6_K, 1, 1),
-    K(SE_F32, f32, 4, 2), K(SE_F16, f16, 4, 2), K(SE_BF16, bf16, 4, 2),
-    [SE_Q8_1] = { .from_float = q8_1_from_float }, [SE_Q8_K] = { .from_float = q8_K_from_float },
+    [SE_Q4_0] = { .dot = dot_q4_0, .tile = tile_q4_0, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q4_0 },
+    [SE_Q4_1] = { .dot = dot_q4_1, .tile = tile_q4_1, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q4_1 },
+    [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q5_0 },
+    [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q5_1 },
+    [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q8_0,
+                  .from_float = q8_0_from_float },
+    [SE_Q4_K] = { .dot = dot_q4_K, .tile = tile_q4_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q4_K },
+    [SE_Q5_K] = { .dot = dot_q5_K, .tile = tile_q5_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q5_K },
+    [SE_Q6_K] = { .dot = dot_q6_K, .tile = tile_q6_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q6_K },
+    [SE_F32] = { .dot = dot_f32, .tile = tile_f32, .tg_rows = 4, .pp_rows = 2 },
+    [SE_F16] = { .dot = dot_f16, .tile = tile_f16, .tg_rows = 4, .pp_rows = 2 },
+    [SE_BF16] = { .dot = dot_bf16, .tile = tile_bf16, .tg_rows = 4, .pp_rows = 2 },
+    [SE_Q8_1] = { .from_float = q8_1_from_float },
+    [SE_Q8_K] = { .from_float = q8_K_from_float },
 };
 
 #else

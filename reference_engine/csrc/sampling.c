@@ -3,8 +3,8 @@
  *
  * The steps and their order are llama.cpp's default chain: repetition penalties, top-k, top-p,
  * min-p, temperature, then a draw from the softmax. temp <= 0 is greedy: the argmax after the
- * penalties. The RNG (xoshiro256**, seeded through splitmix64) is ours, so seeded draws are
- * reproducible here but differ from llama.cpp's.
+ * penalties. The RNG (xoroshiro128**, its two words of state seeded through splitmix64) is ours,
+ * so seeded draws are reproducible here but differ from llama.cpp's.
  */
 #define _GNU_SOURCE
 #define SE_ENGINE_INTERNAL
@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+/* splitmix64: the next 64-bit output of the sequence seeded with *s (advances *s). */
 static uint64_t splitmix64(uint64_t *s) {
     uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -23,8 +24,8 @@ static uint64_t splitmix64(uint64_t *s) {
 
 static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
-/* xoshiro128-style generator on two words (xoroshiro128**) */
-static uint64_t rng_next(uint64_t s[2]) {
+/* xoroshiro128** (Blackman and Vigna): two words of state, 64-bit outputs. */
+static uint64_t xoroshiro128ss_next(uint64_t s[2]) {
     uint64_t s0 = s[0], s1 = s[1];
     uint64_t r = rotl(s0 * 5, 7) * 9;
     s1 ^= s0;
@@ -34,8 +35,9 @@ static uint64_t rng_next(uint64_t s[2]) {
 }
 
 /* uniform in [0, 1) with 53 random bits */
-static double rng_uniform(uint64_t s[2]) { return (double)(rng_next(s) >> 11) * 0x1.0p-53; }
+static double rng_uniform(uint64_t s[2]) { return (double)(xoroshiro128ss_next(s) >> 11) * 0x1.0p-53; }
 
+/* Seeds the context's xoroshiro128** state from seed (-1: from the clock and the context's address). */
 static void rng_seed(se_context *c, int64_t seed) {
     uint64_t x;
     if (seed < 0) { /* -1: a different seed every time */

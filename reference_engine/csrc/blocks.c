@@ -1,0 +1,297 @@
+/* The building blocks of the forward passes, shared by every architecture (blocks.h): norms,
+ * activations for the matmuls, RoPE, the embedding prologue, the attention block (around the
+ * attention itself, which is attention.c's), the gated feed-forward block and the output head.
+ *
+ * Every block runs on every thread of the pool at once; the threads split each step (by weight
+ * rows for matmuls, by tokens or heads elsewhere) and meet at a barrier only where a step needs
+ * the whole result of the previous one. Small batches (a generated token) normalize and quantize
+ * the activations redundantly on every thread, which is cheaper than a barrier; large ones split
+ * that work by tokens and add a barrier.
+ *
+ * The matmuls go through the kernels' contract (kernels.h): activations are quantized to the
+ * weight type's act_type, then se_matmul computes a range of output rows for every token.
+ */
+#define SE_ENGINE_INTERNAL
+#include "blocks.h"
+
+#include <math.h>
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* [*r0, *r1): this thread's share of n items, boundaries on multiples of align */
+void se_split(int64_t n, int ith, int nth, int64_t align, int64_t *r0, int64_t *r1) {
+    int64_t blocks = (n + align - 1) / align;
+    *r0 = min64(n, blocks * ith / nth * align);
+    *r1 = min64(n, blocks * (ith + 1) / nth * align);
+}
+
+/* y = x / rms(x) * w (llama.cpp accumulates the sum of squares in double; so do we) */
+void se_rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)(x[i] * x[i]);
+    float scale = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * scale * w[i];
+}
+
+static const void *act_for(const se_acts *a, int wtype) {
+    int at = se_traits(wtype)->act_type;
+    for (int j = 0; j < a->n; j++)
+        if (a->type[j] == at) return a->ptr[j];
+    return NULL; /* cannot happen: prep_acts saw every weight */
+}
+
+/* Prepares the activations that the weights w[0..nw) need from n_tok rows of k floats at src
+ * (row stride k), RMS-normalised by norm_w first if it is not NULL. Small batches: every thread
+ * does all of it into its own buffers (no barrier). Large batches: each thread does its share
+ * of the tokens into the shared buffers, then a barrier. */
+void se_prep_acts(se_context *c, int ith, int nth, const float *src, int64_t k, int n_tok,
+                  const float *norm_w, const se_tensor *const *w, int nw, se_acts *out) {
+    out->n = 0;
+    for (int i = 0; i < nw; i++) {
+        int at = se_traits(w[i]->type)->act_type;
+        int seen = 0;
+        for (int j = 0; j < out->n; j++) seen |= out->type[j] == at;
+        if (!seen) out->type[out->n++] = at;
+    }
+    float eps = c->m->hp.norm_eps;
+    int priv = n_tok <= SE_PRIVATE_TOKENS; /* (with one thread the barrier below is free) */
+    se_thread_scratch *ts = &c->ts[ith];
+    int64_t t0 = 0, t1 = n_tok;
+    if (!priv) se_split(n_tok, ith, nth, 1, &t0, &t1);
+    const float *rows = src;
+    if (norm_w) {
+        float *dst = priv ? ts->norm : c->xb;
+        for (int64_t t = t0; t < t1; t++) se_rmsnorm(dst + t * k, src + t * k, norm_w, k, eps);
+        rows = dst;
+    }
+    for (int j = 0; j < out->n; j++) {
+        if (out->type[j] == SE_F32) { /* f32 weights take the float rows as they are */
+            out->ptr[j] = rows;
+            continue;
+        }
+        char *dst = priv ? ts->act[j] : c->act[j];
+        size_t rs = se_row_size(out->type[j], k);
+        if (t1 > t0)
+            se_quantize_rows(out->type[j], rows + t0 * k, k, (int)(t1 - t0), dst + (size_t)t0 * rs);
+        out->ptr[j] = dst;
+    }
+    if (!priv) se_pool_barrier(c->pool);
+}
+
+/* y rows [r0, r1) = W x for every token, through the kernels */
+void se_matmul_rows(const se_tensor *W, const se_acts *a, int n_tok, float *y, int64_t ldy,
+                    int64_t r0, int64_t r1) {
+    if (r1 <= r0) return;
+    se_matmul(W->type, W->data, W->ne0, act_for(a, W->type), n_tok, y, ldy, r0, r1);
+}
+
+/* Rotates one head's first n_rot dims by the angles in cs ((cos, sin) pairs, n_rot/2 of them). */
+static void rope_apply(float *x, const float *cs, int n_rot, int mode) {
+    int half = n_rot / 2;
+    if (mode == SE_ROPE_NORM) {
+        for (int i = 0; i < half; i++) {
+            float c = cs[2 * i], s = cs[2 * i + 1];
+            float x0 = x[2 * i], x1 = x[2 * i + 1];
+            x[2 * i] = x0 * c - x1 * s;
+            x[2 * i + 1] = x0 * s + x1 * c;
+        }
+    } else {
+        for (int i = 0; i < half; i++) {
+            float c = cs[2 * i], s = cs[2 * i + 1];
+            float x0 = x[i], x1 = x[i + half];
+            x[i] = x0 * c - x1 * s;
+            x[i + half] = x0 * s + x1 * c;
+        }
+    }
+}
+
+/* (cos, sin) of pos * freq_scale * base^(-2i/n_rot) for i < n_rot/2. The angle is stepped by
+ * repeated multiplication in float, as llama.cpp does, so positions far out agree closely. */
+static void rope_table(float *cs, int64_t pos, float base, float freq_scale, int n_rot) {
+    float theta_scale = powf(base, -2.0f / (float)n_rot);
+    float theta = (float)pos;
+    for (int i = 0; i < n_rot / 2; i++) {
+        float a = theta * freq_scale;
+        cs[2 * i] = cosf(a);
+        cs[2 * i + 1] = sinf(a);
+        theta *= theta_scale;
+    }
+}
+
+static const float *rope_row(const se_context *c, int idx, int t) {
+    const se_hparams *hp = &c->m->hp;
+    return c->rope + ((size_t)idx * c->cp.n_ubatch + (size_t)t) * hp->n_rot;
+}
+
+/* Token embeddings and rope tables for this thread's share of the ubatch, then a barrier. */
+void se_forward_prologue(se_context *c, int ith, int nth) {
+    const se_model *m = c->m;
+    const se_hparams *hp = &m->hp;
+    int64_t t0, t1;
+    se_split(c->ub_n, ith, nth, 1, &t0, &t1);
+    se_to_float_fn to_float = se_traits(m->token_embd.type)->to_float;
+    for (int64_t t = t0; t < t1; t++) {
+        float *x = c->x + t * hp->n_embd;
+        const char *row = (const char *)m->token_embd.data + (size_t)c->ub_tokens[t] * m->token_embd.row_size;
+        to_float(row, x, hp->n_embd);
+        if (hp->embd_scale != 1.0f)
+            for (int i = 0; i < hp->n_embd; i++) x[i] *= hp->embd_scale;
+        for (int b = 0; b < m->n_rope; b++)
+            rope_table((float *)rope_row(c, b, (int)t), c->ub_pos + t, m->rope_bases[b],
+                       hp->rope_freq_scale, hp->n_rot);
+    }
+    se_pool_barrier(c->pool);
+}
+
+/* Q, K and V projections of layer il, split across threads by whole heads, so that each thread
+ * can finish its heads at once: Q heads are roped in place; K heads are roped in c->k_new, then
+ * stored into the cache's key tiles; V heads go straight into the cache. Then a barrier. */
+void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
+    const se_hparams *hp = &c->m->hp;
+    const se_layer *L = &c->m->layers[il];
+    int H = hp->n_head, HKV = hp->n_head_kv, hd = hp->head_dim, n = c->ub_n;
+    int64_t Dq = (int64_t)H * hd;
+    int64_t u0, u1;
+    se_split(H + 2 * HKV, ith, nth, 1, &u0, &u1);
+    /* Q heads [u0, min(u1, H)) in one call */
+    int64_t q0 = u0, q1 = min64(u1, H);
+    if (q1 > q0) {
+        se_matmul_rows(&L->t[SE_T_ATTN_Q], a, n, c->q, Dq, q0 * hd, q1 * hd);
+        const float *qn = L->t[SE_T_ATTN_Q_NORM].data;
+        for (int t = 0; t < n; t++) {
+            const float *cs = rope_row(c, L->rope_idx, t);
+            for (int64_t h = q0; h < q1; h++) {
+                float *q = c->q + t * Dq + h * hd;
+                if (qn) se_rmsnorm(q, q, qn, hd, hp->norm_eps);
+                rope_apply(q, cs, hp->n_rot, hp->rope_type);
+            }
+        }
+    }
+    /* K and V heads: one call per head, the output rows (row stride hd) landing in c->k_new for K,
+     * in the cache for V */
+    for (int64_t u = max64(u0, H); u < u1; u++) {
+        int is_k = u < H + HKV;
+        int h = (int)(is_k ? u - H : u - H - HKV);
+        const se_tensor *W = &L->t[is_k ? SE_T_ATTN_K : SE_T_ATTN_V];
+        float *dst = is_k ? c->k_new + (size_t)h * c->cp.n_ubatch * hd : se_kv_value_row(c, il, h, c->ub_pos);
+        /* rows [h*hd, (h+1)*hd) of W, addressed as rows [0, hd) of the sub-matrix */
+        se_tensor sub = *W;
+        sub.data = (const char *)W->data + (size_t)h * hd * W->row_size;
+        se_matmul_rows(&sub, a, n, dst, hd, 0, hd);
+        if (is_k) {
+            const float *kn = L->t[SE_T_ATTN_K_NORM].data;
+            for (int t = 0; t < n; t++) {
+                float *k = dst + (size_t)t * hd;
+                if (kn) se_rmsnorm(k, k, kn, hd, hp->norm_eps);
+                rope_apply(k, rope_row(c, L->rope_idx, t), hp->n_rot, hp->rope_type);
+            }
+            se_kv_store_keys(c, il, h, c->ub_pos, n, dst);
+        }
+    }
+    se_pool_barrier(c->pool);
+}
+
+
+/* x += W act, or x += rmsnorm(W act) * post_w when post_w is not NULL (gemma3's post-norms).
+ * Without a post-norm each thread adds its own rows of W act, then a barrier. With one, a token's
+ * norm needs its whole row of W act, which the threads compute in pieces: each computes its rows
+ * into c->tmp, a barrier, then each normalises and adds its share of the tokens, then a barrier. */
+static void forward_residual(se_context *c, const se_tensor *W, const float *post_w, const se_acts *a,
+                             int ith, int nth) {
+    int64_t E = c->m->hp.n_embd, r0, r1;
+    se_split(W->ne1, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    se_matmul_rows(W, a, c->ub_n, c->tmp, E, r0, r1);
+    if (!post_w) {
+        for (int t = 0; t < c->ub_n; t++) {
+            float *x = c->x + t * E;
+            const float *y = c->tmp + t * E;
+            for (int64_t r = r0; r < r1; r++) x[r] += y[r];
+        }
+        se_pool_barrier(c->pool);
+        return;
+    }
+    se_pool_barrier(c->pool);
+    int64_t t0, t1;
+    se_split(c->ub_n, ith, nth, 1, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
+        float *x = c->x + t * E, *y = c->tmp + t * E;
+        se_rmsnorm(y, y, post_w, E, c->m->hp.norm_eps);
+        for (int64_t i = 0; i < E; i++) x[i] += y[i];
+    }
+    se_pool_barrier(c->pool);
+}
+
+void se_attention_block(se_context *c, int il, const float *post_w, int ith, int nth) {
+    const se_hparams *hp = &c->m->hp;
+    const se_layer *L = &c->m->layers[il];
+    int64_t Dq = (int64_t)hp->n_head * hp->head_dim;
+    se_acts a;
+    const se_tensor *qkv[3] = { &L->t[SE_T_ATTN_Q], &L->t[SE_T_ATTN_K], &L->t[SE_T_ATTN_V] };
+    se_prep_acts(c, ith, nth, c->x, hp->n_embd, c->ub_n, L->t[SE_T_ATTN_NORM].data, qkv, 3, &a);
+    se_forward_qkv(c, il, &a, ith, nth);
+    se_forward_attention(c, il, ith, nth);
+    const se_tensor *wo[1] = { &L->t[SE_T_ATTN_OUTPUT] };
+    se_prep_acts(c, ith, nth, c->att, Dq, c->ub_n, NULL, wo, 1, &a);
+    forward_residual(c, wo[0], post_w, &a, ith, nth);
+}
+
+/* SiLU (llama's SwiGLU): x * sigmoid(x). */
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* GELU, tanh approximation (Gemma's gelu_pytorch_tanh): 0.5 x (1 + tanh(u)) with
+ * u = sqrt(2/pi) (x + 0.044715 x^3), written as x / (1 + exp(-2u)), the same function: expf is
+ * several times cheaper than tanhf, which took 14% of a 512-token prompt. */
+static float gelu_tanh(float x) {
+    const float two_sqrt_2_over_pi = 1.59576912160573071176f;
+    return x / (1.0f + expf(-two_sqrt_2_over_pi * x * (1.0f + 0.044715f * x * x)));
+}
+
+/* hb = act(gate x) * (up x) for this thread's rows of the ffn, then a barrier. */
+static void forward_gate(se_context *c, const se_layer *L, se_ffn_act act, const se_acts *a, int ith,
+                         int nth) {
+    int64_t F = c->m->hp.n_ff, r0, r1;
+    se_split(F, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    se_matmul_rows(&L->t[SE_T_FFN_GATE], a, c->ub_n, c->hb, F, r0, r1);
+    se_matmul_rows(&L->t[SE_T_FFN_UP], a, c->ub_n, c->hb2, F, r0, r1);
+    for (int t = 0; t < c->ub_n; t++) {
+        float *g = c->hb + t * F;
+        const float *u = c->hb2 + t * F;
+        if (act == SE_FFN_SILU)
+            for (int64_t r = r0; r < r1; r++) g[r] = silu(g[r]) * u[r];
+        else
+            for (int64_t r = r0; r < r1; r++) g[r] = gelu_tanh(g[r]) * u[r];
+    }
+    se_pool_barrier(c->pool);
+}
+
+void se_ffn_block(se_context *c, int il, se_ffn_act act, const float *post_w, int ith, int nth) {
+    const se_hparams *hp = &c->m->hp;
+    const se_layer *L = &c->m->layers[il];
+    se_acts a;
+    const se_tensor *gu[2] = { &L->t[SE_T_FFN_GATE], &L->t[SE_T_FFN_UP] };
+    se_prep_acts(c, ith, nth, c->x, hp->n_embd, c->ub_n, L->t[SE_T_FFN_NORM].data, gu, 2, &a);
+    forward_gate(c, L, act, &a, ith, nth);
+    const se_tensor *wd[1] = { &L->t[SE_T_FFN_DOWN] };
+    se_prep_acts(c, ith, nth, c->hb, hp->n_ff, c->ub_n, NULL, wd, 1, &a);
+    forward_residual(c, wd[0], post_w, &a, ith, nth);
+}
+
+/* Final norm and the output head for the tokens whose logits are wanted: every token of the
+ * ubatch when the caller asked for all logits, else its last token if it is the last of the
+ * se_decode call, else none. */
+void se_forward_output(se_context *c, int ith, int nth) {
+    const se_model *m = c->m;
+    int64_t E = m->hp.n_embd, V = m->hp.n_vocab;
+    int first, n_out;
+    float *out;
+    if (c->ub_out) { first = 0; n_out = c->ub_n; out = c->ub_out; }
+    else if (c->ub_out_first >= 0) { first = c->ub_n - 1; n_out = 1; out = c->logits; }
+    else return;
+    const se_tensor *w[1] = { &m->output };
+    se_acts a;
+    se_prep_acts(c, ith, nth, c->x + first * E, E, n_out, m->output_norm.data, w, 1, &a);
+    int64_t r0, r1;
+    se_split(V, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    se_matmul_rows(&m->output, &a, n_out, out, V, r0, r1);
+}

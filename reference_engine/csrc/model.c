@@ -1,0 +1,365 @@
+/* The engine's lifecycle (engine.h): models (described by Python, checked here), the architecture
+ * table, contexts (every buffer a forward pass needs, allocated once) and se_decode, which runs
+ * the model's architecture's forward pass (llama.c, gemma3.c, over the blocks of blocks.c) on the
+ * thread pool, one ubatch at a time.
+ *
+ * Read it like llama2.c's run.c: plain structs (engine.h), buffers allocated once when a context
+ * is created, and one forward function per architecture that takes a ubatch of tokens through
+ * every layer.
+ *
+ * KV cache: f32, per layer and kv head, so that the keys (and values) one head attends over are
+ * contiguous; attention.c owns the layout (keys in transposed tiles of 16 positions, values in
+ * rows) and the attention kernel. f32 keeps the attention exact and simple; f16 (half the bytes
+ * per position) is a later option.
+ */
+#define _GNU_SOURCE
+#define SE_ENGINE_INTERNAL
+#include "engine.h"
+#include "kernels.h"
+#include "blocks.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+
+const char *se_version(void) { return "0.1.0"; }
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* ---------------------------------------------------------------------------------------------
+ * The architecture table, indexed by se_arch (hparams.arch): ids 1..SE_ARCH_COUNT - 1
+ */
+
+static const se_arch_desc *const archs[SE_ARCH_COUNT] = {
+    [SE_ARCH_LLAMA] = &se_arch_llama,
+    [SE_ARCH_GEMMA3] = &se_arch_gemma3,
+};
+
+static const se_arch_desc *arch_of(int32_t arch) {
+    return arch > 0 && arch < SE_ARCH_COUNT ? archs[arch] : NULL;
+}
+
+int32_t se_arch_count(void) { return SE_ARCH_COUNT - 1; }
+
+const char *se_arch_name(int32_t arch) {
+    const se_arch_desc *a = arch_of(arch);
+    return a ? a->name : NULL;
+}
+
+int32_t se_arch_id(const char *name) {
+    for (int32_t i = 1; name && i < SE_ARCH_COUNT; i++)
+        if (!strcmp(archs[i]->name, name)) return i;
+    return SE_ERR_INVALID;
+}
+
+int se_arch_layer_slot(int32_t arch, int32_t slot) {
+    const se_arch_desc *a = arch_of(arch);
+    if (!a || slot < 0 || slot >= SE_T_COUNT) return SE_ERR_INVALID;
+    for (int i = 0; i < a->n_layer_slots; i++)
+        if (a->layer_slots[i] == slot) return 1;
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Models
+ */
+
+se_model *se_model_new(const se_hparams *hp) {
+    se_kernels_init(); /* the SIMD paths are chosen before the first model is described */
+    if (!hp || !arch_of(hp->arch)) return NULL;
+    /* Sanity bounds: a hostile header must not make us allocate or index wildly. */
+    if (hp->n_vocab < 1 || hp->n_vocab > (1 << 24)) return NULL;
+    if (hp->n_embd < 1 || hp->n_embd > (1 << 16)) return NULL;
+    if (hp->n_ff < 1 || hp->n_ff > (1 << 18)) return NULL;
+    if (hp->n_layer < 1 || hp->n_layer > 1024) return NULL;
+    if (hp->n_head < 1 || hp->n_head > 1024) return NULL;
+    if (hp->n_head_kv < 1 || hp->n_head_kv > hp->n_head || hp->n_head % hp->n_head_kv) return NULL;
+    if (hp->head_dim < 2 || hp->head_dim > 1024) return NULL;
+    if (hp->n_rot < 2 || hp->n_rot > hp->head_dim || hp->n_rot % 2) return NULL;
+    if (hp->rope_type != SE_ROPE_NORM && hp->rope_type != SE_ROPE_NEOX) return NULL;
+    if (!(hp->norm_eps >= 0 && hp->norm_eps < 1)) return NULL;
+    if (!(hp->rope_base > 0) || !(hp->rope_freq_scale > 0)) return NULL;
+    if (!isfinite(hp->attn_scale) || !isfinite(hp->embd_scale)) return NULL;
+
+    se_model *m = calloc(1, sizeof *m);
+    if (!m) return NULL;
+    m->hp = *hp;
+    m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
+    if (!m->layers) { free(m); return NULL; }
+    for (int il = 0; il < hp->n_layer; il++) {
+        m->layers[il].rope_base = hp->rope_base;
+        m->layers[il].sliding_window = 0;
+    }
+    return m;
+}
+
+void se_model_free(se_model *m) {
+    if (!m) return;
+    free(m->layers);
+    free(m);
+}
+
+static int is_norm_slot(int slot) {
+    return slot == SE_T_OUTPUT_NORM || slot == SE_T_ATTN_NORM || slot == SE_T_ATTN_Q_NORM ||
+           slot == SE_T_ATTN_K_NORM || slot == SE_T_ATTN_POST_NORM || slot == SE_T_FFN_NORM ||
+           slot == SE_T_FFN_POST_NORM;
+}
+
+/* The shape a slot must have: ne0 (row length) and ne1 (rows; 1 for vectors). */
+static void expected_shape(const se_hparams *hp, int slot, int64_t *ne0, int64_t *ne1) {
+    int64_t E = hp->n_embd, Dq = (int64_t)hp->n_head * hp->head_dim;
+    int64_t Dkv = (int64_t)hp->n_head_kv * hp->head_dim;
+    *ne1 = 1;
+    switch (slot) {
+    case SE_T_TOKEN_EMBD: case SE_T_OUTPUT: *ne0 = E; *ne1 = hp->n_vocab; break;
+    case SE_T_OUTPUT_NORM: case SE_T_ATTN_NORM: case SE_T_ATTN_POST_NORM:
+    case SE_T_FFN_NORM: case SE_T_FFN_POST_NORM: *ne0 = E; break;
+    case SE_T_ATTN_Q: *ne0 = E; *ne1 = Dq; break;
+    case SE_T_ATTN_K: case SE_T_ATTN_V: *ne0 = E; *ne1 = Dkv; break;
+    case SE_T_ATTN_OUTPUT: *ne0 = Dq; *ne1 = E; break;
+    case SE_T_ATTN_Q_NORM: case SE_T_ATTN_K_NORM: *ne0 = hp->head_dim; break;
+    case SE_T_FFN_GATE: case SE_T_FFN_UP: *ne0 = E; *ne1 = hp->n_ff; break;
+    case SE_T_FFN_DOWN: *ne0 = hp->n_ff; *ne1 = E; break;
+    default: *ne0 = *ne1 = -1;
+    }
+}
+
+static int is_global_slot(int slot) {
+    return slot == SE_T_TOKEN_EMBD || slot == SE_T_OUTPUT_NORM || slot == SE_T_OUTPUT;
+}
+
+int se_model_set_tensor(se_model *m, int32_t layer, int32_t slot, const void *data, int32_t type,
+                        int64_t ne0, int64_t ne1) {
+    if (!m || m->finalized || !data || slot < 0 || slot >= SE_T_COUNT) return SE_ERR_INVALID;
+    if (is_global_slot(slot) ? layer != -1 : (layer < 0 || layer >= m->hp.n_layer)) return SE_ERR_INVALID;
+    int64_t want0, want1;
+    expected_shape(&m->hp, slot, &want0, &want1);
+    if (ne0 != want0 || ne1 != want1) return SE_ERR_INVALID;
+    const se_type_traits *tr = se_traits(type);
+    if (!tr || ne0 % tr->blck) return SE_ERR_INVALID;
+    if (is_norm_slot(slot)) {
+        if (type != SE_F32) return SE_ERR_INVALID; /* read directly as floats */
+    } else if (slot == SE_T_TOKEN_EMBD) {
+        if (!tr->to_float) return SE_ERR_INVALID; /* rows are dequantized one at a time */
+    } else {
+        /* a matmul weight: needs a dot and an activation type we can produce */
+        const se_type_traits *at = se_traits(tr->act_type);
+        if (!tr->dot || !at || !at->from_float) return SE_ERR_INVALID;
+    }
+    se_tensor t = { data, type, ne0, ne1, se_row_size(type, ne0) };
+    if (is_global_slot(slot)) {
+        if (slot == SE_T_TOKEN_EMBD) m->token_embd = t;
+        else if (slot == SE_T_OUTPUT_NORM) m->output_norm = t;
+        else m->output = t;
+    } else {
+        m->layers[layer].t[slot] = t;
+    }
+    return SE_OK;
+}
+
+int se_model_set_layer(se_model *m, int32_t layer, float rope_base, int32_t sliding_window) {
+    if (!m || m->finalized || layer < 0 || layer >= m->hp.n_layer) return SE_ERR_INVALID;
+    if (!(rope_base > 0) || sliding_window < 0) return SE_ERR_INVALID;
+    m->layers[layer].rope_base = rope_base;
+    m->layers[layer].sliding_window = sliding_window;
+    return SE_OK;
+}
+
+int se_model_finalize(se_model *m, int32_t *bad_layer, int32_t *bad_slot) {
+    if (!m) return SE_ERR_INVALID;
+    int32_t dummy_l, dummy_s;
+    if (!bad_layer) bad_layer = &dummy_l;
+    if (!bad_slot) bad_slot = &dummy_s;
+    *bad_layer = -1;
+    *bad_slot = -1;
+    if (!m->token_embd.data) { *bad_slot = SE_T_TOKEN_EMBD; return SE_ERR_MISSING; }
+    if (!m->output_norm.data) { *bad_slot = SE_T_OUTPUT_NORM; return SE_ERR_MISSING; }
+    if (!m->output.data) {
+        /* tied output head: the embedding matrix, which must then be usable as a matmul weight */
+        const se_type_traits *tr = se_traits(m->token_embd.type);
+        const se_type_traits *at = se_traits(tr->act_type);
+        if (!tr->dot || !at || !at->from_float) { *bad_slot = SE_T_OUTPUT; return SE_ERR_MISSING; }
+        m->output = m->token_embd;
+    }
+    const se_arch_desc *arch = arch_of(m->hp.arch);
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        for (int i = 0; i < arch->n_layer_slots; i++) {
+            if (!m->layers[il].t[arch->layer_slots[i]].data) {
+                *bad_layer = il;
+                *bad_slot = arch->layer_slots[i];
+                return SE_ERR_MISSING;
+            }
+        }
+    }
+    /* one rope table per distinct base, shared by the layers that use it */
+    m->n_rope = 0;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        se_layer *L = &m->layers[il];
+        int k = 0;
+        while (k < m->n_rope && m->rope_bases[k] != L->rope_base) k++;
+        if (k == m->n_rope) {
+            if (m->n_rope == SE_MAX_ROPE_TABLES) return SE_ERR_INVALID;
+            m->rope_bases[m->n_rope++] = L->rope_base;
+        }
+        L->rope_idx = k;
+    }
+    m->finalized = 1;
+    return SE_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Contexts
+ */
+
+static void *xalloc(size_t n, int *ok) {
+    /* 64-byte aligned (cache lines, and SIMD loads in the kernels) */
+    void *p = NULL;
+    if (n == 0) n = 64;
+    if (posix_memalign(&p, 64, (n + 63) / 64 * 64) != 0) { *ok = 0; return NULL; }
+    return p;
+}
+
+/* Every activation type any matmul of the model needs, and the widest input row (k). */
+static size_t max_act_row(const se_model *m, int64_t k) {
+    size_t best = se_row_size(SE_F32, k);
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        for (int s = 0; s < SE_T_COUNT; s++) {
+            const se_tensor *t = &m->layers[il].t[s];
+            if (!t->data || is_norm_slot(s)) continue;
+            size_t r = se_row_size(se_traits(t->type)->act_type, k);
+            if (r > best) best = r;
+        }
+    }
+    size_t r = se_row_size(se_traits(m->output.type)->act_type, k);
+    return r > best ? r : best;
+}
+
+se_context *se_context_new(const se_model *m, const se_context_params *cp_in) {
+    if (!m || !m->finalized || !cp_in) return NULL;
+    se_context_params cp = *cp_in;
+    if (cp.n_ctx < 1 || cp.n_ctx > (1 << 22)) return NULL;
+    if (cp.n_threads < 1) cp.n_threads = 1;
+    if (cp.n_threads_batch < 1) cp.n_threads_batch = cp.n_threads;
+    if (cp.n_threads > 255) cp.n_threads = 255;
+    if (cp.n_threads_batch > 255) cp.n_threads_batch = 255;
+    if (cp.n_batch < 1) cp.n_batch = cp.n_ctx;
+    if (cp.n_ubatch < 1 || cp.n_ubatch > cp.n_batch) cp.n_ubatch = cp.n_batch;
+    if (cp.n_ubatch > cp.n_ctx) cp.n_ubatch = cp.n_ctx;
+
+    const se_hparams *hp = &m->hp;
+    int64_t E = hp->n_embd, F = hp->n_ff, Dq = (int64_t)hp->n_head * hp->head_dim;
+    int64_t kmax = max64(max64(E, F), Dq);
+    int64_t U = cp.n_ubatch, V = hp->n_vocab;
+    int n_thr = cp.n_threads > cp.n_threads_batch ? cp.n_threads : cp.n_threads_batch;
+
+    se_context *c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    c->m = m;
+    c->cp = cp;
+    int ok = 1;
+    size_t kv = (size_t)hp->n_layer * hp->n_head_kv * (size_t)se_kv_positions(cp.n_ctx) * hp->head_dim;
+    c->k_cache = xalloc(kv * sizeof(float), &ok);
+    c->v_cache = xalloc(kv * sizeof(float), &ok);
+    c->k_new = xalloc((size_t)(U * hp->n_head_kv * hp->head_dim) * sizeof(float), &ok);
+    c->tokens = xalloc((size_t)cp.n_ctx * sizeof(int32_t), &ok);
+    c->x = xalloc((size_t)(U * E) * sizeof(float), &ok);
+    c->xb = xalloc((size_t)(U * kmax) * sizeof(float), &ok);
+    c->q = xalloc((size_t)(U * Dq) * sizeof(float), &ok);
+    c->att = xalloc((size_t)(U * Dq) * sizeof(float), &ok);
+    c->tmp = xalloc((size_t)(U * E) * sizeof(float), &ok);
+    c->hb = xalloc((size_t)(U * F) * sizeof(float), &ok);
+    c->hb2 = xalloc((size_t)(U * F) * sizeof(float), &ok);
+    c->rope = xalloc((size_t)m->n_rope * (size_t)U * (size_t)hp->n_rot * sizeof(float), &ok);
+    size_t act_row = max_act_row(m, kmax);
+    c->act_size = act_row * (size_t)U;
+    for (int j = 0; j < 3; j++) c->act[j] = xalloc(c->act_size, &ok);
+    c->logits = xalloc((size_t)V * sizeof(float), &ok);
+    c->cand = xalloc((size_t)V * sizeof(se_cand), &ok);
+    c->counts = calloc((size_t)V, sizeof(int32_t));
+    if (!c->counts) ok = 0;
+    c->ts = calloc((size_t)n_thr, sizeof *c->ts);
+    if (!c->ts) ok = 0;
+    for (int i = 0; ok && i < n_thr; i++) {
+        c->ts[i].norm = xalloc((size_t)(SE_PRIVATE_TOKENS * kmax) * sizeof(float), &ok);
+        for (int j = 0; j < 3; j++) c->ts[i].act[j] = xalloc(act_row * SE_PRIVATE_TOKENS, &ok);
+    }
+    if (ok) {
+        c->pool = se_pool_new(n_thr);
+        if (!c->pool) ok = 0;
+    }
+    if (!ok) { se_context_free(c); return NULL; }
+    memset(c->logits, 0, (size_t)V * sizeof(float));
+    c->n_past = 0;
+    return c;
+}
+
+void se_context_free(se_context *c) {
+    if (!c) return;
+    if (c->pool) se_pool_free(c->pool);
+    int n_thr = c->cp.n_threads > c->cp.n_threads_batch ? c->cp.n_threads : c->cp.n_threads_batch;
+    if (c->ts) {
+        for (int i = 0; i < n_thr; i++) {
+            free(c->ts[i].norm);
+            for (int j = 0; j < 3; j++) free(c->ts[i].act[j]);
+        }
+        free(c->ts);
+    }
+    free(c->k_cache); free(c->v_cache); free(c->k_new); free(c->tokens);
+    free(c->x); free(c->xb); free(c->q); free(c->att); free(c->tmp); free(c->hb); free(c->hb2);
+    free(c->rope);
+    for (int j = 0; j < 3; j++) free(c->act[j]);
+    free(c->logits); free(c->cand); free(c->counts);
+    free(c);
+}
+
+float *se_context_logits(se_context *c) { return c->logits; }
+int32_t se_context_n_past(const se_context *c) { return c->n_past; }
+const int32_t *se_context_tokens(const se_context *c) { return c->tokens; }
+
+void se_context_reset(se_context *c) {
+    c->n_past = 0;
+    c->rng_seeded = 0; /* the next sample reseeds: the same seed replays the same draws */
+}
+
+int se_context_truncate(se_context *c, int32_t n_past) {
+    if (n_past < 0 || n_past > c->n_past) return SE_ERR_INVALID;
+    c->n_past = n_past; /* positions past n_past are simply overwritten by later decodes */
+    c->rng_seeded = 0;  /* a truncated context starts a new continuation: the seed replays too */
+    return SE_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Decoding
+ */
+
+int se_decode(se_context *c, const int32_t *tokens, int32_t n, float *all_logits) {
+    if (!c || !tokens || n < 1) return SE_ERR_INVALID;
+    const se_hparams *hp = &c->m->hp;
+    if ((int64_t)c->n_past + n > c->cp.n_ctx) return SE_ERR_CONTEXT_OVERFLOW;
+    for (int32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab) return SE_ERR_BAD_TOKEN;
+    se_pool_fn forward = arch_of(hp->arch)->forward;
+    int32_t done = 0;
+    while (done < n) {
+        /* a logical batch of n_batch tokens, evaluated in ubatches of n_ubatch */
+        int32_t batch_end = (int32_t)min64(n, (int64_t)done + c->cp.n_batch);
+        while (done < batch_end) {
+            int32_t nu = (int32_t)min64(c->cp.n_ubatch, batch_end - done);
+            memcpy(c->tokens + c->n_past, tokens + done, (size_t)nu * sizeof(int32_t));
+            c->ub_tokens = tokens + done;
+            c->ub_n = nu;
+            c->ub_pos = c->n_past;
+            c->ub_out = all_logits ? all_logits + (size_t)done * hp->n_vocab : NULL;
+            c->ub_out_first = (done + nu == n) ? nu - 1 : -1; /* last token of the call */
+            int nth = nu == 1 ? c->cp.n_threads : c->cp.n_threads_batch;
+            se_pool_run(c->pool, nth, forward, c);
+            c->n_past += nu;
+            done += nu;
+        }
+    }
+    if (all_logits)
+        memcpy(c->logits, all_logits + (size_t)(n - 1) * hp->n_vocab, (size_t)hp->n_vocab * sizeof(float));
+    return SE_OK;
+}
