@@ -35,6 +35,11 @@ KEY_FIELDS = (
     "use_mmap",
 )
 
+VS_LLAMACPP_HINT = (
+    "compare reads two results files; to benchmark the reference engine against llama.cpp on this "
+    "machine, run `infer bench vs-llamacpp` (`infer bench vs-llamacpp --help` lists its options)"
+)
+
 USAGE = """usage: infer-bench compare BASE CANDIDATE [options]
 
 BASE and CANDIDATE: json/jsonl files (-o json|jsonl), sql text (-o sql) or sqlite databases.
@@ -372,6 +377,10 @@ def main(argv: list[str]) -> int:
             print(f"infer-bench: wrote {opts['plot']}", file=sys.stderr)
     except CompareError as e:
         print(f"error: {e}", file=sys.stderr)
+        if not files:
+            # no results file at all: most likely the reference-vs-llama.cpp run, which was
+            # `infer bench compare` before it was named for what it does
+            print(f"hint: {VS_LLAMACPP_HINT}", file=sys.stderr)
         if "invalid parameter" in str(e) or "two results files" in str(e):
             print(USAGE, end="", file=sys.stderr)
         return 1

@@ -1,6 +1,6 @@
 """The project's own comparison: the reference engine and llama.cpp side by side, same machine, same run.
 
-    infer bench compare [--reps N] [--out DIR] [--models A,B] [--threads 1,2] [--depths 0,512] [--name NAME]
+    infer bench vs-llamacpp [--reps N] [--out DIR] [--models A,B] [--threads 1,2] [--depths 0,512] [--name NAME]
     (also: python -m stdengine.bench.compare_llamacpp ...)
 
 Runs llama-bench's pp512 and tg128 through infer-bench for both engines on both catalogue models
@@ -9,7 +9,7 @@ count, so that both meet the machine in the same state), and writes into the --o
 (default ./bench-results, in the current directory; the project's measurements are in its
 bench/results/, written with --out bench/results):
 
-    NAME.jsonl   the records (infer-bench -o jsonl; `infer-bench compare` reads it)
+    NAME.jsonl   the records (infer bench -o jsonl; `infer bench compare` reads it)
     NAME.md      the machine (CPU model, cores, date), the table, the reference/llama.cpp ratios
                  and each engine's peak memory
     NAME.png     the plot (when matplotlib is installed)
@@ -39,7 +39,7 @@ from stdengine.bench.compare import CompareError, pair_rows, plot, render
 from stdengine.bench.params import BenchParams, physical_cores, with_defaults
 from stdengine.bench.printers import make_printer
 from stdengine.bench.record import cpu_info, stdengine_commit
-from stdengine.bench.runner import run
+from stdengine.bench.runner import bench_emitter, run
 
 MODELS = ("smollm2-135m-instruct", "gemma-3-270m")
 RESULTS = Path("bench-results")  # relative to the current directory, never the installed package
@@ -79,7 +79,7 @@ def report():
             sys.stderr.write("peak-rss-kib " + line.split()[1] + "\\n")
 atexit.register(report)
 sys.argv[0] = "infer-bench"
-runpy.run_module("stdengine.bench.cli", run_name="__main__")
+runpy.run_module("stdengine.cli.bench", run_name="__main__")
 """
 
 
@@ -151,7 +151,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m stdengine.bench.c
                 flush=True,
             )
 
-        from stdengine.bench.cli import _emitter
         from stdengine.bench.progress import LineProgress
 
         print(f"machine: {desc['cpu']}, {desc['physical_cores']} cores, {desc['date']}", file=sys.stderr)
@@ -161,7 +160,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m stdengine.bench.c
             for threads in params.n_threads:
                 part = replace(params, models=[model], n_threads=[threads])
                 progress = LineProgress() if args.progress else None
-                status = run(part, on_record, _emitter(params), progress=progress) or status
+                status = run(part, on_record, bench_emitter(params), progress=progress) or status
         md_printer.footer()
 
     # Peak memory, one process per engine and model (after the timed runs, so it cannot skew them).

@@ -170,6 +170,7 @@ DEFAULTS = BenchParams(
 
 USAGE = f"""usage: infer-bench [options]
        infer-bench compare BASE CANDIDATE [--plot FILE.png] [-o md|csv|json]
+       infer-bench vs-llamacpp [--reps N] [--out DIR] ...   (reference engine vs llama.cpp)
 
 options:
   -h, --help

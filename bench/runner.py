@@ -10,6 +10,7 @@ the tests that share it.
 
 from __future__ import annotations
 
+import io
 import random
 import sys
 import time
@@ -119,6 +120,13 @@ def measure(
 # --- loading -------------------------------------------------------------------------------
 
 
+def bench_emitter(params: BenchParams) -> Any:
+    """infer-bench's log: events on stderr (text) only with -v, as llama-bench prints nothing else."""
+    from stdengine.events import Emitter
+
+    return Emitter(verbosity=1 if params.verbose else 0, stream=None if params.verbose else io.StringIO())
+
+
 def options_for(inst: Instance, cls: Any, params: BenchParams, n_ctx: int) -> tuple[dict[str, Any], set[str]]:
     """The canonical options to load `inst` with, and those the user set (which the engine must
     honour or refuse). infer-bench's own choices (n_ctx, threads) are passed only to engines that
@@ -185,7 +193,7 @@ def _flag_value(v: Any) -> str:
 
 def bos_token(engine: Any) -> int | None:
     """The BOS id if the model adds one: what the engine's own tokenizer puts before an empty text."""
-    if "tokenize" not in getattr(engine, "capabilities", frozenset()):
+    if "tokenize" not in engine.capabilities:
         return None
     try:
         ids = engine.tokenize("", add_special=True, parse_special=True)
@@ -194,27 +202,18 @@ def bos_token(engine: Any) -> int | None:
     return int(ids[0]) if ids else None
 
 
-Loader = Callable[[type, dict[str, Any], Any], Any]
-
-
-def default_loader(cls: Any, values: dict[str, Any], events: Any) -> Any:
-    from stdengine.options import Options
-
-    return cls.load(Options.model_validate(values), events)
-
-
 def run(
     params: BenchParams,
     on_record: Callable[[dict[str, Any]], None],
     events: Any,
     progress: Progress | None = None,
-    loader: Loader = default_loader,
     warn: Callable[[str], None] | None = None,
     on_start: Callable[[], None] | None = None,
 ) -> int:
     """Run every test; each finished record goes to on_record. Returns the exit status: 0, or the
     status of the last error (an engine that failed to load or run is reported and skipped)."""
     from stdengine import registry
+    from stdengine.options import Options
     from stdengine.store import resolve_model
 
     warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -228,6 +227,8 @@ def run(
             from stdengine.errors import EngineUnavailable
 
             raise EngineUnavailable(f"engine '{cls.name}' cannot load here: {reason}")
+    # Before anything loads, the classes' declarations are all there is to go by (fail fast); a
+    # loaded engine's own capabilities are read from the instance (bos_token).
     no_decode = [name for name, cls in classes.items() if "logits" not in cls.capabilities]
     if no_decode:
         raise UnsupportedOption(
@@ -262,9 +263,8 @@ def run(
             for _ in range(n * ((0 if params.no_warmup else 1) + params.reps)):
                 progress.advance()
             continue
-        events.engine, events.model = cls.name, model_path
         try:
-            engine = loader(cls, values, events)
+            engine = registry.load(Options.model_validate(values), events, given).engine
         except Exception as e:  # reported, and the other engines still run
             warn(f"error: engine '{cls.name}' failed to load {model_path}: {_message(e)}")
             if isinstance(e, InferError) and e.hint:

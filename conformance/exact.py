@@ -1,9 +1,12 @@
 """The exact reference: what a GGUF model computes, in float64 numpy, independent of any engine.
 
-This module defines the model's math for the conformance suite. It reads the GGUF with the `gguf`
-package, dequantizes every weight once with `gguf.quants.dequantize` (the quantized values *are*
-the model; dequantizing them is exact) and runs the forward pass over a whole token sequence in
-float64, with a causal mask instead of a KV cache. Nothing here is fast and nothing needs to be:
+This module defines the model's math for the conformance suite. It reads the GGUF's header and
+tensor table with stdengine.gguf_file (the project's one GGUF reader: it only says where each
+tensor's bytes lie, and checks the bounds), dequantizes every weight once with the `gguf` package's
+`gguf.quants.dequantize` (the quantized values *are* the model; dequantizing them is exact) and
+runs the forward pass over a whole token sequence in float64, with a causal mask instead of a KV
+cache. The decoding of the quantized formats, where an engine's kernels could go wrong, stays the
+gguf package's own: that keeps this judge independent of the engines it judges. Nothing here is fast and nothing needs to be:
 it runs when golden data is made (`python -m stdengine.conformance.golden`), never in CI.
 
 Precision: every weight is stored and every operation is done in float64. Gemma-3-270M's
@@ -40,7 +43,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -62,55 +64,50 @@ class Hparams:
     n_vocab: int
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 class ExactModel:
     """A GGUF model's float64 forward pass. `logits(tokens)` returns (len(tokens), n_vocab)."""
 
     SUPPORTED = ("llama", "gemma3")
 
     def __init__(self, path: str | Path) -> None:
-        import gguf
+        from stdengine.gguf_file import scan_gguf
 
         self.path = Path(path)
-        reader = gguf.GGUFReader(str(self.path))
-        arch = str(_field(reader, "general.architecture"))
+        header = scan_gguf(self.path)
+        md = header.metadata
+        arch = str(md.get("general.architecture"))
         if arch not in self.SUPPORTED:
             raise ValueError(f"the exact reference implements {self.SUPPORTED}, not {arch!r}")
-        self.reader = reader
+        self.metadata = md
         a = arch
-        n_embd = int(_field(reader, f"{a}.embedding_length"))
-        n_head = int(_field(reader, f"{a}.attention.head_count"))
-        n_head_kv = int(_field(reader, f"{a}.attention.head_count_kv", n_head))
-        head_dim = int(_field(reader, f"{a}.attention.key_length", n_embd // n_head))
+        n_embd = int(md[f"{a}.embedding_length"])
+        n_head = int(md[f"{a}.attention.head_count"])
+        n_head_kv = int(md.get(f"{a}.attention.head_count_kv", n_head))
+        head_dim = int(md.get(f"{a}.attention.key_length", n_embd // n_head))
         gemma = arch == "gemma3"
-        base = float(_field(reader, f"{a}.rope.freq_base", 10000.0))
+        base = float(md.get(f"{a}.rope.freq_base", 10000.0))
         self.hp = Hparams(
             arch=arch,
-            n_layer=int(_field(reader, f"{a}.block_count")),
+            n_layer=int(md[f"{a}.block_count"]),
             n_embd=n_embd,
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
-            n_rot=int(_field(reader, f"{a}.rope.dimension_count", head_dim)),
-            eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon")),
+            n_rot=int(md.get(f"{a}.rope.dimension_count", head_dim)),
+            eps=float(md[f"{a}.attention.layer_norm_rms_epsilon"]),
             rope_base=base,
-            rope_base_local=float(_field(reader, f"{a}.rope.freq_base_swa", 10000.0)) if gemma else base,
-            window=int(_field(reader, f"{a}.attention.sliding_window", 0)) if gemma else 0,
-            pattern=int(_field(reader, f"{a}.attention.sliding_window_pattern", 6)) if gemma else 0,
+            rope_base_local=float(md.get(f"{a}.rope.freq_base_swa", 10000.0)) if gemma else base,
+            window=int(md.get(f"{a}.attention.sliding_window", 0)) if gemma else 0,
+            pattern=int(md.get(f"{a}.attention.sliding_window_pattern", 6)) if gemma else 0,
             n_vocab=0,
         )
-        scaling = _field(reader, f"{a}.rope.scaling.type")
-        if scaling not in (None, "none") and float(_field(reader, f"{a}.rope.scaling.factor", 1.0)) != 1.0:
+        scaling = md.get(f"{a}.rope.scaling.type")
+        if scaling not in (None, "none") and float(md.get(f"{a}.rope.scaling.factor", 1.0)) != 1.0:
             raise ValueError("the exact reference does not implement RoPE scaling")
-        if _field(reader, f"{a}.final_logit_softcapping") or _field(reader, f"{a}.attn_logit_softcapping"):
+        if md.get(f"{a}.final_logit_softcapping") or md.get(f"{a}.attn_logit_softcapping"):
             raise ValueError("the exact reference does not implement logit soft-capping")
-        self._tensors = {t.name: t for t in reader.tensors}
+        self._tensors = {t.name: t for t in header.tensors}
+        self._file = np.memmap(self.path, dtype=np.uint8, mode="r")  # read-only, pages read on use
         self._cache: dict[str, np.ndarray] = {}
         self.hp.n_vocab = self.w("token_embd.weight").shape[0]
 
@@ -118,11 +115,13 @@ class ExactModel:
     def w(self, name: str) -> np.ndarray:
         """A weight dequantized to float64, numpy shape (rows, row_length), cached for the session."""
         if name not in self._cache:
+            from gguf import GGMLQuantizationType
             from gguf.quants import dequantize
 
             t = self._tensors[name]
-            arr = dequantize(t.data, t.tensor_type)
-            shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists ne0 (the row) first
+            raw = self._file[t.offset : t.offset + t.n_bytes]
+            arr = dequantize(raw, GGMLQuantizationType(t.type_id))
+            shape = tuple(reversed(t.shape))  # GGUF lists ne0 (the row) first
             self._cache[name] = np.asarray(arr, dtype=np.float64).reshape(shape)
         return self._cache[name]
 

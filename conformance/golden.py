@@ -184,18 +184,15 @@ def _generation_case(
 
 
 def make_golden(alias: str, path: Path, log: Any = print) -> dict[str, Any]:
-    import gguf
     import llama_cpp
     from stdengine.conformance.exact import ExactModel
 
+    from stdengine.gguf_file import scan_gguf
+
     t0 = time.time()
-    reader = gguf.GGUFReader(str(path))
-    arch = str(reader.fields["general.architecture"].contents())
-    template = (
-        str(reader.fields["tokenizer.chat_template"].contents())
-        if "tokenizer.chat_template" in reader.fields
-        else None
-    )
+    metadata = scan_gguf(path).metadata
+    arch = str(metadata["general.architecture"])
+    template = metadata.get("tokenizer.chat_template")
     llm = _llama(path)
 
     def tok(text: str, add_special: bool, parse_special: bool) -> list[int]:

@@ -28,6 +28,22 @@ from stdengine.conformance.cases import (
 from stdengine.conformance.corpus import COMPLETION_PROMPT
 from stdengine.conformance.suite import Check, Context, Level, NotSupported, Outcome, Skip
 
+from stdengine.openai_wire import (
+    DONE,
+    ErrorReply,
+    SseDecoder,
+    WireError,
+    bearer,
+    choice_text,
+    echo_body,
+    logprob_entries,
+    model_ids,
+    parse_chunk,
+    root_url,
+    sse_events,
+    tokens_of,
+)
+
 TIMEOUT_S = 120.0
 MAX_TOKENS = 8
 
@@ -39,24 +55,14 @@ class Reply:
         self.status = status
         self.body = body
         self.headers = headers
-        self.times = times  # with request(timed=True): seconds from sending to each `data:` line
+        self.times = times  # with request(timed=True): seconds from sending to each event's end
 
     def json(self) -> Any:
         return json.loads(self.body.decode("utf-8"))
 
     def sse(self) -> list[str]:
-        """The `data:` payloads of a server-sent-events body, in order."""
-        out = []
-        for line in self.body.decode("utf-8").splitlines():
-            if line.startswith("data:"):
-                out.append(line[5:].strip())
-        return out
-
-
-def root(url: str) -> str:
-    """The server root: a URL given with /v1 (or /v1/) works as well as one without."""
-    u = url.rstrip("/")
-    return u[:-3] if u.endswith("/v1") else u
+        """The data of each server-sent event of the body, in order."""
+        return list(sse_events([self.body.decode("utf-8")]))
 
 
 def request(
@@ -70,24 +76,21 @@ def request(
     timed: bool = False,
 ) -> Reply:
     """One HTTP request; an HTTP error status is a Reply too. timed: read the body line by line
-    as it arrives and note when each `data:` line came (for the streaming checks)."""
+    as it arrives and note when each server-sent event came (for the streaming checks)."""
     assert ctx.url is not None
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(root(ctx.url) + path, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    key = api_key if api_key is not None else ctx.api_key
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
+    headers = {"Content-Type": "application/json", **bearer(api_key if api_key is not None else ctx.api_key)}
+    req = urllib.request.Request(root_url(ctx.url) + path, data=data, headers=headers, method=method)
     try:
         t0 = time.perf_counter()
         with urllib.request.urlopen(req, timeout=TIMEOUT_S) as r:
             if not timed:
                 return Reply(r.status, r.read(), dict(r.headers))
-            lines, times = [], []
+            lines, times, events = [], [], SseDecoder()
             for line in iter(r.readline, b""):
                 lines.append(line)
-                if line.startswith(b"data:"):
-                    times.append(time.perf_counter() - t0)
+                times += [time.perf_counter() - t0 for _ in events.feed(line.decode("utf-8"))]
+            times += [time.perf_counter() - t0 for _ in events.close()]
             return Reply(r.status, b"".join(lines), dict(r.headers), times)
     except urllib.error.HTTPError as e:
         return Reply(e.code, e.read(), dict(e.headers or {}))
@@ -98,7 +101,7 @@ def probe(url: str, timeout_s: float = 10.0) -> None:
     from stdengine.errors import EngineUnavailable
 
     try:
-        urllib.request.urlopen(root(url) + "/v1/models", timeout=timeout_s).close()
+        urllib.request.urlopen(root_url(url) + "/v1/models", timeout=timeout_s).close()
     except urllib.error.HTTPError:
         return
     except (OSError, ValueError) as e:
@@ -111,7 +114,7 @@ def model_id(ctx: Context) -> str:
     def find() -> str:
         r = request(ctx, "GET", "/v1/models")
         try:
-            return str(r.json()["data"][0]["id"])
+            return model_ids(r.json())[0]
         except Exception:
             return ctx.model or "default"
 
@@ -221,15 +224,15 @@ def _stream(
         if not _status(out, r, 200, f"POST {route} stream"):
             return
         events = r.sse()
-        out.expect(bool(events) and events[-1] == "[DONE]", "the stream ends with data: [DONE]")
+        out.expect(bool(events) and events[-1] == DONE, "the stream ends with data: [DONE]")
         chunks = []
         for e in events:
-            if e == "[DONE]":
+            if e == DONE:
                 continue
             try:
-                chunks.append(json.loads(e))
-            except ValueError:
-                out.add("fail", f"a data line is not JSON: {e[:80]!r}")
+                chunks.append(parse_chunk(e))
+            except WireError as err:
+                out.add("fail", f"not a JSON chunk: {err}")
         out.expect(len(chunks) >= 2, f"{len(chunks)} chunks")
         out.expect(all(c.get("object") == chunk_object for c in chunks), f"every chunk is a {chunk_object}")
         finishes = [
@@ -264,11 +267,7 @@ def _envelope(out: Outcome, r: Reply, statuses: tuple[int, ...], what: str) -> N
         r.status in statuses,
         f"{what}: HTTP {r.status}" + ("" if r.status in statuses else f" (want {statuses})"),
     )
-    try:
-        err = r.json().get("error")
-    except Exception:
-        err = None
-    ok = isinstance(err, dict) and isinstance(err.get("message"), str) and isinstance(err.get("type"), str)
+    ok = ErrorReply.of(r.status, r.body).openai_shape
     out.expect(
         ok,
         f"{what}: OpenAI error envelope" if ok else f"{what}: not an OpenAI error envelope: {r.body[:160]!r}",
@@ -490,8 +489,12 @@ def tokenize(name: str) -> Callable[[Context, Outcome], None]:
             raise NotSupported(f"the server has no /tokenize (HTTP {r.status})")
         if not _status(out, r, 200, "POST /tokenize"):
             return
-        tokens = r.json().get("tokens")
-        got = [t["id"] if isinstance(t, dict) else t for t in tokens] if isinstance(tokens, list) else tokens
+        try:
+            got: Any = tokens_of(r.json())
+        except (KeyError, TypeError, ValueError):
+            got = None
+        if got is None:
+            got = r.body[:200]
         out.expect(
             got == case["ids"],
             f"{len(case['ids'])} ids match llama.cpp's"
@@ -562,16 +565,16 @@ def stop(ctx: Context, out: Outcome) -> None:
             out.expect(a.finish == "stop", f"{what}: finish_reason {a.finish!r} (want 'stop')")
 
 
-def _stream_parts(r: Reply, chat: bool) -> tuple[list[str], list[float], Any, list[str]]:
+def _stream_parts(r: Reply) -> tuple[list[str], list[float], Any, list[str]]:
     """A stream's content pieces, when each arrived, its usage, and its finish reasons."""
     texts, times, usage, finishes = [], [], None, []
     for payload, t in zip(r.sse(), r.times or [0.0] * len(r.sse()), strict=True):
-        if payload == "[DONE]":
+        if payload == DONE:
             continue
-        c = json.loads(payload)
+        c = parse_chunk(payload)
         usage = c.get("usage") or usage
         for ch in c.get("choices") or []:
-            piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            piece = choice_text(ch)
             if piece:
                 texts.append(piece)
                 times.append(t)
@@ -593,7 +596,7 @@ def stream_equals(kind: str) -> Callable[[Context, Outcome], None]:
         if not (whole.ok(out, "the plain request") and _status(out, r, 200, "the streamed request")):
             return
         assert whole.text is not None
-        texts, _, usage, finishes = _stream_parts(r, kind == "chat")
+        texts, _, usage, finishes = _stream_parts(r)
         expect_text(out, "".join(texts), whole.text, "the streamed text")
         out.expect(
             finishes == [whole.finish], f"finish reasons {finishes} (the plain request's: {whole.finish!r})"
@@ -620,7 +623,7 @@ def stream_incremental(ctx: Context, out: Outcome) -> None:
     r = request(ctx, "POST", "/v1/completions", gen_body(ctx, case, stream=True), timed=True)
     if not _status(out, r, 200, "POST /v1/completions stream"):
         return
-    texts, times, _, _ = _stream_parts(r, False)
+    texts, times, _, _ = _stream_parts(r)
     out.details.update({"chunks": len(texts), "times_s": [round(t, 4) for t in times]})
     out.expect(
         len(texts) >= MIN_STREAM_CHUNKS,
@@ -643,17 +646,6 @@ class ServerFault(Exception):
     """The server answered something the check cannot use, which is the server's fault."""
 
 
-def _logprobs_body(ctx: Context, prompt: Any) -> dict[str, Any]:
-    return {
-        "model": model_id(ctx),
-        "prompt": prompt,
-        "echo": True,
-        "logprobs": LOGPROBS_K,
-        "max_tokens": 1,
-        "temperature": 0,
-    }
-
-
 def served_top_logprobs(ctx: Context, text: dict[str, Any]) -> tuple[list[Any], str]:
     """The echoed `top_logprobs` of a golden logits text, one per echoed token (OpenAI: entry j is
     the distribution that predicted token j, so golden position t, the distribution after
@@ -661,13 +653,15 @@ def served_top_logprobs(ctx: Context, text: dict[str, Any]) -> tuple[list[Any], 
     from stdengine.conformance.corpus import LOGIT_TEXTS
 
     ids = text["ids"]
-    r = request(ctx, "POST", "/v1/completions", _logprobs_body(ctx, ids))
+    r = request(ctx, "POST", "/v1/completions", echo_body(model_id(ctx), ids, LOGPROBS_K))
     how = "token ids"
     if r.status != 200 and text["name"] in LOGIT_TEXTS:
         # a server that takes only text prompts (some answer 500 to a list of ids): its
         # tokenization must then give the golden ids, which the echoed tokens show
         refused = f"token ids refused (HTTP {r.status})"
-        r = request(ctx, "POST", "/v1/completions", _logprobs_body(ctx, LOGIT_TEXTS[text["name"]]))
+        r = request(
+            ctx, "POST", "/v1/completions", echo_body(model_id(ctx), LOGIT_TEXTS[text["name"]], LOGPROBS_K)
+        )
         how = f"text; {refused}"
     if 400 <= r.status < 500:
         raise NotSupported(
@@ -675,10 +669,14 @@ def served_top_logprobs(ctx: Context, text: dict[str, Any]) -> tuple[list[Any], 
         )
     if r.status != 200:
         raise ServerFault(f"echo + logprobs ({how}): HTTP {r.status}: {r.body[:200]!r}")
-    lp = ((r.json().get("choices") or [{}])[0]).get("logprobs") or {}
-    tokens, tops = lp.get("tokens"), lp.get("top_logprobs")
-    if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops):
-        raise ServerFault(f"choices[0].logprobs lacks tokens/top_logprobs of one length: {str(lp)[:200]}")
+    try:
+        entries = logprob_entries(((r.json().get("choices") or [{}])[0]).get("logprobs"))
+    except WireError as e:
+        raise ServerFault(f"choices[0].logprobs: {e}") from None
+    if not entries:
+        raise ServerFault("choices[0].logprobs has no echoed tokens")
+    tokens = [tok.token for tok, _ in entries]
+    tops = [{t.token: t.logprob for t in top} for _, top in entries]
     pieces = (ctx.golden or {}).get("pieces") or {}
     # the echoed prompt must be the golden ids, one for one (e.g. no second BOS), to line up
     if len(tokens) not in (len(ids), len(ids) + 1):

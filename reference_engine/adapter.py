@@ -80,14 +80,15 @@ class ReferenceEngine(LocalEngine):
     def load(cls, options: Options, events: Emitter) -> ReferenceEngine:
         from stdengine.reference.core import Context, check_isa_env, isa_name
         from stdengine.reference.model import Model
-        from stdengine.reference.tokenizer import Tokenizer
+        from stdengine.reference.tokenizer import Tokenizer, scan_for_tokenizer
 
         assert options.model is not None
         refuse_engine_args("reference", options)
         check_isa_env()
         t0 = now_ms()
-        model = Model.load(options.model)
-        tokenizer = Tokenizer.from_gguf(options.model)
+        header = scan_for_tokenizer(options.model)  # the file is read once, for model and tokenizer
+        model = Model.load(options.model, header)
+        tokenizer = Tokenizer.from_header(header)
         threads, threads_batch = cls.thread_counts(options)
         n_ctx = options.ctx_size or model.n_ctx_train
         ctx = Context(

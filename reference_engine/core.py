@@ -24,16 +24,18 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from stdengine.reference._lib import lib
 
 from stdengine.adapter import SamplingParams
 from stdengine.errors import ConfigError, ContextOverflow, EngineFailure, InvalidRequest, UnsupportedOption
-
-from ._lib import lib
+from stdengine.gguf_file import GGML_TYPES
 
 if TYPE_CHECKING:
-    from .model import Model
+    from stdengine.reference.model import Model
 
-# engine.h enums (keep in step)
+# engine.h's enums and structs, mirrored here: tests/test_c_mirrors.py compiles a C program against
+# the headers and checks every value, field offset and size below (each struct names its C type
+# in _c_struct_).
 OK, ERR_CONTEXT_OVERFLOW, ERR_BAD_TOKEN, ERR_INVALID, ERR_NOMEM, ERR_MISSING = 0, -1, -2, -3, -4, -5
 ARCH_LLAMA, ARCH_GEMMA3 = 1, 2
 MAX_CTX, MAX_THREADS = 1 << 22, 255  # se_context_new's limits (llama.c, threadpool.c)
@@ -87,6 +89,7 @@ class HParams:
 
 
 class _HParams(ctypes.Structure):
+    _c_struct_ = "se_hparams"
     _fields_ = [
         (n, _i32)
         for n in (
@@ -105,6 +108,7 @@ class _HParams(ctypes.Structure):
 
 
 class _ContextParams(ctypes.Structure):
+    _c_struct_ = "se_context_params"
     _fields_ = [
         ("n_ctx", _i32),
         ("n_batch", _i32),
@@ -115,6 +119,7 @@ class _ContextParams(ctypes.Structure):
 
 
 class _SamplingParams(ctypes.Structure):
+    _c_struct_ = "se_sampling_params"
     _fields_ = [
         ("temp", _f32),
         ("top_k", _i32),
@@ -162,7 +167,10 @@ def api() -> ctypes.CDLL:
     return c
 
 
-class _Traits(ctypes.Structure):  # kernels.h se_type_traits
+class Traits(ctypes.Structure):
+    """kernels.h se_type_traits, read-only through se_traits (the C table may have more fields after these)."""
+
+    _c_struct_ = "se_type_traits"
     _fields_ = [
         ("name", ctypes.c_char_p),
         ("blck", ctypes.c_int),
@@ -174,28 +182,29 @@ class _Traits(ctypes.Structure):  # kernels.h se_type_traits
     ]
 
 
-def _traits(type_id: int) -> _Traits | None:
+def type_traits(type_id: int) -> Traits | None:
+    """The C trait table's row for a ggml type id; None for a type the kernels do not know."""
     p = api().se_traits(type_id)
-    return _Traits.from_address(p) if p else None
+    return Traits.from_address(p) if p else None
 
 
 def type_supported(type_id: int) -> bool:
     """The kernels know this ggml type (can at least dequantize it)."""
-    t = _traits(type_id)
+    t = type_traits(type_id)
     return t is not None and bool(t.to_float)
 
 
 def type_has_matmul(type_id: int) -> bool:
     """The kernels can multiply by a weight of this type."""
-    t = _traits(type_id)
+    t = type_traits(type_id)
     if t is None or not t.dot:
         return False
-    a = _traits(t.act_type)
+    a = type_traits(t.act_type)
     return a is not None and bool(a.from_float)
 
 
 def supported_types() -> list[str]:
-    return [t.name.decode() for i in range(64) if (t := _traits(i)) is not None and t.dot]
+    return [t.name.decode() for i in GGML_TYPES if (t := type_traits(i)) is not None and t.dot]
 
 
 def row_size(type_id: int, n: int) -> int:

@@ -11,50 +11,18 @@ import ctypes
 from functools import cache
 
 import numpy as np
+from stdengine.reference import core
+from stdengine.reference.core import ISAS, isa_name  # noqa: F401  (re-exported: the tests walk the paths by ISAS)
 
-from ._lib import lib
-from .core import ISAS  # noqa: F401  (re-exported: the tests walk the paths by it)
-
-TYPES = {
-    "f32": 0,
-    "f16": 1,
-    "q4_0": 2,
-    "q4_1": 3,
-    "q5_0": 6,
-    "q5_1": 7,
-    "q8_0": 8,
-    "q8_1": 9,
-    "q4_k": 12,
-    "q5_k": 13,
-    "q6_k": 14,
-    "q8_k": 15,
-    "bf16": 30,
-}
-
-
-class _Traits(ctypes.Structure):
-    _fields_ = [
-        ("name", ctypes.c_char_p),
-        ("blck", ctypes.c_int),
-        ("size", ctypes.c_int),
-        ("act_type", ctypes.c_int),
-        ("to_float", ctypes.c_void_p),
-        ("from_float", ctypes.c_void_p),
-        ("dot", ctypes.c_void_p),
-    ]
-
+from stdengine.gguf_file import ggml_type
 
 _vp, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 @cache
 def _core() -> ctypes.CDLL:
-    # Its own handle on the library: core.py declares some of the same functions differently,
-    # and ctypes keeps one declaration per function per handle.
-    c = ctypes.CDLL(lib()._name)
-    c.se_traits.argtypes, c.se_traits.restype = [_int], ctypes.POINTER(_Traits)
-    c.se_row_size.argtypes, c.se_row_size.restype = [_int, _i64], ctypes.c_size_t
-    c.se_isa_name.argtypes, c.se_isa_name.restype = [], ctypes.c_char_p
+    """core.api() with the kernel entry points only tests and tools call declared too."""
+    c = core.api()
     c.se_set_isa.argtypes, c.se_set_isa.restype = [ctypes.c_char_p], _int
     c.se_kernels_init.argtypes, c.se_kernels_init.restype = [], None
     c.se_quantize_rows.argtypes, c.se_quantize_rows.restype = [_int, _vp, _i64, _int, _vp], None
@@ -65,27 +33,25 @@ def _core() -> ctypes.CDLL:
 
 
 def type_id(t: int | str) -> int:
-    if isinstance(t, str):
-        return TYPES[t.lower()]
-    return int(t)  # an int or an IntEnum such as gguf.GGMLQuantizationType
+    """A ggml type's id from its id, its name ("q4_1", any case) or a gguf.GGMLQuantizationType."""
+    return ggml_type(t).id if isinstance(t, str) else int(t)
 
 
-def traits(t: int | str) -> _Traits:
-    p = _core().se_traits(type_id(t))
-    if not p:
+def traits(t: int | str) -> core.Traits:
+    tr = core.type_traits(type_id(t))
+    if tr is None:
         raise ValueError(f"unknown tensor type {t!r}")
-    return p.contents
+    return tr
 
 
 def row_size(t: int | str, n: int) -> int:
     tr = traits(t)
     if n % tr.blck:
         raise ValueError(f"{tr.name.decode()} rows need a multiple of {tr.blck} elements, not {n}")
-    return int(_core().se_row_size(type_id(t), n))
+    return core.row_size(type_id(t), n)
 
 
-def isa() -> str:
-    return _core().se_isa_name().decode()
+isa = isa_name  # the SIMD path in use
 
 
 def gemm_min_tokens() -> int:
@@ -162,7 +128,7 @@ def random_weights(t: int | str, rows: int, k: int, rng: np.random.Generator) ->
             np.full((rows, k), 0.01, dtype={4: np.float32, 2: np.float16}[tr.size]).view(np.uint8).reshape(-1)
         )
     raw = rng.integers(0, 256, size=(rows, k // tr.blck, tr.size), dtype=np.uint8)
-    for off in [tr.size - 2] if type_id(t) == TYPES["q6_k"] else [0, 2]:
+    for off in [tr.size - 2] if type_id(t) == ggml_type("q6_K").id else [0, 2]:
         raw[:, :, off : off + 2] = (
             np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(rows, -1, 2)
         )

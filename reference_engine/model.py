@@ -26,30 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from stdengine.reference import core
+from stdengine.reference.core import SLOTS, HParams
 
+from stdengine import gguf_file
 from stdengine.errors import BadModelFile, UnsupportedArchitecture
 
-from . import core
-from .core import SLOTS, HParams
-
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
-
-# ggml type ids the reference engine can read (kernels.h); the rest are refused by name.
-_TYPE_NAMES = {
-    0: "f32",
-    1: "f16",
-    2: "q4_0",
-    3: "q4_1",
-    6: "q5_0",
-    7: "q5_1",
-    8: "q8_0",
-    9: "q8_1",
-    12: "q4_K",
-    13: "q5_K",
-    14: "q6_K",
-    15: "q8_K",
-    30: "bf16",
-}
 
 # llama's per-layer tensors: GGUF name suffix -> C slot
 _LLAMA_LAYER = {
@@ -114,8 +97,8 @@ def _unsupported(path: Path, what: str) -> UnsupportedArchitecture:
 class Model:
     """A GGUF model mapped into memory and described to the C core.
 
-    Attributes: path, arch (general.architecture), metadata (every key/value of the file; arrays
-    longer than 1024 items are summarised as gguf_file.ArrayValue), hparams (core.HParams),
+    Attributes: path, arch (general.architecture), metadata (every key/value of the file, as the
+    scan read it: see load), hparams (core.HParams),
     tensors (name -> Tensor), n_vocab, n_ctx_train, file_size, tied_output (no output.weight:
     the token embedding doubles as the output head). Create with Model.load(path).
     A Model may back several Contexts; close() (or garbage collection) closes them too.
@@ -140,12 +123,16 @@ class Model:
         self._contexts: weakref.WeakSet[Any] = weakref.WeakSet()
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Model:
-        """Map and validate a GGUF file. Raises BadModelFile / UnsupportedArchitecture."""
-        from stdengine.gguf_file import scan_gguf
+    def load(cls, path: str | os.PathLike[str], header: gguf_file.GGUFHeader | None = None) -> Model:
+        """Map and validate a GGUF file. Raises BadModelFile / UnsupportedArchitecture.
 
+        header: the file's scan (gguf_file.scan_gguf) when the caller has one: the engine scans a
+        file once for the model and the tokenizer. Without it the file is scanned here, with long
+        arrays (the vocabulary) summarised as gguf_file.ArrayValue.
+        """
         path = Path(path)
-        header = scan_gguf(path)  # the container: magic, version, bounds of every tensor
+        if header is None:  # the container: magic, version, bounds of every tensor
+            header = gguf_file.scan_gguf(path)
         self = cls()
         self.path = path
         self.file_size = header.file_size
@@ -454,7 +441,7 @@ def _llama_plan(
         shape = _expected_shape(hp, slot)
         if t.shape != shape:
             raise _bad(path, f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
-        if t.type_id not in _TYPE_NAMES or not core.type_supported(t.type_id):
+        if not core.type_supported(t.type_id):
             raise _unsupported(
                 path,
                 f"tensor {name!r} has type {t.type_name}, which the reference "

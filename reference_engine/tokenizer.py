@@ -32,7 +32,9 @@ from typing import Any
 
 import regex
 
+from stdengine import gguf_file
 from stdengine.errors import BadModelFile, UnsupportedArchitecture
+from stdengine.gguf_file import GGUFHeader
 
 # ---------------------------------------------------------------------------------------------------
 # token attributes (llama.cpp's llama_token_attr bits) and GGUF token types
@@ -234,35 +236,32 @@ _LONE_SURROGATE = regex.compile(r"[\ud800-\udfff]")
 # reading the GGUF metadata
 
 
-def _reader_metadata(reader: Any) -> dict[str, Any]:
-    """The tokenizer.* and general.* keys of an open `gguf.GGUFReader`, as plain Python values."""
+def scan_for_tokenizer(path: str | PathLike[str]) -> GGUFHeader:
+    """A GGUF file's scan with what a tokenizer needs: every array loaded (`gguf.GGUFReader` makes
+    one numpy view per array element, seconds for a 262k-token vocabulary; the scan takes ~0.2 s),
+    token texts keeping invalid UTF-8 bytes (surrogateescape), as token_to_piece must give them
+    back. The model loader can use the same scan (the engine reads a file once per load)."""
+    return gguf_file.scan_gguf(path, load_arrays=True, errors="surrogateescape")
+
+
+def header_metadata(
+    header: GGUFHeader, prefixes: tuple[str, ...] = ("tokenizer.", "general.")
+) -> dict[str, Any]:
+    """The metadata keys of a scan that start with one of prefixes, as plain Python values."""
+    import numpy as np
+
     return {
-        name: field.contents()
-        for name, field in reader.fields.items()
-        if name.startswith(("tokenizer.", "general.")) and field.types
+        key: value.tolist() if isinstance(value, np.ndarray) else value
+        for key, value in header.metadata.items()
+        if key.startswith(prefixes)
     }
 
 
 def read_gguf_metadata(
     path: str | PathLike[str], prefixes: tuple[str, ...] = ("tokenizer.", "general.")
 ) -> dict[str, Any]:
-    """The metadata keys of a GGUF file that start with one of prefixes, as plain Python values.
-
-    Read by stdengine.gguf_file's checked scan (one GGUF reader for the project: a damaged file is
-    a BadModelFile naming it). `gguf.GGUFReader` makes one numpy view per array element, which
-    takes seconds for a 262k-token vocabulary; the scan takes ~0.2 s. Token texts keep invalid
-    UTF-8 bytes (surrogateescape), as token_to_piece must give them back.
-    """
-    import numpy as np
-
-    from stdengine.gguf_file import scan_gguf
-
-    header = scan_gguf(path, load_arrays=True, errors="surrogateescape")
-    return {
-        key: value.tolist() if isinstance(value, np.ndarray) else value
-        for key, value in header.metadata.items()
-        if key.startswith(prefixes)
-    }
+    """The metadata keys of a GGUF file that start with one of prefixes, as plain Python values."""
+    return header_metadata(scan_for_tokenizer(path), prefixes)
 
 
 def _typed(meta: dict[str, Any], key: str, want: str, default: Any = None) -> Any:
@@ -540,17 +539,19 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader_or_path: Any) -> Tokenizer:
-        """Build from a path to a .gguf file (only its metadata header is read) or an open
-        `gguf.GGUFReader`."""
+    def from_gguf(cls, path: str | PathLike[str]) -> Tokenizer:
+        """Build from a path to a .gguf file (only its metadata header is read)."""
+        return cls.from_header(scan_for_tokenizer(path))
+
+    @classmethod
+    def from_header(cls, header: GGUFHeader) -> Tokenizer:
+        """Build from a file's scan made by scan_for_tokenizer (BadModelFile names the file)."""
         try:
-            if isinstance(reader_or_path, (str, PathLike)):
-                return cls(read_gguf_metadata(reader_or_path))
-            return cls(_reader_metadata(reader_or_path))
+            return cls(header_metadata(header))
         except BadModelFile as e:
-            path = str(getattr(reader_or_path, "path", reader_or_path))
             if e.details.get("path"):
                 raise
+            path = str(header.path)
             raise type(e)(f"{path}: {e.message}", hint=e.hint, path=path) from None
 
     @classmethod

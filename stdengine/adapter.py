@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from stdengine.options import SAMPLING
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -42,21 +44,36 @@ SCORE_CHUNK = 64  # score() decodes this many tokens at a time: all-token logits
 FinishReason = Literal["stop", "length"]
 
 
+def _default(name: str) -> Any:
+    """The Options field's default: SamplingParams restates no value (stdengine.options.SAMPLING)."""
+    return SAMPLING[name].default
+
+
 @dataclass
 class SamplingParams:
-    """Sampling semantics are specified once (spec/adapter.md) and shared by every engine."""
+    """Sampling semantics are specified once (spec/adapter.md) and shared by every engine. The
+    fields are the options of stdengine.options.SAMPLING, with the Options fields' defaults (a
+    test checks that the two name the same settings)."""
 
-    temp: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = -1  # -1: a random seed
-    n_predict: int = -1  # -1: until an end-of-generation token or the context is full
-    stop: list[str] = field(default_factory=list)
+    temp: float = _default("temp")
+    top_k: int = _default("top_k")
+    top_p: float = _default("top_p")
+    min_p: float = _default("min_p")
+    repeat_penalty: float = _default("repeat_penalty")
+    repeat_last_n: int = _default("repeat_last_n")
+    presence_penalty: float = _default("presence_penalty")
+    frequency_penalty: float = _default("frequency_penalty")
+    seed: int = _default("seed")  # -1: a random seed
+    n_predict: int = _default("n_predict")  # -1: until an end-of-generation token or the context is full
+    stop: list[str] = field(default_factory=lambda: list(_default("stop")))
+
+    @classmethod
+    def from_options(cls, options: Options) -> SamplingParams:
+        """The sampling settings of a set of canonical options (the CLI's flags, a server's
+        defaults, a remote engine's load options)."""
+        values = {name: getattr(options, name) for name in SAMPLING}
+        values["stop"] = list(values["stop"])
+        return cls(**values)
 
 
 @dataclass

@@ -62,6 +62,26 @@ class InvalidRequest(UsageError):
     summary = "a request is malformed (empty prompt, bad JSON, out-of-range value)"
 
 
+class RequestTooLarge(InvalidRequest):
+    code = "request_too_large"
+    http_status = 413
+    summary = "a request body is larger than the server accepts (`infer serve --max-body`)"
+
+
+class Unauthorized(UsageError):
+    code = "unauthorized"
+    http_status = 401
+    openai_type = "authentication_error"
+    summary = "a request to a server started with --api-key lacks that key"
+
+
+class NotSupported(UsageError):
+    code = "not_supported"
+    http_status = 501
+    openai_type = "not_supported_error"
+    summary = "a server route needs a capability the loaded engine does not have (tokenize, embeddings)"
+
+
 class ModelNotFound(InferError):
     code = "model_not_found"
     exit_status = 3
@@ -97,6 +117,11 @@ class EngineUnavailable(InferError):
     http_status = 503
     openai_type = "unavailable_error"
     summary = "the engine is not installed, cannot load here, or its server cannot be reached"
+
+
+class ServerBusy(EngineUnavailable):
+    code = "server_busy"
+    summary = "every slot of the server is busy and its queue is full; retry later"
 
 
 class EngineFailure(InferError):

@@ -12,26 +12,21 @@ from datetime import datetime
 from typing import Any, Literal
 
 from stdengine.errors import BadModelFile, InferError, InvalidRequest
+from stdengine.options import SAMPLING
 
 
 def validate_sampling(s: Any) -> None:
-    """Refuse sampling values outside their meaning (the same ranges as the canonical options),
-    so a request from any source (CLI, server, Python) is checked the same way."""
+    """Refuse sampling values outside the ranges their Options fields declare (ge/le), so a
+    request from any source (CLI, server, Python) is checked the same way."""
     problems = []
-    if s.temp < 0:
-        problems.append(f"temp={s.temp} (must be >= 0)")
-    if s.top_k < 0:
-        problems.append(f"top_k={s.top_k} (must be >= 0; 0 turns it off)")
-    if not 0.0 <= s.top_p <= 1.0:
-        problems.append(f"top_p={s.top_p} (must be in [0, 1])")
-    if not 0.0 <= s.min_p <= 1.0:
-        problems.append(f"min_p={s.min_p} (must be in [0, 1])")
-    if s.repeat_penalty < 0:
-        problems.append(f"repeat_penalty={s.repeat_penalty} (must be >= 0)")
-    if s.repeat_last_n < -1:
-        problems.append(f"repeat_last_n={s.repeat_last_n} (must be >= -1)")
-    if s.n_predict < -1:
-        problems.append(f"n_predict={s.n_predict} (must be >= -1; -1 means no limit)")
+    for o in SAMPLING.values():
+        value = getattr(s, o.name)
+        if o.ge is not None and o.le is not None and not o.ge <= value <= o.le:
+            problems.append(f"{o.name}={value} (must be in [{o.ge:g}, {o.le:g}])")
+        elif o.ge is not None and value < o.ge:
+            problems.append(f"{o.name}={value} (must be >= {o.ge:g}; {o.help})")
+        elif o.le is not None and value > o.le:
+            problems.append(f"{o.name}={value} (must be <= {o.le:g}; {o.help})")
     if any(not isinstance(x, str) for x in s.stop):
         problems.append("stop must be a list of strings")
     if problems:

@@ -1,12 +1,15 @@
 """Open and validate a GGUF container, with errors that say what is wrong instead of tracebacks.
 
 `scan_gguf` walks the container with bounds checks (magic, version, key/values, tensor infos, the
-data section) and returns what it read; `open_gguf` runs that scan and then hands back the `gguf`
-package's memory-mapped GGUFReader. Any problem becomes a BadModelFile naming the file.
+data section) and returns what it read. Any problem becomes a BadModelFile naming the file. It is
+the project's one GGUF reader: the reference engine's model and tokenizer, `infer models info`, the
+model store's verification and the conformance suite's exact reference all read files through it.
 
-The scan is ours rather than GGUFReader's because GGUFReader, given a damaged file, fails with bare
-IndexError/ValueError (or reads short views without noticing); it is also much faster on large
+The scan is ours rather than gguf.GGUFReader's because GGUFReader, given a damaged file, fails with
+bare IndexError/ValueError (or reads short views without noticing); it is also much faster on large
 vocabularies, since it skips over token arrays instead of building one numpy array per string.
+
+`GGML_TYPES` is the project's one table of ggml tensor types (id, name, block size, block bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from stdengine.errors import BadModelFile
 
@@ -48,13 +50,74 @@ VALUE_TYPES: dict[int, tuple[str, str | None]] = {
 }
 
 
+@dataclass(frozen=True)
+class GGMLType:
+    """A ggml tensor type as GGUF files store it: a row is a whole number of blocks of `block`
+    elements, each `size` bytes."""
+
+    id: int
+    name: str  # ggml's name (ggml.c's type_traits): the K of k-quants upper case, "q4_K"
+    block: int
+    size: int
+
+
+# Every ggml tensor type (ggml.h's enum ggml_type; block sizes and bytes from ggml.c's type_traits).
+# Facts of the format, checked against the gguf package and ggml itself by tests/test_gguf_types.py.
+# Ids 4, 5, 31-33 and 36-38 were removed from ggml; a file using them is refused.
+GGML_TYPES: dict[int, GGMLType] = {
+    t.id: t
+    for t in (
+        GGMLType(0, "f32", 1, 4),
+        GGMLType(1, "f16", 1, 2),
+        GGMLType(2, "q4_0", 32, 18),
+        GGMLType(3, "q4_1", 32, 20),
+        GGMLType(6, "q5_0", 32, 22),
+        GGMLType(7, "q5_1", 32, 24),
+        GGMLType(8, "q8_0", 32, 34),
+        GGMLType(9, "q8_1", 32, 36),
+        GGMLType(10, "q2_K", 256, 84),
+        GGMLType(11, "q3_K", 256, 110),
+        GGMLType(12, "q4_K", 256, 144),
+        GGMLType(13, "q5_K", 256, 176),
+        GGMLType(14, "q6_K", 256, 210),
+        GGMLType(15, "q8_K", 256, 292),
+        GGMLType(16, "iq2_xxs", 256, 66),
+        GGMLType(17, "iq2_xs", 256, 74),
+        GGMLType(18, "iq3_xxs", 256, 98),
+        GGMLType(19, "iq1_s", 256, 50),
+        GGMLType(20, "iq4_nl", 32, 18),
+        GGMLType(21, "iq3_s", 256, 110),
+        GGMLType(22, "iq2_s", 256, 82),
+        GGMLType(23, "iq4_xs", 256, 136),
+        GGMLType(24, "i8", 1, 1),
+        GGMLType(25, "i16", 1, 2),
+        GGMLType(26, "i32", 1, 4),
+        GGMLType(27, "i64", 1, 8),
+        GGMLType(28, "f64", 1, 8),
+        GGMLType(29, "iq1_m", 256, 56),
+        GGMLType(30, "bf16", 1, 2),
+        GGMLType(34, "tq1_0", 256, 54),
+        GGMLType(35, "tq2_0", 256, 66),
+        GGMLType(39, "mxfp4", 32, 17),
+        GGMLType(40, "nvfp4", 64, 36),
+        GGMLType(41, "q1_0", 128, 18),
+    )
+}
+_BY_NAME = {t.name.lower(): t for t in GGML_TYPES.values()}
+
+
+def ggml_type(t: int | str) -> GGMLType:
+    """A type by id (an int, or an IntEnum such as gguf.GGMLQuantizationType) or by name, in any
+    case ("q4_K", "Q4_K", "q4_k"). KeyError for a type ggml does not have."""
+    if isinstance(t, str):
+        return _BY_NAME[t.lower()]
+    return GGML_TYPES[int(t)]
+
+
 def ggml_type_name(type_id: int) -> str:
-    """ggml's name for a tensor type (ggml.c's type_traits: f32, q4_1, q4_K, iq2_xxs, bf16)."""
-    try:
-        name = GGMLQuantizationType(type_id).name.lower()
-    except ValueError:
-        return f"unknown type {type_id}"
-    return name.replace("_k", "_K")  # ggml keeps the K of k-quants upper case
+    """ggml's name for a tensor type (f32, q4_1, q4_K, iq2_xxs, bf16), or "unknown type N"."""
+    t = GGML_TYPES.get(type_id)
+    return t.name if t else f"unknown type {type_id}"
 
 
 @dataclass(frozen=True)
@@ -100,7 +163,7 @@ class _Cursor:
 
     def __init__(self, buf: Any, size: int, order: str, errors: str = "replace") -> None:
         self.buf, self.size, self.order, self.pos = buf, size, order, 0
-        self.errors = errors  # how invalid UTF-8 in strings is decoded
+        self.errors = errors  # how invalid UTF-8 in array strings is decoded
 
     def need(self, n: int) -> None:
         if n < 0 or self.pos + n > self.size:
@@ -113,12 +176,12 @@ class _Cursor:
         self.pos += n
         return value
 
-    def string(self) -> str:
+    def string(self, errors: str = "replace") -> str:
         n = self.unpack("Q")
         self.need(n)
         raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
-        return raw.decode("utf-8", errors=self.errors)
+        return raw.decode("utf-8", errors=errors)
 
     def skip_string(self) -> None:
         n = self.unpack("Q")
@@ -146,7 +209,9 @@ def scan_gguf(
     Metadata arrays of up to MAX_ARRAY_ITEMS items are lists. Longer ones are ArrayValue (type
     and length only) unless load_arrays=True: then string arrays are lists of str and numeric
     arrays numpy arrays (a fast way to read a vocabulary: ~0.2 s for 262k tokens). errors: how
-    strings with invalid UTF-8 are decoded ("surrogateescape" keeps a token's bytes).
+    invalid UTF-8 in the strings of arrays (token texts, merges) is decoded: "surrogateescape"
+    keeps a token's bytes. A single string (a name, a chat template) is text: invalid UTF-8 in it
+    is always U+FFFD, whatever the caller reads the arrays for.
     """
     path = Path(path)
     try:
@@ -246,15 +311,14 @@ def _scan(path: Path, buf: Any, size: int, load_arrays: bool, errors: str) -> GG
         if name in seen:
             raise _bad(path, f"two tensors are named {name!r}")
         seen.add(name)
-        try:
-            qtype = GGMLQuantizationType(type_id)
-            block, type_size = GGML_QUANT_SIZES[qtype]
-        except (ValueError, KeyError):
+        gtype = GGML_TYPES.get(type_id)
+        if gtype is None:
             raise _bad(
                 path,
                 f"tensor {name!r} has unknown tensor type id {type_id}",
                 hint="the file needs a newer engine, or it is corrupt",
-            ) from None
+            )
+        block, type_size = gtype.block, gtype.size
         if any(d < 0 for d in shape):
             raise _bad(path, f"tensor {name!r} has a negative dimension {list(shape)}")
         n_elements = 1
@@ -263,7 +327,7 @@ def _scan(path: Path, buf: Any, size: int, load_arrays: bool, errors: str) -> GG
         if shape and shape[0] % block:
             raise _bad(
                 path,
-                f"tensor {name!r} ({ggml_type_name(type_id)}) has a row of {shape[0]} "
+                f"tensor {name!r} ({gtype.name}) has a row of {shape[0]} "
                 f"elements, not a multiple of its block size {block}",
             )
         if offset % alignment:
@@ -276,7 +340,7 @@ def _scan(path: Path, buf: Any, size: int, load_arrays: bool, errors: str) -> GG
                 f"truncated: tensor {name!r} data (bytes {start}..{start + n_bytes}) "
                 f"runs past the end of the file ({size} bytes)",
             )
-        tensors.append(TensorInfo(name, shape, type_id, ggml_type_name(type_id), start, n_elements, n_bytes))
+        tensors.append(TensorInfo(name, shape, type_id, gtype.name, start, n_elements, n_bytes))
 
     # Each tensor's bytes are its own: data that overlaps another tensor's (an offset rewritten to
     # 0, or a type changed to a larger one that still fits in the file) is corrupt, not shared.
@@ -321,7 +385,7 @@ def _read_value(path: Path, cur: _Cursor, vtype: int, key: str, load_arrays: boo
     small = count <= MAX_ARRAY_ITEMS
     if item_fmt is None:  # strings: walk them (each has its own length)
         if small or load_arrays:
-            return [cur.string() for _ in range(count)]
+            return [cur.string(cur.errors) for _ in range(count)]
         for _ in range(count):
             cur.skip_string()
         return ArrayValue(item_name, count)
@@ -335,15 +399,3 @@ def _read_value(path: Path, cur: _Cursor, vtype: int, key: str, load_arrays: boo
         dtype = np.dtype(cur.order + item_fmt)  # cur.order is "<" or ">"
         return np.frombuffer(cur.buf, dtype=dtype, count=count, offset=start).copy()
     return ArrayValue(item_name, count)
-
-
-def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    """Check the file (scan_gguf), then open it with gguf.GGUFReader (memory-mapped, read-only).
-
-    Raises BadModelFile, naming the file, for anything wrong with the container.
-    """
-    scan_gguf(path)
-    try:
-        return GGUFReader(path, "r")
-    except Exception as e:  # the scan passed, so this is a case it does not know: still no traceback
-        raise _bad(Path(path), f"the gguf package cannot read it: {type(e).__name__}: {e}") from e

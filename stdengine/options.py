@@ -3,10 +3,15 @@ Schema and spec/options.md are all made from.
 
 Each field's `json_schema_extra` carries its flags and group; the environment variable is
 INFER_<NAME>. A default of None means "the engine decides" (e.g. threads = physical cores).
+
+Sampling is declared here too, once: a field with `request=` names is a per-request sampling
+setting, and its default and range (ge/le) are the ones SamplingParams, validate_sampling, the
+server's request model and /props all use (`SAMPLING` is the table they read).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,8 +27,24 @@ GROUPS = {
 }
 
 
-def opt(default: Any, *flags: str, group: str, help: str, **kw: Any) -> Any:
-    return Field(default, description=help, json_schema_extra={"flags": list(flags), "group": group}, **kw)
+def opt(
+    default: Any,
+    *flags: str,
+    group: str,
+    help: str,
+    request: tuple[str, ...] = (),
+    request_range: tuple[float, float] | None = None,
+    **kw: Any,
+) -> Any:
+    """A canonical option. `request`: the names an OpenAI-style request sets it by (only sampling
+    settings have them); `request_range`: narrower bounds a request must keep to, where the wire
+    protocol has them (OpenAI's -2..2 for the penalties) but the option itself has none."""
+    extra: dict[str, Any] = {"flags": list(flags), "group": group}
+    if request:
+        extra["request"] = list(request)
+    if request_range is not None:
+        extra["request_range"] = list(request_range)
+    return Field(default, description=help, json_schema_extra=extra, **kw)
 
 
 class Options(BaseModel):
@@ -83,39 +104,81 @@ class Options(BaseModel):
     flash_attn: bool = opt(False, "-fa", "--flash-attn", group="load", help="use flash attention")
     mmap: bool = opt(True, "--mmap", group="load", help="memory-map the model file (--no-mmap to read it)")
     mlock: bool = opt(False, "--mlock", group="load", help="lock the model in RAM")
-    seed: int = opt(-1, "-s", "--seed", group="load", help="random seed (-1 = random)")
+    seed: int = opt(-1, "-s", "--seed", group="load", request=("seed",), help="random seed (-1 = random)")
 
     # --- sampling --------------------------------------------------------------------------
-    temp: float = opt(0.8, "--temp", group="sampling", ge=0.0, help="temperature (0 = greedy)")
-    top_k: int = opt(40, "--top-k", group="sampling", ge=0, help="top-k sampling (0 = off)")
-    top_p: float = opt(0.95, "--top-p", group="sampling", ge=0.0, le=1.0, help="top-p sampling (1.0 = off)")
-    min_p: float = opt(0.05, "--min-p", group="sampling", ge=0.0, le=1.0, help="min-p sampling (0.0 = off)")
+    temp: float = opt(
+        0.8, "--temp", group="sampling", request=("temperature",), ge=0.0, help="temperature (0 = greedy)"
+    )
+    top_k: int = opt(
+        40, "--top-k", group="sampling", request=("top_k",), ge=0, help="top-k sampling (0 = off)"
+    )
+    top_p: float = opt(
+        0.95,
+        "--top-p",
+        group="sampling",
+        request=("top_p",),
+        ge=0.0,
+        le=1.0,
+        help="top-p sampling (1.0 = off)",
+    )
+    min_p: float = opt(
+        0.05,
+        "--min-p",
+        group="sampling",
+        request=("min_p",),
+        ge=0.0,
+        le=1.0,
+        help="min-p sampling (0.0 = off)",
+    )
     repeat_penalty: float = opt(
-        1.0, "--repeat-penalty", group="sampling", ge=0.0, help="penalty for repeated tokens (1.0 = off)"
+        1.0,
+        "--repeat-penalty",
+        group="sampling",
+        request=("repeat_penalty",),
+        ge=0.0,
+        help="penalty for repeated tokens (1.0 = off)",
     )
     repeat_last_n: int = opt(
         64,
         "--repeat-last-n",
         group="sampling",
+        request=("repeat_last_n",),
         ge=-1,
         help="tokens considered by the penalties (0 = off, -1 = context)",
     )
     presence_penalty: float = opt(
-        0.0, "--presence-penalty", group="sampling", help="presence penalty (0 = off)"
+        0.0,
+        "--presence-penalty",
+        group="sampling",
+        request=("presence_penalty",),
+        request_range=(-2.0, 2.0),
+        help="presence penalty (0 = off)",
     )
     frequency_penalty: float = opt(
-        0.0, "--frequency-penalty", group="sampling", help="frequency penalty (0 = off)"
+        0.0,
+        "--frequency-penalty",
+        group="sampling",
+        request=("frequency_penalty",),
+        request_range=(-2.0, 2.0),
+        help="frequency penalty (0 = off)",
     )
     n_predict: int = opt(
         -1,
         "-n",
         "--n-predict",
         group="sampling",
+        # max_completion_tokens is the chat route's newer name for max_tokens
+        request=("max_tokens", "max_completion_tokens"),
         ge=-1,
         help="tokens to generate (-1 = until end of generation or a full context)",
     )
     stop: list[str] = opt(
-        [], "--stop", group="sampling", help="stop string (repeatable); generation ends before it"
+        [],
+        "--stop",
+        group="sampling",
+        request=("stop",),
+        help="stop string (repeatable); generation ends before it",
     )
 
     # --- prompt ----------------------------------------------------------------------------
@@ -176,12 +239,11 @@ class ConfigFile(Options):
 OPTION_NAMES: tuple[str, ...] = tuple(Options.model_fields)
 
 # Names other tools use for canonical options; only used to suggest the right name in errors.
+# The request names of the sampling options (below) are added to it.
 ALIASES: dict[str, str] = {
-    "temperature": "temp",
     "n_ctx": "ctx_size",
     "context_size": "ctx_size",
     "context_length": "ctx_size",
-    "max_tokens": "n_predict",
     "n_threads": "threads",
     "n_threads_batch": "threads_batch",
     "n_batch": "batch_size",
@@ -213,3 +275,55 @@ def group(name: str) -> str:
 
 
 DEFAULTS: dict[str, Any] = Options().model_dump()
+
+
+@dataclass(frozen=True)
+class SamplingOption:
+    """One per-request sampling setting, as its Options field declares it.
+
+    ge/le: the option's range (None = unbounded), checked by validate_sampling wherever a request
+    comes from; request_ge/request_le: what an HTTP request may set (the option's range, narrowed
+    where the wire protocol is stricter); request: the request field names that set it."""
+
+    name: str
+    annotation: Any
+    default: Any
+    ge: float | None
+    le: float | None
+    request_ge: float | None
+    request_le: float | None
+    request: tuple[str, ...]
+    help: str
+
+
+def _sampling_option(name: str) -> SamplingOption | None:
+    field = Options.model_fields[name]
+    extra = field.json_schema_extra
+    assert isinstance(extra, dict)
+    if "request" not in extra:
+        return None
+    bounds = {k: getattr(m, k) for m in field.metadata for k in ("ge", "le") if hasattr(m, k)}
+    narrow: list[Any] = extra.get("request_range") or [bounds.get("ge"), bounds.get("le")]  # type: ignore[assignment]
+    return SamplingOption(
+        name=name,
+        annotation=field.annotation,
+        default=field.get_default(call_default_factory=True),
+        ge=bounds.get("ge"),
+        le=bounds.get("le"),
+        request_ge=narrow[0],
+        request_le=narrow[1],
+        request=tuple(extra["request"]),  # type: ignore[arg-type]
+        help=field.description or "",
+    )
+
+
+# option name -> its sampling declaration, in Options' field order: the one table of sampling
+# settings (SamplingParams' fields, validate_sampling's ranges, the server's request fields and /props)
+SAMPLING: dict[str, SamplingOption] = {
+    name: o for name in OPTION_NAMES if (o := _sampling_option(name)) is not None
+}
+
+# request field name -> option name (e.g. "temperature" -> "temp", "max_tokens" -> "n_predict")
+SAMPLING_REQUEST_NAMES: dict[str, str] = {r: o.name for o in SAMPLING.values() for r in o.request}
+
+ALIASES.update({r: name for r, name in SAMPLING_REQUEST_NAMES.items() if r != name})

@@ -2,18 +2,25 @@
 
 Built-in engines are registered the same way as third-party ones (in pyproject.toml), so
 `infer engines` lists them all alike. An engine that fails to import is reported, never fatal.
+load() is the one place an engine is loaded.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from stdengine.adapter import Engine
 from stdengine.errors import EngineUnavailable, UnsupportedOption, UsageError
+
+if TYPE_CHECKING:
+    from stdengine.events import Emitter
+    from stdengine.options import Options
 
 GROUP = "stdengine.engines"
 
@@ -78,7 +85,10 @@ def engine_class(name: str) -> type[Engine]:
 
 
 def describe() -> list[dict[str, Any]]:
-    """Every engine with its version, build, capabilities, honoured options and whether it can load here."""
+    """Every engine with its version, build, capabilities, honoured options and whether it can load
+    here. Nothing is loaded here, so the capabilities are each class's declaration; a loaded
+    instance's `capabilities` may differ (an openai engine's upstream that tokenizes, a llama.cpp
+    build with a GPU) and is what everything that runs an engine reads."""
     out = []
     for entry in entries().values():
         row: dict[str, Any] = {"name": entry.name, "distribution": entry.distribution}
@@ -152,3 +162,45 @@ def check_options(cls: type[Engine], explicitly_set: set[str], values: dict[str,
             f"'{cls.name}' honours: {', '.join(sorted(cls.honoured_options()))}",
             options=refused,
         )
+
+
+@dataclass
+class Loaded:
+    """What load() gives back: the engine and what loading it resolved, so that no caller
+    resolves the model again or reads it back off the log emitter."""
+
+    engine: Engine
+    # the options the engine was loaded with; for an engine that loads a file, `model` is its path
+    options: Options
+    # the model as the user named it (alias, path, hf://...), or the default model; for an engine
+    # without a model file, -m if given, else --url, else the engine's name
+    model_ref: str
+    # the local GGUF file; None for an engine that takes no model file (a remote server)
+    model_path: Path | None
+
+
+def load(options: Options, events: Emitter, explicitly_set: Iterable[str] = ()) -> Loaded:
+    """The one way to load an engine (every verb, infer-bench, conformance, the server): find the
+    engine, refuse the options the user set (explicitly_set) that it cannot honour, check it can
+    run here, resolve the model reference to a local file (pulling a catalogue model), load.
+    A command passes its config.Resolved's `options` and `explicitly_set()`."""
+    from stdengine import DEFAULT_MODEL
+
+    cls = engine_class(options.engine)
+    check_options(cls, set(explicitly_set), options.model_dump())
+    ok, reason = cls.availability()
+    if not ok:
+        raise EngineUnavailable(f"engine '{cls.name}' cannot load here: {reason}")
+    model_path: Path | None = None
+    if cls.needs_model_file:
+        from stdengine.store import resolve_model
+
+        model_ref = options.model or DEFAULT_MODEL
+        model_path = resolve_model(model_ref, events=events)
+        options = options.model_copy(update={"model": str(model_path)})
+    else:
+        model_ref = options.model or options.url or cls.name
+    # every later event of the run is labelled with the engine and the model it loaded
+    events.engine = cls.name
+    events.model = options.model
+    return Loaded(cls.load(options, events), options, model_ref, model_path)

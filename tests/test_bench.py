@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 from gguf_factory import write_llama_gguf
-from stdengine.bench import cli as bench_cli
 from stdengine.bench import runner
 from stdengine.bench.params import ParamError, instances, parse_args, parse_int_range
 from stdengine.bench.printers import make_printer
@@ -23,6 +22,7 @@ from stdengine.bench.record import FIELD_NAMES, LLAMA_BENCH_FIELDS, finish, size
 
 from stdengine import registry
 from stdengine.adapter import Engine, EngineInfo
+from stdengine.cli import bench as bench_cli
 
 # --- ranges and lists ------------------------------------------------------------------------
 
@@ -611,7 +611,7 @@ def test_compare_plot_without_matplotlib_is_a_usage_error_before_the_table(tmp_p
     cand.write_text(json.dumps(fixed_record()) + "\n")
     code = (
         "import sys\nsys.modules['matplotlib'] = None  # as if matplotlib were not installed\n"
-        "from stdengine.bench.cli import main\nmain()\n"
+        "from stdengine.cli.bench import main\nmain()\n"
     )
     argv = ["compare", str(base), str(cand), "--plot", str(tmp_path / "cmp.png")]
     r = subprocess.run(

@@ -22,7 +22,7 @@ from stdengine import registry
 
 def bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "stdengine.bench.cli", *args],
+        [sys.executable, "-m", "stdengine.cli.bench", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -297,23 +297,23 @@ def test_peak_memory_of_a_run(smollm2_path, tmp_path):
         peak_rss_mb(str(tmp_path / "missing.gguf"), "reference", 1)
 
 
-def test_bench_compare_help_names_the_memory_source_and_the_output_folder():
+def test_bench_vs_llamacpp_help_names_the_memory_source_and_the_output_folder():
     r = subprocess.run(
-        [sys.executable, "-m", "stdengine.cli.main", "bench", "compare", "--help"],
+        [sys.executable, "-m", "stdengine.cli.main", "bench", "vs-llamacpp", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
-    assert "usage: infer bench compare" in r.stdout
+    assert "usage: infer bench vs-llamacpp" in r.stdout
     assert "VmHWM" in r.stdout and "ru_maxrss" not in r.stdout  # what peak_rss_mb reads
     assert "--out" in r.stdout and "./bench-results" in r.stdout
 
 
 @pytest.mark.models
 @pytest.mark.llamacpp
-def test_bench_compare_writes_into_the_current_directory(smollm2_path, tmp_path):
-    """`infer bench compare` writes its records, table and memory into ./bench-results of the
+def test_bench_vs_llamacpp_writes_into_the_current_directory(smollm2_path, tmp_path):
+    """`infer bench vs-llamacpp` writes its records, table and memory into ./bench-results of the
     directory it runs in (never into the installed package), and says how it was run."""
     import stdengine.bench
 
@@ -321,7 +321,18 @@ def test_bench_compare_writes_into_the_current_directory(smollm2_path, tmp_path)
         pytest.skip("engine llamacpp not registered")
     args = ["--models", str(smollm2_path), "--threads", "1", "--depths", "0", "-p", "16", "-n", "4"]
     r = subprocess.run(
-        [sys.executable, "-m", "stdengine.cli.main", "bench", "compare", *args, "--reps", "1", "--name", "t"],
+        [
+            sys.executable,
+            "-m",
+            "stdengine.cli.main",
+            "bench",
+            "vs-llamacpp",
+            *args,
+            "--reps",
+            "1",
+            "--name",
+            "t",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -333,7 +344,7 @@ def test_bench_compare_writes_into_the_current_directory(smollm2_path, tmp_path)
     engines = sorted(json.loads(line)["engine"] for line in (out / "t.jsonl").read_text().splitlines())
     assert engines == ["llamacpp", "llamacpp", "reference", "reference"]  # pp16 and tg4 each
     md = (out / "t.md").read_text()
-    assert "- command: infer bench compare --models" in md and "## peak memory" in md
+    assert "- command: infer bench vs-llamacpp --models" in md and "## peak memory" in md
     assert "speedup" in r.stdout  # the ratio table on stdout
     package_results = os.path.join(os.path.dirname(stdengine.bench.__file__), "results")
     assert not os.path.exists(os.path.join(package_results, "t.jsonl"))  # not beside the package

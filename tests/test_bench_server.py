@@ -77,7 +77,7 @@ def server_url(smollm2_path, tmp_path_factory):
 
 def bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "stdengine.bench.cli", *args],
+        [sys.executable, "-m", "stdengine.cli.bench", *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -138,9 +138,9 @@ def test_every_event_in_the_spec_is_emitted_and_validates(tmp_path, smollm2_path
     # infer-bench logs to stderr in the text view only (-v); its emitter is pointed at a log file
     log = tmp_path / "bench.jsonl"
     code = (
-        "import io, sys\nfrom stdengine.bench import cli\nfrom stdengine.events import Emitter\n"
-        "cli._emitter = lambda params: Emitter(log_file=sys.argv[1], stream=io.StringIO())\n"
-        "cli.main(sys.argv[2:])\n"
+        "import io, sys\nfrom stdengine.bench import runner\nfrom stdengine.cli import bench\nfrom stdengine.events import Emitter\n"
+        "runner.bench_emitter = lambda params: Emitter(log_file=sys.argv[1], stream=io.StringIO())\n"
+        "bench.main(sys.argv[2:])\n"
     )
     argv = [str(log), "-m", model, "-p", "8", "-n", "0", "-r", "1", "-o", "jsonl"]
     r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)

@@ -343,3 +343,65 @@ def test_cli_run_against_the_server(server):
                        capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["usage"]["completion_tokens"] == 4
+
+
+# --- capabilities per instance, and infer serve -e openai forwarding /tokenize -------------------
+def test_the_instance_says_tokenize_the_class_stays_as_declared(fake, server):
+    declared = OpenAIEngine.capabilities
+    with_tokenizer = [load(fake[0]), load(server)]  # llama-server's /tokenize, llama-cpp-python's /extras
+    assert all("tokenize" in e.capabilities for e in with_tokenizer)
+    assert OpenAIEngine.capabilities == declared == frozenset({"stream", "chat_template"})
+    for e in with_tokenizer:
+        e.close()
+
+
+def _upstream_ids(url: str, text: str) -> list[int]:
+    """The upstream's own ids for text, asked directly on its own route."""
+    import httpx
+
+    root = url.removesuffix("/v1")
+    r = httpx.post(root + "/tokenize", json={"content": text, "add_special": True})
+    if r.status_code == 404:  # llama-cpp-python
+        r = httpx.post(root + "/extras/tokenize", json={"input": text})
+    r.raise_for_status()
+    return [int(t) for t in r.json()["tokens"]]
+
+
+@pytest.mark.parametrize("upstream", ["fake", "server"])
+def test_infer_serve_forwards_tokenize_to_the_upstream(upstream, request, tmp_path):
+    """`infer serve -e openai --url UPSTREAM` answers POST /tokenize with the upstream's ids (the
+    served openai instance says `tokenize`, and the server reads the instance)."""
+    import httpx
+
+    url = request.getfixturevalue(upstream)
+    url = url[0] if isinstance(url, tuple) else url
+    port = free_port()
+    cmd = [sys.executable, "-m", "stdengine.cli.main", "serve", "-e", "openai", "--url", url,
+           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the server
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+    try:
+        served = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_ready(served, timeout_s=60)
+        except EngineUnavailable:
+            pytest.fail(f"infer serve -e openai did not start: {log.read_text()[-2000:]}")
+        text = "Hello world, once upon a time"
+        r = httpx.post(served + "/tokenize", json={"content": text, "add_special": True})
+        assert r.status_code == 200, r.text
+        ids = [t["id"] if isinstance(t, dict) else t for t in r.json()["tokens"]]
+        assert ids == _upstream_ids(url, text)
+        if upstream == "server":  # the stand-in has no /detokenize
+            back = httpx.post(served + "/detokenize", json={"tokens": ids})
+            assert back.status_code == 200, back.text
+            assert text in back.json()["content"]
+    finally:
+        stop_server(proc)  # type: ignore[arg-type]
+
+
+def test_an_answer_that_is_not_json_is_an_engine_failure(fake):
+    engine = load(fake[0])  # the stand-in answers /detokenize with an event stream
+    with pytest.raises(EngineFailure, match="not JSON"):
+        engine.detokenize([1, 97])
+    engine.close()

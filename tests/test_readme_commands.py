@@ -1,6 +1,6 @@
 """The README's "What you get" commands, run as a new user runs them (with a small -n), each in a
 fresh process: each exits 0 and prints what the README says it prints. `infer run -p` and
-`infer chat` are in test_cli_real.py; `infer bench compare` in test_bench_real.py."""
+`infer chat` are in test_cli_real.py; `infer bench vs-llamacpp` in test_bench_real.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.models
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {"infer": "stdengine.cli.main", "infer-bench": "stdengine.bench.cli"}
+SCRIPTS = {"infer": "stdengine.cli.main", "infer-bench": "stdengine.cli.bench"}
 
 # Each command of the README's block (its first words) -> the test here (or elsewhere) that runs it.
 COVERED = {
@@ -30,8 +30,8 @@ COVERED = {
     "infer chat": "test_cli_real.py::test_infer_chat_answers_and_exits",
     "infer run -e llamacpp": "test_run_through_llamacpp",
     "infer serve -np 2": "test_serve_starts_answers_and_stops",
-    "infer-bench -e reference,llamacpp": "test_infer_bench",
-    "infer bench compare": "test_bench_real.py::test_bench_compare_writes_into_the_current_directory",
+    "infer bench -e reference,llamacpp": "test_infer_bench",
+    "infer bench vs-llamacpp": "test_bench_real.py::test_bench_vs_llamacpp_writes_into_the_current_directory",
     "infer conformance -e reference --report out/": "test_conformance_report",
     "infer models pull gemma-3-270m": "test_models_pull",
     "infer models info smollm2-135m-instruct": "test_models_info",
@@ -147,8 +147,8 @@ def test_serve_starts_answers_and_stops(tmp_path):
 
 
 def test_infer_bench(tmp_path):
-    # infer-bench -e reference,llamacpp -p 512 -n 128: llama-bench's md table (the reference engine here)
-    r = sh("infer-bench", "-e", "reference", "-p", "16", "-n", "4", "-r", "1")
+    # infer bench -e reference,llamacpp -p 512 -n 128: llama-bench's md table (the reference engine here)
+    r = sh("infer", "bench", "-e", "reference", "-p", "16", "-n", "4", "-r", "1")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0].startswith("| model") and "t/s" in lines[0]

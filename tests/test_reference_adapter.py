@@ -227,3 +227,25 @@ def test_sizes_past_the_c_cores_limits_are_refused(tiny, flags, option):
     as out of memory."""
     r = infer_run("-m", str(tiny), "-n", "2", "-p", "hi", *flags)
     assert r.returncode == 2 and f"cannot honour {option}: at most" in r.stderr, r.stderr
+
+
+def test_load_reads_the_file_once(tiny, monkeypatch):
+    """One scan of the GGUF per load, shared by the model and the tokenizer (issue 17): a second
+    reader of the same untrusted file would be a second place to get the bounds wrong."""
+    from stdengine import gguf_file
+
+    calls = []
+    scan = gguf_file.scan_gguf
+
+    def counting_scan(*args, **kwargs):
+        calls.append(args)
+        return scan(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_file, "scan_gguf", counting_scan)
+    engine = load(tiny)
+    try:
+        assert len(calls) == 1
+        assert engine.tokenizer.n_vocab == engine.model.n_vocab
+        assert engine.decode(TOKENS[:2]).shape == (engine.n_vocab,)
+    finally:
+        engine.close()

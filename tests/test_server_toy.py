@@ -324,6 +324,41 @@ def test_request_parsing_is_strict() -> None:
     assert api.chat_messages(req) == [{"role": "system", "content": "a"}]
 
 
+def test_capabilities_are_the_loaded_instances() -> None:
+    """The server asks the loaded engine instance what it can do, never its class: an instance
+    that can tokenize (as the openai engine's can when its upstream server has a tokenizer) serves
+    /tokenize although its class does not declare it, and one that cannot gets 501 although its
+    class declares it."""
+    from starlette.testclient import TestClient
+
+    from stdengine.events import null_emitter
+    from stdengine.server.app import build_state, close_state, create_app
+
+    class Undeclared(ToyEngine):
+        capabilities = ToyEngine.capabilities - {"tokenize"}
+
+    can, cannot = Undeclared(Weights(), 64, 0, True), ToyEngine(Weights(), 64, 0, True)
+    can.capabilities = ToyEngine.capabilities  # type: ignore[misc]
+    cannot.capabilities = Undeclared.capabilities  # type: ignore[misc]
+    for engine, status in ((can, 200), (cannot, 501)):
+        state = build_state(
+            engine, parallel=1, defaults=SamplingParams(), events=null_emitter(), model_ref="toy"
+        )
+        try:
+            with TestClient(create_app(state)) as http:
+                r = http.post("/tokenize", json={"content": "hé"})
+                assert r.status_code == status, r.text
+                if status == 200:
+                    assert r.json() == {"tokens": [ord("h"), ord("é")]}
+                    assert http.post("/detokenize", json={"tokens": [104, 233]}).json() == {"content": "hé"}
+                else:
+                    assert r.json()["error"]["type"] == "not_supported_error"
+                shown = set(http.get("/props").json()["capabilities"])
+                assert ("tokenize" in shown) == (status == 200)
+        finally:
+            close_state(state)
+
+
 if __name__ == "__main__":
     from stdengine import registry
     from stdengine.cli.main import main

@@ -305,22 +305,30 @@ def test_stream_decoder_holds_back_a_split_character() -> None:
     assert dec.flush() == "\ufffd"  # an incomplete tail at the end
 
 
+def _gguf_reader_metadata(reader: Any) -> dict[str, Any]:
+    """The tokenizer.* and general.* keys of an open `gguf.GGUFReader`, as plain Python values."""
+    return {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if name.startswith(("tokenizer.", "general.")) and field.types
+    }
+
+
 @pytest.mark.models
 def test_header_reader_reads_what_gguf_reader_reads(smollm2: Path, tmp_path: Path) -> None:
-    """read_gguf_metadata (the fast path of from_gguf) against gguf.GGUFReader, on SmolLM2 and on
-    synthetic files (Gemma's 262k vocabulary takes GGUFReader seconds, hence not Gemma)."""
+    """read_gguf_metadata (gguf_file's scan, as from_gguf reads a file) against gguf.GGUFReader, on
+    SmolLM2 and on synthetic files (Gemma's 262k vocabulary takes GGUFReader seconds, hence not Gemma)."""
     from gguf import GGUFReader
-    from stdengine.reference.tokenizer import _reader_metadata
 
     for path in (
         smollm2,
         _write_gguf(tmp_path / "bpe.gguf", _bpe_meta("gpt-2")),
         _write_gguf(tmp_path / "spm.gguf", _spm_meta(True)),
     ):
-        reader = GGUFReader(path)
-        assert read_gguf_metadata(path) == _reader_metadata(reader)
+        theirs = _gguf_reader_metadata(GGUFReader(path))
+        assert read_gguf_metadata(path) == theirs
         text = "\n".join(c["text"] for c in CORPUS)
-        assert Tokenizer.from_gguf(reader).encode(text) == Tokenizer.from_gguf(path).encode(text)
+        assert Tokenizer.from_metadata(theirs).encode(text) == Tokenizer.from_gguf(path).encode(text)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,9 +7,9 @@ from typing import Any
 
 import click
 
-from stdengine.adapter import DoneEvent, GenerateRequest, TokenEvent
-from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load_engine, make_emitter, resolve_cli
-from stdengine.cli.run import sampling_from, summary_line
+from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
+from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load, make_emitter, resolve_cli
+from stdengine.cli.run import summary_line
 from stdengine.errors import InferError, UsageError
 
 HELP = "commands: /exit (or Ctrl-D) leaves, /reset forgets the conversation, /help shows this"
@@ -28,7 +28,7 @@ def chat(**kwargs: Any) -> None:
     resolved = resolve_cli(kwargs)
     options = resolved.options
     events = make_emitter(options)
-    engine = load_engine(resolved, events)
+    engine = load(resolved, events).engine
     if not engine.has_chat_template():
         raise UsageError(
             "this model has no chat template, so `infer chat` cannot format a conversation",
@@ -79,7 +79,9 @@ def _answer(engine: Any, messages: list[dict[str, str]], options: Any, events: A
     pieces: list[str] = []
     done: DoneEvent | None = None
     try:
-        for ev in engine.generate(GenerateRequest(messages=messages, sampling=sampling_from(options))):
+        for ev in engine.generate(
+            GenerateRequest(messages=messages, sampling=SamplingParams.from_options(options))
+        ):
             if isinstance(ev, TokenEvent):
                 pieces.append(ev.text)
                 sys.stdout.write(ev.text)

@@ -121,26 +121,12 @@ def make_emitter(options: Options, engine: str | None = None, model: str | None 
         ) from e
 
 
-def load_engine(resolved: Any, events: Any) -> Any:
-    """Find the engine, refuse options it cannot honour, resolve the model reference, load."""
-    from stdengine import DEFAULT_MODEL, registry
+def load(resolved: Any, events: Any) -> Any:
+    """registry.load() with a command's resolved options: those the user set (flag, environment,
+    config file) are the ones the engine must honour or refuse. Returns registry.Loaded."""
+    from stdengine import registry
 
-    options: Options = resolved.options
-    cls = registry.engine_class(options.engine)
-    registry.check_options(cls, resolved.explicitly_set(), options.model_dump())
-    ok, reason = cls.availability()
-    if not ok:
-        from stdengine.errors import EngineUnavailable
-
-        raise EngineUnavailable(f"engine '{cls.name}' cannot load here: {reason}")
-    if cls.needs_model_file:
-        from stdengine.store import resolve_model
-
-        path = resolve_model(options.model or DEFAULT_MODEL, events=events)
-        options = options.model_copy(update={"model": str(path)})
-    events.engine = cls.name
-    events.model = options.model
-    return cls.load(options, events)
+    return registry.load(resolved.options, events, resolved.explicitly_set())
 
 
 def _verbose(argv: list[str]) -> bool:

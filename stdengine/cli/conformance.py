@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from stdengine.cli.common import canonical_options, load_engine, make_emitter, resolve_cli
+from stdengine.cli.common import canonical_options, load, make_emitter, resolve_cli
 
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "not_supported": "cyan"}
 
@@ -79,9 +79,8 @@ def conformance(level: str, only: str | None, report: str | None, list_only: boo
     engine = None
     model_path: Path | None = None
     if not http_only:
-        engine = load_engine(resolved, events)
-        if getattr(type(engine), "needs_model_file", True) and engine is not None:
-            model_path = Path(engine_model_path(engine, resolved))
+        loaded = load(resolved, events)
+        engine, model_path = loaded.engine, loaded.model_path
     model_ref = options.model or ("(server)" if http_only else None)
     if model_ref is None:
         from stdengine import DEFAULT_MODEL
@@ -121,14 +120,6 @@ def conformance(level: str, only: str | None, report: str | None, list_only: boo
         d = rep.write_bundle(report, results, meta)
         click.echo(f"report: {d}/ (results.json, junit.xml, summary.md, ENGINE.yaml)", err=True)
     sys.exit(exit_status(results))
-
-
-def engine_model_path(engine: Any, resolved: Any) -> str:
-    """The local model file the engine loaded (load_engine resolved the alias to a path)."""
-    from stdengine import DEFAULT_MODEL
-    from stdengine.store import resolve_model
-
-    return str(resolve_model(resolved.options.model or DEFAULT_MODEL, pull=False))
 
 
 def _run_with_progress(
@@ -228,7 +219,7 @@ def _honoured(engine: str) -> frozenset[str]:
 
     try:
         return frozenset(engine_class(engine).honoured_options())
-    except Exception:  # an unknown engine: load_engine reports it
+    except Exception:  # an unknown engine: load() reports it
         return frozenset({"ctx_size"})
 
 

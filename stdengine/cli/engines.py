@@ -15,7 +15,9 @@ def engines(as_json: bool) -> None:
 
     For each: version, the build it found on this machine (e.g. the reference engine's SIMD path,
     llama.cpp's CPU features), capabilities, the canonical options it honours, and whether it can
-    load here (with the reason when not, e.g. an extra that is not installed).
+    load here (with the reason when not, e.g. an extra that is not installed). Nothing is loaded,
+    so the capabilities are the declared ones; a loaded engine may have more (an openai engine
+    whose server tokenizes, llamacpp with a GPU).
     """
     from stdengine.registry import describe
 

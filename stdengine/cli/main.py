@@ -22,7 +22,7 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "bench": (
         "stdengine.cli.bench",
         "bench",
-        "Benchmark the reference engine against llama.cpp (`bench compare`).",
+        "Benchmark any engine as llama-bench does (also `infer-bench`).",
     ),
 }
 

@@ -10,25 +10,9 @@ from typing import Any
 import click
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, Timings, TokenEvent, now_ms
-from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load_engine, make_emitter, resolve_cli
+from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load, make_emitter, resolve_cli
 from stdengine.errors import InvalidRequest, UsageError
 from stdengine.options import Options
-
-
-def sampling_from(options: Options) -> SamplingParams:
-    return SamplingParams(
-        temp=options.temp,
-        top_k=options.top_k,
-        top_p=options.top_p,
-        min_p=options.min_p,
-        repeat_penalty=options.repeat_penalty,
-        repeat_last_n=options.repeat_last_n,
-        presence_penalty=options.presence_penalty,
-        frequency_penalty=options.frequency_penalty,
-        seed=options.seed,
-        n_predict=options.n_predict,
-        stop=list(options.stop),
-    )
 
 
 def utf8_prompt(raw: bytes, source: str) -> str:
@@ -103,19 +87,19 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
     prompt = read_prompt(options)
     if prompt == "":
         raise InvalidRequest("the prompt is empty", hint="give some text with -p, -f or stdin")
-    engine = load_engine(resolved, events)
+    engine = load(resolved, events).engine
     try:
         if not raw and engine.has_chat_template():
             messages = [{"role": "system", "content": options.system}] if options.system else []
             messages.append({"role": "user", "content": prompt})
-            request = GenerateRequest(messages=messages, sampling=sampling_from(options))
+            request = GenerateRequest(messages=messages, sampling=SamplingParams.from_options(options))
         else:
             if options.system:
                 raise UsageError(
                     "--system needs a chat template, and this run has none",
                     hint="drop --raw, or put the system text into the prompt",
                 )
-            request = GenerateRequest(prompt=prompt, sampling=sampling_from(options))
+            request = GenerateRequest(prompt=prompt, sampling=SamplingParams.from_options(options))
         pieces: list[str] = []
         done: DoneEvent | None = None
         received = 0

@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from stdengine.cli.common import canonical_options, load_engine, make_emitter, resolve_cli
-from stdengine.cli.run import sampling_from
+from stdengine.adapter import SamplingParams
+from stdengine.cli.common import canonical_options, load, make_emitter, resolve_cli
 from stdengine.errors import EngineUnavailable
 from stdengine.options import OPTION_NAMES, Options
 
@@ -72,7 +72,6 @@ def serve(queue_size: int | None, max_body: int | None, **kwargs: Any) -> None:
     options: Options = resolved.options
     events = make_emitter(options)
     events.debug("config.resolved", options=options.model_dump(), sources=resolved.sources)
-    model_ref = options.model or _default_model(options)
     # --api-key is the key this server requires of its clients; it is not handed to the engine
     # (which would refuse it, or send it on to a remote server).
     server_key = options.api_key
@@ -81,16 +80,17 @@ def serve(queue_size: int | None, max_body: int | None, **kwargs: Any) -> None:
         options=options.model_copy(update={"api_key": None}),
         sources={**resolved.sources, "api_key": "default"},
     )
-    engine = load_engine(resolved, events)
+    loaded = load(resolved, events)
+    engine, model_ref = loaded.engine, loaded.model_ref
     state = None
     try:
         state = build_state(
             engine,
             parallel=options.parallel,
-            defaults=sampling_from(options),
+            defaults=SamplingParams.from_options(options),
             events=events,
             model_ref=model_ref,
-            model_path=events.model if getattr(type(engine), "needs_model_file", True) else None,
+            model_path=None if loaded.model_path is None else str(loaded.model_path),
             api_key=server_key,
             queue_size=DEFAULT_QUEUE if queue_size is None else queue_size,
             verbose=options.verbosity > 0,
@@ -130,10 +130,3 @@ def serve(queue_size: int | None, max_body: int | None, **kwargs: Any) -> None:
         else:
             engine.close()
         events.close()
-
-
-def _default_model(options: Options) -> str:
-    from stdengine import DEFAULT_MODEL, registry
-
-    cls = registry.engine_class(options.engine)
-    return DEFAULT_MODEL if getattr(cls, "needs_model_file", True) else (options.url or options.engine)

@@ -21,6 +21,7 @@ import numpy as np
 from stdengine.adapter import EngineInfo, SamplingParams, check_token_ids, now_ms, refuse_engine_args
 from stdengine.errors import BadModelFile, EngineFailure, InvalidRequest, UnsupportedOption
 from stdengine.generation import Utf8Stream, choose_chat_template, template_level
+from stdengine.gguf_file import ggml_type
 from stdengine.local_engine import LocalEngine
 
 if TYPE_CHECKING:
@@ -29,18 +30,6 @@ if TYPE_CHECKING:
 
 INSTALL_HINT = "pip install 'stdengine[llamacpp]'"
 
-# Canonical cache type -> ggml_type id (ggml.h; spec anchors §5.2).
-GGML_TYPE_IDS = {
-    "f32": 0,
-    "f16": 1,
-    "q4_0": 2,
-    "q4_1": 3,
-    "q5_0": 6,
-    "q5_1": 7,
-    "q8_0": 8,
-    "iq4_nl": 20,
-    "bf16": 30,
-}
 LLAMA_TOKEN_NULL = -1
 LOAD_MODE_NONE, LOAD_MODE_MMAP, LOAD_MODE_MLOCK, LOAD_MODE_MMAP_MLOCK = 0, 1, 2, 3
 
@@ -223,8 +212,9 @@ class LlamaCppEngine(LocalEngine):
         cp.n_ubatch = min(options.ubatch_size, options.batch_size)
         cp.n_threads = threads
         cp.n_threads_batch = threads_batch
-        cp.type_k = GGML_TYPE_IDS[options.cache_type_k]
-        cp.type_v = GGML_TYPE_IDS[options.cache_type_v]
+        # cache types are ggml type names (spec anchors §5.2): llama.cpp takes their ids
+        cp.type_k = ggml_type(options.cache_type_k).id
+        cp.type_v = ggml_type(options.cache_type_v).id
         cp.flash_attn_type = (
             lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if options.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )

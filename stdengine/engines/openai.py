@@ -15,12 +15,10 @@ spec/engines.md is the prose.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from stdengine import __version__
@@ -51,6 +49,26 @@ from stdengine.errors import (
     UsageError,
 )
 from stdengine.generation import StopMatcher, render_chat_template, validate_sampling
+from stdengine.openai_wire import (
+    DONE,
+    TOKENIZE_ROUTES,
+    Entry,
+    ErrorReply,
+    WireError,
+    bearer,
+    choice_text,
+    detokenize_body,
+    detokenized,
+    echo_body,
+    logprob_entries,
+    model_ids,
+    parse_chunk,
+    root_url,
+    sse_events,
+    tokenize_body,
+    tokens_of,
+)
+from stdengine.options import SAMPLING
 
 if TYPE_CHECKING:
     import httpx
@@ -69,7 +87,6 @@ ENGINE_ARGS = {
     "dialect": "auto (default), llama.cpp, llama-cpp-python or openai: which extra fields the server takes",
     "timeout": "seconds to wait for the server's next bytes (default 600, llama-server's own)",
 }
-SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if f.name != "stop"}
 
 
 class OpenAIEngine(Engine):
@@ -145,29 +162,30 @@ class OpenAIEngine(Engine):
         except ValueError:
             raise UsageError(f"-E timeout must be a number of seconds, not '{args['timeout']}'") from None
         root = _root_url(options.url or os.environ.get("OPENAI_BASE_URL"))
-        api_key = options.api_key or os.environ.get("OPENAI_API_KEY")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = bearer(options.api_key or os.environ.get("OPENAI_API_KEY"))
         client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
 
         t0 = now_ms()
         engine = cls(client, root, "", "openai", options, events)
         try:
             listing = engine._request("GET", "/v1/models", what="a model list (GET /v1/models)")
-            ids = [str(m.get("id")) for m in listing.json().get("data", []) if isinstance(m, dict)]
-            engine.model = engine._choose_model(ids, args.get("model"))
+            engine.model = engine._choose_model(model_ids(listing.json()), args.get("model"))
             detected = engine._probe(listing)
             engine.dialect = detected if dialect == "auto" else dialect
         except Exception:
             client.close()
             raise
-        engine._check_extras_supported(_sampling_of(options), at="load")
+        engine._check_extras_supported(SamplingParams.from_options(options), at="load")
+        # the instance's own capabilities (an instance attribute: the class's stay as declared)
+        caps = set(cls.capabilities)
         if engine.tokenize_route:
-            engine.capabilities = engine.capabilities | {"tokenize"}  # type: ignore[misc]
+            caps.add("tokenize")
         if engine._serves_logprobs():
-            engine.capabilities = engine.capabilities | {"logprobs"}  # type: ignore[misc]
+            caps.add("logprobs")
         if engine.dialect != "llama.cpp" and not options.chat_template:
             # the server applies its template without showing it: nothing here renders it
-            engine.capabilities = engine.capabilities - {"chat_template"}  # type: ignore[misc]
+            caps.discard("chat_template")
+        engine.capabilities = frozenset(caps)  # type: ignore[misc]
         events.info(
             "model.loaded",
             path=engine.model,
@@ -203,43 +221,30 @@ class OpenAIEngine(Engine):
     def _probe(self, listing: httpx.Response) -> str:
         """Which dialect the server speaks, and whether it tokenizes. llama-server says
         `Server: llama.cpp` and has /tokenize and /props; llama-cpp-python has /extras/tokenize."""
-        if "llama.cpp" in listing.headers.get("server", ""):
-            found = self._try_json("POST", "/tokenize", {"content": "", "add_special": True})
-            if found is not None and isinstance(found.get("tokens"), list):
-                self.tokenize_route = "/tokenize"
-                self.bos_prefix = [int(t) for t in found["tokens"]]
+        llama_server = "llama.cpp" in listing.headers.get("server", "")
+        for route in TOKENIZE_ROUTES if llama_server else ("/extras/tokenize",):
+            found = tokens_of(self._try_json("POST", route, tokenize_body(route, "", model=self.model)))
+            if found is not None:
+                self.tokenize_route, self.bos_prefix = route, found
+                break
+        if llama_server:
             props = self._try_json("GET", "/props", None)
             if props:
                 self.build = str(props.get("build_info", ""))
                 n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
                 self.server_n_ctx = int(n_ctx) if isinstance(n_ctx, int) else None
             return "llama.cpp"
-        found = self._try_json("POST", "/extras/tokenize", {"input": ""})
-        if found is not None and isinstance(found.get("tokens"), list):
-            self.tokenize_route = "/extras/tokenize"
-            self.bos_prefix = [int(t) for t in found["tokens"]]
-            return "llama-cpp-python"
-        return "openai"
+        return "openai" if self.tokenize_route is None else "llama-cpp-python"
 
     def _serves_logprobs(self) -> bool:
         """Whether the server echoes a token-id prompt with its log-probabilities (what score()
         needs): one completion of one token after token 0 (an id every vocabulary has)."""
-        found = self._try_json("POST", "/v1/completions", self._echo_body([0]))
+        found = self._try_json("POST", "/v1/completions", echo_body(self.model, [0], 1))
         try:
-            entries = _logprob_entries(found["choices"][0]["logprobs"]) if found else []
-        except (KeyError, IndexError, TypeError, ValueError):
+            entries = logprob_entries(found["choices"][0]["logprobs"]) if found else []
+        except (KeyError, IndexError, TypeError, WireError):
             return False
         return bool(entries) and math.isnan(entries[0][0].logprob)
-
-    def _echo_body(self, tokens: list[int], top_n: int = 1) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "prompt": tokens,
-            "echo": True,
-            "logprobs": top_n,
-            "max_tokens": 1,
-            "temperature": 0.0,
-        }
 
     def _try_json(self, method: str, path: str, body: Any) -> dict[str, Any] | None:
         """A probe: the JSON object answered, or None when the route is missing or failing."""
@@ -275,43 +280,32 @@ class OpenAIEngine(Engine):
         return self.server_n_ctx
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """The upstream server's ids (forwarded to its tokenize route)."""
         route = self._need_tokenize()
-        if route == "/tokenize":
-            data = self._request(
-                "POST",
-                route,
-                {"content": text, "add_special": add_special, "parse_special": parse_special},
-                what="POST /tokenize",
-            ).json()
-            return [int(t) for t in data["tokens"]]
-        if not parse_special:
+        if route != "/tokenize" and not parse_special:
             raise InvalidRequest(
                 "this server (llama-cpp-python) always parses special tokens",
                 hint="tokenize with parse_special=True, or use a llama-server",
             )
-        data = self._request("POST", route, {"input": text, "model": self.model}, what=f"POST {route}").json()
-        tokens = [int(t) for t in data["tokens"]]
-        # its tokenizer always adds the special prefix; take it off when not asked for
-        if not add_special and self.bos_prefix and tokens[: len(self.bos_prefix)] == self.bos_prefix:
+        body = tokenize_body(route, text, add_special, parse_special, self.model)
+        tokens = tokens_of(self._json("POST", route, body, what=f"POST {route}"))
+        if tokens is None:
+            raise EngineFailure(f"the server at {self.root} answered POST {route} without a token list")
+        # llama-cpp-python's tokenizer always adds the special prefix; take it off when not asked for
+        if route != "/tokenize" and not add_special and tokens[: len(self.bos_prefix)] == self.bos_prefix:
             tokens = tokens[len(self.bos_prefix) :]
         return tokens
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        """The upstream server's text for the ids (forwarded to its detokenize route)."""
         route = self._need_tokenize()
-        if route == "/tokenize":
-            return str(
-                self._request(
-                    "POST", "/detokenize", {"tokens": list(tokens)}, what="POST /detokenize"
-                ).json()["content"]
-            )
-        return str(
-            self._request(
-                "POST",
-                "/extras/detokenize",
-                {"tokens": list(tokens), "model": self.model},
-                what="POST /extras/detokenize",
-            ).json()["text"]
-        )
+        back = TOKENIZE_ROUTES[route]
+        body = detokenize_body(route, [int(t) for t in tokens], self.model)
+        answer = self._json("POST", back, body, what=f"POST {back}")
+        try:
+            return detokenized(route, answer)
+        except (KeyError, TypeError):
+            raise EngineFailure(f"the server at {self.root} answered POST {back} without the text") from None
 
     def decode(self, tokens: Sequence[int], all_logits: bool = False) -> Any:
         raise InvalidRequest(
@@ -350,13 +344,13 @@ class OpenAIEngine(Engine):
             top=[top for _, top in entries[1 : len(ids) + 1]],
         )
 
-    def _echo(self, ids: list[int], top_n: int) -> list[tuple[TopLogprob, list[TopLogprob]]]:
-        data = self._request(
-            "POST", "/v1/completions", self._echo_body(ids, top_n), what="POST /v1/completions (echo)"
-        ).json()
+    def _echo(self, ids: list[int], top_n: int) -> list[Entry]:
+        data = self._json(
+            "POST", "/v1/completions", echo_body(self.model, ids, top_n), what="POST /v1/completions (echo)"
+        )
         try:
-            return _logprob_entries(data["choices"][0]["logprobs"])
-        except (KeyError, IndexError, TypeError, ValueError) as e:
+            return logprob_entries(data["choices"][0]["logprobs"])
+        except (KeyError, IndexError, TypeError, WireError) as e:
             raise EngineFailure(
                 f"the server at {self.root} answered an echo with logprobs in an unknown shape: {e}"
             ) from None
@@ -370,9 +364,7 @@ class OpenAIEngine(Engine):
                 self.options.chat_template, messages, add_generation_prompt=add_generation_prompt
             )
         if self.dialect == "llama.cpp":
-            data = self._request(
-                "POST", "/apply-template", {"messages": messages}, what="POST /apply-template"
-            ).json()
+            data = self._json("POST", "/apply-template", {"messages": messages}, what="POST /apply-template")
             return str(data["prompt"])
         raise InvalidRequest(
             "this server applies its chat template itself and does not show it",
@@ -441,9 +433,7 @@ class OpenAIEngine(Engine):
         unless it is left at its default (then it is simply not sent)."""
         extras = DIALECT_EXTRAS[self.dialect]
         refused = [
-            k
-            for k in DIALECT_EXTRAS["llama.cpp"]
-            if k not in extras and getattr(s, k) != SAMPLING_DEFAULTS[k]
+            k for k in DIALECT_EXTRAS["llama.cpp"] if k not in extras and getattr(s, k) != SAMPLING[k].default
         ]
         if refused:
             raise UnsupportedOption(
@@ -466,6 +456,17 @@ class OpenAIEngine(Engine):
             raise self._error(r, what)
         return r
 
+    def _json(self, method: str, path: str, body: Any = None, *, what: str) -> Any:
+        """A request's JSON answer; an answer that is not JSON is the server's failure."""
+        r = self._request(method, path, body, what=what)
+        try:
+            return r.json()
+        except ValueError:
+            raise EngineFailure(
+                f"the server at {self.root} answered {what} with something that is not JSON: {r.text[:200]!r}",
+                hint="is this an OpenAI-compatible server?",
+            ) from None
+
     def _stream(
         self, route: str, body: dict[str, Any], s: SamplingParams, logprobs: bool
     ) -> Iterator[GenerationEvent]:
@@ -485,17 +486,17 @@ class OpenAIEngine(Engine):
                 if r.status_code != 200:
                     r.read()
                     raise self._error(r, f"POST {route}")
-                for data in _sse_events(r.iter_lines(), self.root):
-                    if data == "[DONE]":
+                for data in sse_events(r.iter_text()):
+                    if data == DONE:
                         done = True
                         break
-                    chunk = _json_object(data, self.root)
+                    chunk = self._chunk(data)
                     if "error" in chunk:
-                        raise self._error_from(500, chunk, f"POST {route}")
+                        raise self._error_from(ErrorReply.of(500, chunk), f"POST {route}")
                     usage = chunk.get("usage") or usage
                     timings = chunk.get("timings") or timings
                     for choice in chunk.get("choices") or []:
-                        piece = _choice_text(choice)
+                        piece = choice_text(choice)
                         entries = self._chunk_logprobs(choice) if logprobs else []
                         text = ""
                         if piece:
@@ -546,10 +547,18 @@ class OpenAIEngine(Engine):
             ),
         )
 
-    def _chunk_logprobs(self, choice: dict[str, Any]) -> list[tuple[TopLogprob, list[TopLogprob]]]:
+    def _chunk(self, data: str) -> dict[str, Any]:
         try:
-            return _logprob_entries(choice.get("logprobs"))
-        except (KeyError, IndexError, TypeError, ValueError) as e:
+            return parse_chunk(data)
+        except WireError as e:
+            raise EngineFailure(
+                f"the server at {self.root} sent {e}", hint="is this an OpenAI-compatible server?"
+            ) from None
+
+    def _chunk_logprobs(self, choice: dict[str, Any]) -> list[Entry]:
+        try:
+            return logprob_entries(choice.get("logprobs"))
+        except WireError as e:
             raise EngineFailure(f"the server at {self.root} sent logprobs in an unknown shape: {e}") from None
 
     def _transport_error(self, e: Exception, what: str, mid_stream: bool = False) -> InferError:
@@ -572,31 +581,16 @@ class OpenAIEngine(Engine):
         )
 
     def _error(self, r: httpx.Response, what: str) -> InferError:
-        try:
-            body = r.json()
-        except ValueError:
-            body = {"error": {"message": r.text.strip()[:500] or r.reason_phrase}}
-        return self._error_from(r.status_code, body if isinstance(body, dict) else {}, what)
+        return self._error_from(ErrorReply.of(r.status_code, r.content or r.reason_phrase), what)
 
-    def _error_from(self, status: int, body: dict[str, Any], what: str) -> InferError:
-        """An error reply (llama-server's envelope, OpenAI's, or FastAPI's {"detail": ...}) as the
-        standard error, keeping the server's message."""
-        err = body.get("error")
-        if isinstance(err, dict):
-            message, etype, code = str(err.get("message", "")), str(err.get("type", "")), err.get("code")
-            status = code if isinstance(code, int) and status == 500 and code >= 400 else status
-        else:
-            message, etype, code = str(err or body.get("detail") or body), "", None
-        said = f"the server at {self.root} answered {what} with {status}: {message}"
-        low = message.lower()
-        if (
-            etype == "exceed_context_size_error"
-            or code == "context_length_exceeded"
-            or ("context" in low and ("exceed" in low or "too long" in low or "maximum" in low))
-        ):
-            extra = {k: err[k] for k in ("n_prompt_tokens", "n_ctx") if isinstance(err, dict) and k in err}
+    def _error_from(self, err: ErrorReply, what: str) -> InferError:
+        """An error reply as the standard error, keeping the server's message."""
+        status = err.status
+        said = f"the server at {self.root} answered {what} with {status}: {err.message}"
+        low = err.message.lower()
+        if err.context_overflow:
             return ContextOverflow(
-                said, hint="shorten the prompt, or start the server with a larger context", **extra
+                said, hint="shorten the prompt, or start the server with a larger context", **err.details
             )
         if status in (401, 403):
             return EngineUnavailable(said, hint="pass the server's key with --api-key or OPENAI_API_KEY")
@@ -617,83 +611,7 @@ def _root_url(url: str | None) -> str:
             "engine 'openai' needs the server's URL",
             hint="pass --url http://HOST:PORT (or set INFER_URL or OPENAI_BASE_URL)",
         )
-    url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise UsageError(
-            f"--url must start with http:// or https://, not '{url}'", hint="e.g. --url http://127.0.0.1:8080"
-        )
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-def _sampling_of(options: Options) -> SamplingParams:
-    return SamplingParams(**{k: getattr(options, k) for k in SAMPLING_DEFAULTS})
-
-
-def _sse_events(lines: Iterator[str], root: str) -> Iterator[str]:
-    """The data of each server-sent event (lines joined); llama-server's `error:` lines become
-    {"error": ...} data; comments (`: ping`) and other fields are skipped."""
-    data: list[str] = []
-    for line in lines:
-        if line == "":
-            if data:
-                yield "\n".join(data)
-                data = []
-            continue
-        if line.startswith(":"):
-            continue
-        field, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if field == "data":
-            data.append(value)
-        elif field == "error":
-            yield json.dumps({"error": _json_object(value, root)})
-    if data:
-        yield "\n".join(data)
-
-
-def _json_object(data: str, root: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        raise EngineFailure(
-            f"the server at {root} sent a malformed stream event: {data[:200]!r}",
-            hint="is this an OpenAI-compatible server?",
-        ) from None
-    if not isinstance(obj, dict):
-        raise EngineFailure(f"the server at {root} sent a stream event that is not an object: {data[:200]!r}")
-    return obj
-
-
-def _logprob_entries(obj: Any) -> list[tuple[TopLogprob, list[TopLogprob]]]:
-    """(token, its top alternatives) for each token of a choice's `logprobs`: chat's
-    {"content": [...]} (also what llama-server answers on completions; ids when it gives them),
-    or the completions shape {tokens, token_logprobs, top_logprobs: [{text: logprob}]} (no ids).
-    A null logprob (an echoed first token) is NaN; null or missing logprobs: no entries."""
-    if not obj:
-        return []
-    if isinstance(obj.get("content"), list):
-        return [(_top_entry(e), [_top_entry(t) for t in e.get("top_logprobs") or []]) for e in obj["content"]]
-    return [
-        (TopLogprob(str(text), _lp(lp)), [TopLogprob(str(t), _lp(v)) for t, v in (top or {}).items()])
-        for text, lp, top in zip(obj["tokens"], obj["token_logprobs"], obj["top_logprobs"], strict=True)
-    ]
-
-
-def _top_entry(e: dict[str, Any]) -> TopLogprob:
-    raw = e.get("bytes")
-    return TopLogprob(str(e["token"]), _lp(e["logprob"]), int(e.get("id", -1)), bytes(raw) if raw else None)
-
-
-def _lp(value: Any) -> float:
-    return math.nan if value is None else float(value)
-
-
-def _choice_text(choice: dict[str, Any]) -> str:
-    """The text a streamed choice adds: chat `delta.content` or completion `text`."""
-    delta = choice.get("delta")
-    if isinstance(delta, dict):
-        return str(delta.get("content") or "")
-    return str(choice.get("text") or "")
+    return root_url(url)
 
 
 def wait_until_ready(url: str, timeout_s: float = 60.0) -> None:

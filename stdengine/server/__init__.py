@@ -1,7 +1,14 @@
 """`infer serve`: an OpenAI-compatible HTTP server and web chat in front of any engine.
 
-- `app.py`: the routes (OpenAI chat and completions, models, health, metrics, tokenize, embeddings,
-  the web page), API-key check and one `request.done` log event per request;
+- `app.py`: `create_app` puts the pieces together; `run_server` serves it;
+- `state.py`: what the routes read (the loaded engine instance, its slots, the sampling defaults);
+- `routes.py`: the routes as module-level handlers (models, health, props, metrics, tokenize,
+  embeddings, the web page); `completion.py`: chat and text completions, one path for both, and
+  the one reader of a generation's events for whole and streamed answers;
+- `middleware.py`: API-key check, one `request.done` log event per request, and the request limits
+  (body size, JSON nesting, prompt length);
+- `envelope.py`: every error as OpenAI's error envelope (the kinds are stdengine.errors');
+- `lifecycle.py`: uvicorn on one socket, and draining on SIGINT or SIGTERM;
 - `api.py`: the OpenAI request shapes we accept (strictly) and the response shapes we send;
 - `slots.py`: the contexts that serve requests at once, the bounded queue in front of them, and
   the bridge from an engine's blocking `generate()` in a worker thread to the asyncio server;

@@ -13,9 +13,9 @@ import codecs
 import dataclasses
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from stdengine.adapter import (
     MAX_TOP_LOGPROBS,
@@ -27,6 +27,7 @@ from stdengine.adapter import (
     Usage,
 )
 from stdengine.errors import InvalidRequest, UnsupportedOption
+from stdengine.options import SAMPLING, SAMPLING_REQUEST_NAMES
 
 
 class _Strict(BaseModel):
@@ -37,27 +38,47 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
-    """What chat and text completions share: model, streaming, and sampling."""
+# request field -> canonical option (spec/options.md), from the Options fields' declarations; the
+# engine must honour the option. max_completion_tokens is the chat route's name only.
+SAMPLING_FIELDS: dict[str, str] = SAMPLING_REQUEST_NAMES
+CHAT_ONLY_FIELDS = frozenset({"max_completion_tokens"})
+
+
+def _sampling_fields(route: Literal["chat", "text"]) -> dict[str, Any]:
+    """The request fields that set sampling options, typed and bounded as the options declare."""
+    fields: dict[str, Any] = {}
+    for option in SAMPLING.values():
+        # a request's stop may be one string (OpenAI's shape) as well as a list
+        kind: Any = str | list[str] if option.name == "stop" else option.annotation
+        for name in option.request:
+            if route == "chat" or name not in CHAT_ONLY_FIELDS:
+                fields[name] = (kind | None, Field(None, ge=option.request_ge, le=option.request_le))
+    return fields
+
+
+class _Completion(_Strict):
+    """What chat and text completions share besides sampling: model, streaming, and the OpenAI
+    fields this server accepts only at their neutral values (refuse_unsupported checks them)."""
 
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=-1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repeat_penalty: float | None = Field(None, ge=0)
-    repeat_last_n: int | None = Field(None, ge=-1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    # Known OpenAI fields that this server accepts only at their neutral values (checked below).
     n: int | None = Field(None, ge=1)
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the caller's own tracking; not used
+
+
+# The sampling fields are made from the options' table, so the type checker does not see them:
+# the code reads them by name (sampling_for).
+if TYPE_CHECKING:
+
+    class _Chat(_Completion): ...
+
+    class _Text(_Completion): ...
+
+else:
+    _Chat = create_model("_Chat", __base__=_Completion, **_sampling_fields("chat"))
+    _Text = create_model("_Text", __base__=_Completion, **_sampling_fields("text"))
 
 
 class TextPart(_Strict):
@@ -71,9 +92,8 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(_Chat):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=-1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
@@ -84,7 +104,7 @@ class ChatRequest(_Sampling):
     response_format: dict[str, Any] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Text):
     # text, or token ids (lm-evaluation-harness sends [[ids]]); one prompt per request
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -108,23 +128,6 @@ class EmbeddingsRequest(_Strict):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
-
-
-# request field -> canonical option (spec/options.md); the engine must honour the option
-SAMPLING_FIELDS: dict[str, str] = {
-    "temperature": "temp",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repeat_penalty": "repeat_penalty",
-    "repeat_last_n": "repeat_last_n",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "seed": "seed",
-    "max_tokens": "n_predict",
-    "max_completion_tokens": "n_predict",
-    "stop": "stop",
-}
 
 
 def parse(model: type[_Strict], body: dict[str, Any]) -> Any:
@@ -207,9 +210,8 @@ def sampling_for(
     req: ChatRequest | CompletionRequest, defaults: SamplingParams, engine_name: str, honoured: frozenset[str]
 ) -> SamplingParams:
     """The server's defaults (its own sampling flags), overridden by the request's fields."""
-    refused = [
-        f for f, opt in SAMPLING_FIELDS.items() if getattr(req, f, None) is not None and opt not in honoured
-    ]
+    given = {f: getattr(req, f) for f in SAMPLING_FIELDS if getattr(req, f, None) is not None}
+    refused = [f for f in given if SAMPLING_FIELDS[f] not in honoured]
     if refused:
         raise UnsupportedOption(
             f"engine '{engine_name}' cannot honour {', '.join(refused)}",
@@ -219,33 +221,30 @@ def sampling_for(
             + ", ".join(f for f, opt in SAMPLING_FIELDS.items() if opt in honoured),
         )
     s = dataclasses.replace(defaults, stop=list(defaults.stop))
-    if req.temperature is not None:
-        s.temp = req.temperature
-    for name in (
-        "top_p",
-        "top_k",
-        "min_p",
-        "repeat_penalty",
-        "repeat_last_n",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
+    by_option: dict[str, str] = {}  # option -> the request field that set it
+    for field, value in given.items():
+        option = SAMPLING_FIELDS[field]
+        if option in by_option and given[by_option[option]] != value:
+            raise InvalidRequest(f"{by_option[option]} and {field} disagree; give one of them")
+        by_option[option] = field
+        setattr(s, option, [value] if option == "stop" and isinstance(value, str) else value)
+    if (
+        "n_predict" in by_option
+        and s.n_predict == 0
+        and not (isinstance(req, CompletionRequest) and req.echo)
     ):
-        value = getattr(req, name)
-        if value is not None:
-            setattr(s, name, value)
-    limit = req.max_tokens
-    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
-        if limit is not None and limit != req.max_completion_tokens:
-            raise InvalidRequest("max_tokens and max_completion_tokens disagree; give one of them")
-        limit = req.max_completion_tokens
-    if limit is not None:
-        if limit == 0 and not (isinstance(req, CompletionRequest) and req.echo):
-            raise InvalidRequest("max_tokens must be at least 1 (or -1 for no limit; 0 only with echo)")
-        s.n_predict = limit
-    if req.stop is not None:
-        s.stop = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        raise InvalidRequest("max_tokens must be at least 1 (or -1 for no limit; 0 only with echo)")
     return s
+
+
+def props_defaults(defaults: SamplingParams) -> dict[str, Any]:
+    """/props's default_generation_settings: every sampling default, by llama-server's names (an
+    option's request name where it has one, the option's own where requests have several:
+    n_predict, which they call max_tokens or max_completion_tokens)."""
+    return {
+        option.request[0] if len(option.request) == 1 else name: getattr(defaults, name)
+        for name, option in SAMPLING.items()
+    }
 
 
 def chat_messages(req: ChatRequest) -> list[dict[str, str]]:

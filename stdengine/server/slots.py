@@ -21,14 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from stdengine.adapter import Engine, GenerateRequest
+from stdengine.errors import ServerBusy
 
 T = TypeVar("T")
 
 END = object()  # put on a generation's queue after its last item
-
-
-class ServerBusy(Exception):
-    """Every slot is busy and the queue is full."""
 
 
 class ClientGone(Exception):
@@ -62,7 +59,8 @@ class SlotPool:
         return next(i for i, c in enumerate(self.contexts) if c is ctx)
 
     async def acquire(self) -> Engine:
-        """A free context, after waiting in the queue if need be; ServerBusy when the queue is full."""
+        """A free context, after waiting in the queue if need be; ServerBusy (503) when the queue
+        is full."""
         if self._free and not self.waiting:
             return self._free.pop()
         if self.waiting >= self.queue_size:
