@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 # the headers and checks every value, field offset and size below (each struct names its C type
 # in _c_struct_).
 OK, ERR_CONTEXT_OVERFLOW, ERR_BAD_TOKEN, ERR_INVALID, ERR_NOMEM, ERR_MISSING = 0, -1, -2, -3, -4, -5
-ARCH_LLAMA, ARCH_GEMMA3 = 1, 2
 MAX_CTX, MAX_THREADS = 1 << 22, 255  # se_context_new's limits (llama.c, threadpool.c)
 ROPE_NORM, ROPE_NEOX = 0, 2
 SLOTS = {
@@ -143,6 +142,9 @@ def api() -> ctypes.CDLL:
     c = lib()
     sig = {
         "se_version": ([], ctypes.c_char_p),
+        "se_arch_count": ([], _i32),
+        "se_arch_name": ([_i32], ctypes.c_char_p),
+        "se_arch_layer_slot": ([_i32, _i32], ctypes.c_int),
         "se_model_new": ([_vp], _vp),
         "se_model_set_tensor": ([_vp, _i32, _i32, _vp, _i32, _i64, _i64], ctypes.c_int),
         "se_model_set_layer": ([_vp, _i32, _f32, _i32], ctypes.c_int),
@@ -209,6 +211,19 @@ def supported_types() -> list[str]:
 
 def row_size(type_id: int, n: int) -> int:
     return int(api().se_row_size(type_id, n))
+
+
+@cache
+def architectures() -> dict[str, int]:
+    """The C core's architecture table (model.c): general.architecture name -> se_arch id."""
+    c = api()
+    return {c.se_arch_name(i).decode(): i for i in range(1, c.se_arch_count() + 1)}
+
+
+def arch_layer_slots(arch: str) -> frozenset[str]:
+    """The tensor slots every layer of the architecture needs (those its forward pass reads)."""
+    arch_id = architectures()[arch]
+    return frozenset(name for name, slot in SLOTS.items() if api().se_arch_layer_slot(arch_id, slot) == 1)
 
 
 def hparams_struct(hp: HParams) -> _HParams:

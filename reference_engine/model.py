@@ -32,10 +32,9 @@ from stdengine.reference.core import SLOTS, HParams
 from stdengine import gguf_file
 from stdengine.errors import BadModelFile, UnsupportedArchitecture
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
-
-# llama's per-layer tensors: GGUF name suffix -> C slot
-_LLAMA_LAYER = {
+# A layer's tensors: GGUF name suffix (blk.N.<suffix>.weight) -> C slot. Which of them an
+# architecture's layers have is the C core's architecture table (core.arch_layer_slots).
+_LAYER_TENSORS = {
     "attn_norm": "ATTN_NORM",
     "attn_q": "ATTN_Q",
     "attn_k": "ATTN_K",
@@ -45,12 +44,9 @@ _LLAMA_LAYER = {
     "ffn_gate": "FFN_GATE",
     "ffn_up": "FFN_UP",
     "ffn_down": "FFN_DOWN",
-}
-# gemma3's: llama's plus a per-head norm of q and k and a norm of each block's output
-_GEMMA3_LAYER = _LLAMA_LAYER | {
-    "attn_q_norm": "ATTN_Q_NORM",
+    "attn_q_norm": "ATTN_Q_NORM",  # gemma3: a per-head norm of q and k
     "attn_k_norm": "ATTN_K_NORM",
-    "post_attention_norm": "ATTN_POST_NORM",
+    "post_attention_norm": "ATTN_POST_NORM",  # gemma3: a norm of each block's output
     "post_ffw_norm": "FFN_POST_NORM",
 }
 _NORM_SLOTS = {
@@ -89,7 +85,7 @@ def _unsupported(path: Path, what: str) -> UnsupportedArchitecture:
         f"{path}: {what}",
         hint="use an engine that supports it "
         "(e.g. llama.cpp), or a model of a supported architecture "
-        f"({', '.join(SUPPORTED_ARCHITECTURES)})",
+        f"({', '.join(core.architectures())})",
         path=str(path),
     )
 
@@ -142,11 +138,11 @@ class Model:
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str):
             raise _bad(path, "general.architecture is missing")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in core.architectures():  # the C core's table (model.c)
             raise _unsupported(
                 path,
                 f"architecture {arch!r} is not supported by the reference engine "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+                f"(supported: {', '.join(core.architectures())})",
             )
         self.arch = arch
         self.tensors = {
@@ -154,20 +150,14 @@ class Model:
             for t in header.tensors
         }
         # per layer (rope base, sliding window; 0 = full attention): gemma3 mixes local and global layers
-        if arch == "gemma3":
-            self.hparams, self.layers = _gemma3_hparams(path, self.metadata, self.tensors)
-            layer_map = _GEMMA3_LAYER
-        else:
-            self.hparams = _llama_hparams(path, self.metadata, self.tensors)
-            self.layers = [(self.hparams.rope_base, 0)] * self.hparams.n_layer
-            layer_map = _LLAMA_LAYER
+        self.hparams, self.layers = ARCH_HPARAMS[arch](path, self.metadata, self.tensors)
         self.n_vocab = self.hparams.n_vocab
         self.n_ctx_train = _get_int(
             path, self.metadata, f"{arch}.context_length", default=0, lo=0, hi=1 << 32
         )
         # no output.weight: the logits reuse the token embedding (a tied model; model.loaded says so)
         self.tied_output = "output.weight" not in self.tensors
-        plan = _llama_plan(path, self.hparams, self.tensors, self.file_size, layer_map, arch)
+        plan = _plan(path, self.hparams, self.tensors, self.file_size, arch)
 
         # Map the file and describe it to the C core.
         with open(path, "rb") as f:
@@ -331,7 +321,7 @@ def _llama_hparams(path: Path, md: dict[str, Any], tensors: dict[str, Tensor], a
     if toks is not None and len(toks) != n_vocab:
         raise _bad(path, f"the vocabulary has {len(toks)} tokens but token_embd.weight has {n_vocab} rows")
     return HParams(
-        arch=core.ARCH_LLAMA,
+        arch=core.architectures()[a],
         n_vocab=n_vocab,
         n_embd=n_embd,
         n_layer=n_layer,
@@ -372,7 +362,6 @@ def _gemma3_hparams(
     head_scale = hp.n_embd // hp.n_head if hp.n_layer == 62 else hp.head_dim
     hp = replace(
         hp,
-        arch=core.ARCH_GEMMA3,
         rope_type=core.ROPE_NEOX,
         attn_scale=1.0 / math.sqrt(head_scale),
         embd_scale=math.sqrt(hp.n_embd),
@@ -382,6 +371,19 @@ def _gemma3_hparams(
         local = window > 0 and il % pattern < pattern - 1
         layers.append((base_local, window) if local else (hp.rope_base, 0))
     return hp, layers
+
+
+def _llama_layers(
+    path: Path, md: dict[str, Any], tensors: dict[str, Tensor]
+) -> tuple[HParams, list[tuple[float, int]]]:
+    """llama's hyperparameters and per-layer (rope base, sliding window): every layer global."""
+    hp = _llama_hparams(path, md, tensors)
+    return hp, [(hp.rope_base, 0)] * hp.n_layer
+
+
+# general.architecture -> how its hyperparameters and per-layer settings are read. The names are
+# the C core's architecture table's (a test checks that both list the same ones).
+ARCH_HPARAMS = {"llama": _llama_layers, "gemma3": _gemma3_hparams}
 
 
 def _expected_shape(hp: HParams, slot: str) -> tuple[int, ...]:
@@ -406,13 +408,8 @@ def _expected_shape(hp: HParams, slot: str) -> tuple[int, ...]:
     }[slot]
 
 
-def _llama_plan(
-    path: Path,
-    hp: HParams,
-    tensors: dict[str, Tensor],
-    file_size: int,
-    layer_map: dict[str, str] = _LLAMA_LAYER,
-    arch: str = "llama",
+def _plan(
+    path: Path, hp: HParams, tensors: dict[str, Tensor], file_size: int, arch: str
 ) -> list[tuple[Tensor, int, str]]:
     """(tensor, layer or -1, slot) for every tensor, after checking each one. Raises on the first
     problem; a tensor the forward pass would not use is refused too (it would be silently wrong)."""
@@ -421,6 +418,8 @@ def _llama_plan(
         "output_norm.weight": (-1, "OUTPUT_NORM", True),
         "output.weight": (-1, "OUTPUT", False),
     }
+    layer_slots = core.arch_layer_slots(arch)
+    layer_map = {suffix: slot for suffix, slot in _LAYER_TENSORS.items() if slot in layer_slots}
     for il in range(hp.n_layer):
         for suffix, slot in layer_map.items():
             want[f"blk.{il}.{suffix}.weight"] = (il, slot, True)

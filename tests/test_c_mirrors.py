@@ -102,8 +102,6 @@ ENUMS = {
     "ERR_INVALID": "SE_ERR_INVALID",
     "ERR_NOMEM": "SE_ERR_NOMEM",
     "ERR_MISSING": "SE_ERR_MISSING",
-    "ARCH_LLAMA": "SE_ARCH_LLAMA",
-    "ARCH_GEMMA3": "SE_ARCH_GEMMA3",
     "ROPE_NORM": "SE_ROPE_NORM",
     "ROPE_NEOX": "SE_ROPE_NEOX",
 }
@@ -176,3 +174,20 @@ def test_enum_values_match_the_c_headers(c_layout):
     for py, c in ENUMS.items():
         assert getattr(core, py) == c_layout[c], py
     assert core.SLOTS == {slot: c_layout[f"SE_T_{slot}"] for slot in core.SLOTS}
+
+
+def test_python_and_c_know_the_same_architectures():
+    """model.py reads each architecture's hyperparameters; the C core's table (model.c) says which
+    architectures exist and which tensors their layers have: both must name the same ones, and
+    every per-layer slot the C side requires must be one model.py can find in a file."""
+    from stdengine.reference import model
+
+    assert set(model.ARCH_HPARAMS) == set(core.architectures()) == {"llama", "gemma3"}
+    for arch in core.architectures():
+        assert core.arch_layer_slots(arch) <= set(model._LAYER_TENSORS.values()), arch
+    assert core.arch_layer_slots("gemma3") - core.arch_layer_slots("llama") == {
+        "ATTN_Q_NORM",
+        "ATTN_K_NORM",
+        "ATTN_POST_NORM",
+        "FFN_POST_NORM",
+    }
