@@ -21,12 +21,15 @@ if TYPE_CHECKING:
 
     from stdengine.events import Emitter
     from stdengine.options import Options
+    from stdengine.structured import Vocabulary
 
 
 class ReferenceEngine(LocalEngine):
     name = "reference"
     description = "built-in GGUF engine: C quantized kernels, thread pool, batched prompts (CPU)"
-    capabilities = frozenset({"stream", "logits", "tokenize", "chat_template", "seed", "batch", "logprobs"})
+    capabilities = frozenset(
+        {"stream", "logits", "tokenize", "chat_template", "seed", "batch", "logprobs", "structured"}
+    )
     option_map = {
         "model": "GGUF file, memory-mapped, weights used in place",
         "ctx_size": "KV cache length (0 = the model's context_length)",
@@ -178,6 +181,27 @@ class ReferenceEngine(LocalEngine):
 
     def _last_logits(self) -> np.ndarray:
         return self.ctx.logits.copy()
+
+    def _logits_buffer(self) -> np.ndarray:
+        return self.ctx.logits_buffer
+
+    def _vocabulary(self) -> Vocabulary:
+        from stdengine.reference.tokenizer import ATTR_CONTROL
+
+        from stdengine.structured import Vocabulary
+
+        tk = self.tokenizer
+        return Vocabulary(
+            pieces=[bytes(tk.token_to_piece(i, special=True)) for i in range(self.n_vocab)],
+            special=[i for i in range(self.n_vocab) if tk.attrs[i] & ATTR_CONTROL],
+            eog=sorted(tk.eog_ids),
+            encode=lambda b: tk.encode(
+                b.decode("utf-8", errors="replace"), add_special=False, parse_special=False
+            ),
+        )
+
+    def _vocab_owner(self) -> object:
+        return self.tokenizer  # shared by new_context()'s contexts
 
     def _keep_prefix(self, n: int) -> int:
         self.ctx.truncate(n)  # also re-arms the seed: a seeded request replays

@@ -435,6 +435,12 @@ class Context:
         """The last decoded token's logits (read-only view, overwritten by the next decode)."""
         return self._logits_view
 
+    @property
+    def logits_buffer(self) -> np.ndarray:
+        """The same logits, writable: sample() reads this buffer, so a token mask written into it
+        (stdengine.structured) applies to the next sample."""
+        return self._logits
+
     def reset(self) -> None:
         """Empties the KV cache (and re-arms the seed for the next sample)."""
         if self._h:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from stdengine.events import Emitter
     from stdengine.options import Options
+    from stdengine.structured import Constraint
 
 # What an engine can declare. A check or feature that needs a capability the engine does not
 # declare is reported as not supported, never as a failure.
@@ -36,6 +37,7 @@ CAPABILITIES: dict[str, str] = {
     "batch": "evaluates a prompt in batches of batch_size / ubatch_size tokens",
     "gpu": "can offload layers to a GPU (n_gpu_layers)",
     "logprobs": "log-probabilities: generate() fills them when asked, score() rates a token sequence",
+    "structured": "generate() honours GenerateRequest.constraint (JSON Schema, regex, grammar) by masking tokens",
 }
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs / logprobs; the server refuses more
@@ -83,13 +85,17 @@ class GenerateRequest:
 
     logprobs: None = no log-probabilities; n >= 0 (at most MAX_TOP_LOGPROBS) = every TokenEvent
     carries the chosen token's log-probability and the n most likely tokens (engines that declare
-    the `logprobs` capability)."""
+    the `logprobs` capability).
+
+    constraint: what the output must match (stdengine.structured.Constraint), for engines that
+    declare the `structured` capability; others refuse it (UnsupportedOption)."""
 
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompt_tokens: list[int] | None = None
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
 
 @dataclass

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from stdengine.events import Emitter
     from stdengine.options import Options
+    from stdengine.structured import Matcher, Vocabulary
 
 
 class TextStream(Protocol):
@@ -104,6 +105,7 @@ class LocalEngine(Engine):
         else:
             prompt = request_tokens(self, request, self.bos_id, self.add_bos)
         self.check_fits(len(prompt), generating=True)
+        constraint = self._matcher(request)
         self._progress: tuple[int, float, float, int] | None = None
         t0 = now_ms()
         prompt_n = self._prefill(prompt)
@@ -127,10 +129,15 @@ class LocalEngine(Engine):
             while s.n_predict < 0 or n_gen < s.n_predict:
                 # the distribution the token is drawn from, taken before the sampler sees it
                 logits = self._last_logits() if want_logprobs is not None else None
+                if constraint is not None:
+                    # an end-of-generation token stays allowed only where the output is complete
+                    constraint.apply(self._logits_buffer())
                 tok = next(samples)
                 if self._is_eog(tok):
                     finish = "stop"
                     break
+                if constraint is not None:
+                    constraint.consume(tok)
                 n_gen += 1
                 self._progress = (prompt_n, t1 - t0, t1, n_gen)
                 delta, matched = stops.feed(text.push(tok))
@@ -138,7 +145,7 @@ class LocalEngine(Engine):
                 if logits is not None and want_logprobs is not None:
                     self._add_logprobs(event, logits, want_logprobs)
                 yield event
-                if matched is not None:
+                if matched is not None or (constraint is not None and constraint.done):
                     finish = "stop"
                     break
                 if len(self.tokens) >= self.n_ctx():
@@ -159,6 +166,15 @@ class LocalEngine(Engine):
             usage=Usage(prompt_tokens=len(prompt), completion_tokens=n_gen),
             timings=Timings(prompt_n=prompt_n, prompt_ms=t1 - t0, predicted_n=n_gen, predicted_ms=t2 - t1),
         )
+
+    def _matcher(self, request: GenerateRequest) -> Matcher | None:
+        """The request's constraint compiled against this model's vocabulary, or None."""
+        if request.constraint is None:
+            return None
+        from stdengine.structured import Matcher, check_constraint, tokenizer_for
+
+        check_constraint(self, request)
+        return Matcher(tokenizer_for(self._vocab_owner(), self._vocabulary), request.constraint, self.n_vocab)
 
     def _add_logprobs(self, event: TokenEvent, logits: np.ndarray, n: int) -> None:
         lp = log_softmax(logits)
@@ -220,6 +236,20 @@ class LocalEngine(Engine):
     def _last_logits(self) -> np.ndarray:
         """A copy of the last evaluated token's logits."""
         raise NotImplementedError
+
+    def _logits_buffer(self) -> np.ndarray:
+        """The last token's logits where the sampler reads them (a writable view, no copy): a
+        constraint masks them in place before each sample."""
+        raise NotImplementedError
+
+    def _vocabulary(self) -> Vocabulary:
+        """The vocabulary as a constraint's mask needs it (built once per _vocab_owner())."""
+        raise NotImplementedError
+
+    def _vocab_owner(self) -> object:
+        """The object whose lifetime the compiled vocabulary shares: contexts on one loaded model
+        (new_context) share it."""
+        return self
 
     def _keep_prefix(self, n: int) -> int:
         """Forget cached positions from n on (self.tokens too); return how many were kept."""

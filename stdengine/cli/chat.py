@@ -9,26 +9,37 @@ import click
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
 from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load, make_emitter, resolve_cli
-from stdengine.cli.run import summary_line
+from stdengine.cli.run import constraint_from_cli, summary_line
 from stdengine.errors import InferError, UsageError
+from stdengine.structured import Constraint, check_constraint
 
 HELP = "commands: /exit (or Ctrl-D) leaves, /reset forgets the conversation, /help shows this"
 
 
 @click.command()
 @canonical_options(*CLIENT_OPTIONS)
+@click.option(
+    "--json-schema",
+    "json_schema",
+    default=None,
+    metavar="FILE|JSON",
+    help="every answer must be JSON valid for this JSON Schema (a file, or the schema itself)",
+)
 def chat(**kwargs: Any) -> None:
     """Talk with a model: each answer streams as it is generated, and the whole conversation is
     sent every turn under the model's chat template.
 
     \b
-    -sys/--system sets a system prompt; -p sends a first message.
+    -sys/--system sets a system prompt; -p sends a first message; --json-schema constrains
+    every answer to JSON valid for a schema.
     In the conversation: /exit or Ctrl-D leaves, /reset starts over, Ctrl-C stops an answer.
     """
+    constraint = constraint_from_cli(kwargs)
     resolved = resolve_cli(kwargs)
     options = resolved.options
     events = make_emitter(options)
     engine = load(resolved, events).engine
+    check_constraint(engine, GenerateRequest(constraint=constraint))
     if not engine.has_chat_template():
         raise UsageError(
             "this model has no chat template, so `infer chat` cannot format a conversation",
@@ -65,7 +76,7 @@ def chat(**kwargs: Any) -> None:
                 click.echo(HELP, err=True)
                 continue
             history.append({"role": "user", "content": line})
-            answer = _answer(engine, system + history, options, events)
+            answer = _answer(engine, system + history, options, events, constraint)
             if answer is None:  # interrupted or failed: forget the unanswered message
                 history.pop()
             else:
@@ -75,12 +86,16 @@ def chat(**kwargs: Any) -> None:
         events.close()
 
 
-def _answer(engine: Any, messages: list[dict[str, str]], options: Any, events: Any) -> str | None:
+def _answer(
+    engine: Any, messages: list[dict[str, str]], options: Any, events: Any, constraint: Constraint | None
+) -> str | None:
     pieces: list[str] = []
     done: DoneEvent | None = None
     try:
         for ev in engine.generate(
-            GenerateRequest(messages=messages, sampling=SamplingParams.from_options(options))
+            GenerateRequest(
+                messages=messages, sampling=SamplingParams.from_options(options), constraint=constraint
+            )
         ):
             if isinstance(ev, TokenEvent):
                 pieces.append(ev.text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -13,6 +13,10 @@ from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, Timing
 from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load, make_emitter, resolve_cli
 from stdengine.errors import InvalidRequest, UsageError
 from stdengine.options import Options
+from stdengine.structured import check_constraint
+
+if TYPE_CHECKING:
+    from stdengine.structured import Constraint
 
 
 def utf8_prompt(raw: bytes, source: str) -> str:
@@ -58,8 +62,48 @@ def timings_line(timings: Timings, finish: str) -> str:
     )
 
 
+def constraint_options(f: Any) -> Any:
+    """--json-schema / --grammar / --regex: what the output must match (spec/structured.md)."""
+    f = click.option(
+        "--regex", default=None, metavar="REGEX", help="the output must match this regular expression"
+    )(f)
+    f = click.option(
+        "--grammar",
+        default=None,
+        metavar="FILE",
+        help="the output must follow this grammar (.gbnf: GBNF, .lark: Lark)",
+    )(f)
+    return click.option(
+        "--json-schema",
+        "json_schema",
+        default=None,
+        metavar="FILE|JSON",
+        help="the output must be JSON valid for this JSON Schema (a file, or the schema itself)",
+    )(f)
+
+
+def constraint_from_cli(kwargs: dict[str, Any]) -> Constraint | None:
+    """The constraint the flags ask for (popped from kwargs); at most one; checked before any load."""
+    from stdengine.structured import Constraint, load_grammar, load_json_schema
+
+    schema, grammar, regex = kwargs.pop("json_schema"), kwargs.pop("grammar", None), kwargs.pop("regex", None)
+    given = [
+        n for n, v in (("--json-schema", schema), ("--grammar", grammar), ("--regex", regex)) if v is not None
+    ]
+    if len(given) > 1:
+        raise UsageError(f"give one of {', '.join(given)}, not several")
+    if schema is not None:
+        return Constraint.json_schema(load_json_schema(schema))
+    if grammar is not None:
+        return load_grammar(grammar)
+    if regex is not None:
+        return Constraint.regex(regex)
+    return None
+
+
 @click.command()
 @canonical_options(*CLIENT_OPTIONS)
+@constraint_options
 @click.option("--raw", is_flag=True, help="complete the prompt exactly as given, without the chat template")
 @click.option(
     "--json", "as_json", is_flag=True, help="print one JSON result object instead of streaming text"
@@ -78,7 +122,9 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
       infer run -p "Write a haiku about the sea"
       infer run -m gemma-3-270m --raw -n 32 --temp 0 -p "The Nile, the Amazon and the"
       echo "Once upon a time" | infer run --raw -n 32
+      infer run --temp 0 --json-schema '{"type": "object"}' -p "Describe Paris as JSON"
     """
+    constraint = constraint_from_cli(kwargs)
     resolved = resolve_cli(kwargs)
     options: Options = resolved.options
     events = make_emitter(options)
@@ -92,14 +138,19 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
         if not raw and engine.has_chat_template():
             messages = [{"role": "system", "content": options.system}] if options.system else []
             messages.append({"role": "user", "content": prompt})
-            request = GenerateRequest(messages=messages, sampling=SamplingParams.from_options(options))
+            request = GenerateRequest(
+                messages=messages, sampling=SamplingParams.from_options(options), constraint=constraint
+            )
         else:
             if options.system:
                 raise UsageError(
                     "--system needs a chat template, and this run has none",
                     hint="drop --raw, or put the system text into the prompt",
                 )
-            request = GenerateRequest(prompt=prompt, sampling=SamplingParams.from_options(options))
+            request = GenerateRequest(
+                prompt=prompt, sampling=SamplingParams.from_options(options), constraint=constraint
+            )
+        check_constraint(engine, request)
         pieces: list[str] = []
         done: DoneEvent | None = None
         received = 0

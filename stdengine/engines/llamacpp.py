@@ -27,6 +27,7 @@ from stdengine.local_engine import LocalEngine
 if TYPE_CHECKING:
     from stdengine.events import Emitter
     from stdengine.options import Options
+    from stdengine.structured import Vocabulary
 
 INSTALL_HINT = "pip install 'stdengine[llamacpp]'"
 
@@ -98,7 +99,9 @@ def _recent_errors() -> str:
 class LlamaCppEngine(LocalEngine):
     name = "llamacpp"
     description = "llama.cpp in-process through llama-cpp-python (GGUF; its CPU or GPU backends)"
-    capabilities = frozenset({"stream", "logits", "tokenize", "chat_template", "seed", "batch", "logprobs"})
+    capabilities = frozenset(
+        {"stream", "logits", "tokenize", "chat_template", "seed", "batch", "logprobs", "structured"}
+    )
     option_map = {
         "model": "llama_model_load_from_file(path)",
         "ctx_size": "n_ctx (0 = the model's n_ctx_train)",
@@ -372,6 +375,21 @@ class LlamaCppEngine(LocalEngine):
         return np.ctypeslib.as_array(
             self.lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)
         ).copy()
+
+    def _logits_buffer(self) -> np.ndarray:
+        # llama_sampler_sample(..., -1) reads this same buffer
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,))
+
+    def _vocabulary(self) -> Vocabulary:
+        from stdengine.structured import Vocabulary
+
+        lib, vocab, ids = self.lib, self.vocab, range(self.n_vocab)
+        return Vocabulary(
+            pieces=[self.token_piece(i, special=True) for i in ids],
+            special=[i for i in ids if lib.llama_vocab_get_attr(vocab, i) & lib.LLAMA_TOKEN_ATTR_CONTROL],
+            eog=[i for i in ids if lib.llama_vocab_is_eog(vocab, i)],
+            encode=lambda b: self.tokenize(b.decode("utf-8", errors="replace"), False, False),
+        )
 
     def _text_stream(self) -> _PieceStream:
         return _PieceStream(self)

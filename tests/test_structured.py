@@ -1,0 +1,195 @@
+"""Constrained decoding (stdengine.structured, LocalEngine's mask): outputs are checked by
+independent means (the jsonschema package, Python's re, json), never by the code under test."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from typing import Any
+
+import pytest
+
+from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
+from stdengine.errors import InvalidRequest, UnsupportedOption
+from stdengine.events import Emitter
+from stdengine.options import Options
+from stdengine.structured import Constraint, check_constraint, load_grammar, load_json_schema
+
+jsonschema = pytest.importorskip("jsonschema")
+
+# A set of schemas: nested objects, arrays, enums, bounded numbers, required fields, string
+# patterns. Bounded lengths keep every output short enough to finish within n_predict.
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "city": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 10},
+                    "country": {"type": "string", "enum": ["FR", "DE", "JP"]},
+                },
+                "required": ["name", "country"],
+                "additionalProperties": False,
+            },
+            "ok": {"type": "boolean"},
+        },
+        "required": ["city", "ok"],
+        "additionalProperties": False,
+    },
+    "array": {
+        "type": "object",
+        "properties": {
+            "colors": {
+                "type": "array",
+                "items": {"type": "string", "enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
+        "required": ["colors"],
+        "additionalProperties": False,
+    },
+    "bounded": {
+        "type": "object",
+        "properties": {
+            "temperature": {"type": "number", "minimum": -10, "maximum": 40},
+            "level": {"type": "integer", "minimum": 1, "maximum": 5},
+        },
+        "required": ["temperature", "level"],
+        "additionalProperties": False,
+    },
+    "pattern": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
+}
+PROMPT = "Answer in JSON: describe a city, a person, colors, the weather or a product code."
+
+COMBOS = [("reference", "smollm2"), ("reference", "gemma3"), ("llamacpp", "smollm2"), ("llamacpp", "gemma3")]
+
+
+@pytest.fixture(scope="module", params=COMBOS, ids=[f"{e}-{m}" for e, m in COMBOS])
+def engine(request: pytest.FixtureRequest, smollm2_path: Any, gemma3_path: Any) -> Any:
+    from stdengine import registry
+
+    name, model = request.param
+    cls = registry.engine_class(name)
+    ok, why = cls.availability()
+    if not ok:
+        pytest.skip(why or "")
+    path = smollm2_path if model == "smollm2" else gemma3_path
+    e = cls.load(
+        Options(model=str(path), ctx_size=256, threads=2), Emitter(log_format="json", stream=io.StringIO())
+    )
+    yield e
+    e.close()
+
+
+def generate(
+    engine: Any, prompt: str, constraint: Constraint | None, **sampling: Any
+) -> tuple[str, DoneEvent]:
+    sampling.setdefault("temp", 0)
+    sampling.setdefault("n_predict", 96)
+    request = GenerateRequest(
+        messages=[{"role": "user", "content": prompt}],
+        sampling=SamplingParams(**sampling),
+        constraint=constraint,
+    )
+    events = list(engine.generate(request))
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    return "".join(e.text for e in events if isinstance(e, TokenEvent)), done
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_schema_outputs_validate(engine: Any, name: str) -> None:
+    schema = SCHEMAS[name]
+    runs = [{"temp": 0}, {"temp": 0.9, "seed": 1}, {"temp": 0.9, "seed": 2}]
+    for sampling in runs:
+        text, done = generate(engine, PROMPT, Constraint.json_schema(schema), **sampling)
+        assert done.finish_reason == "stop", (sampling, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_gives_an_object(engine: Any) -> None:
+    text, done = generate(
+        engine, 'Reply with the JSON object {"ok": true} and nothing else.', Constraint.json_object()
+    )
+    # an object from the first token; a small model may not close it within n_predict
+    assert text.startswith("{"), text
+    if done.finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_regex_and_gbnf_grammar(engine: Any) -> None:
+    text, done = generate(engine, "Is the sky blue? Answer yes or no.", Constraint.regex(r"(yes|no)"))
+    assert text in ("yes", "no") and done.finish_reason == "stop"
+    grammar = 'root ::= "The answer is " [0-9]{1,3} "."'
+    text, done = generate(engine, "What is 6 times 7?", Constraint.grammar(grammar, "gbnf"))
+    assert re.fullmatch(r"The answer is [0-9]{1,3}\.", text) and done.finish_reason == "stop"
+    lark = 'start: ("red" | "green") " " NUM\nNUM: /[0-9]+/'
+    text, _ = generate(engine, "Name a color and a number.", Constraint.grammar(lark, "lark"), n_predict=12)
+    assert re.fullmatch(r"(red|green) [0-9]+", text)
+
+
+def test_a_constraint_the_greedy_text_satisfies_leaves_it_unchanged(engine: Any) -> None:
+    prompt = "Write one sentence about the sea."
+    free, _ = generate(engine, prompt, None, n_predict=16)
+    # a Lark grammar: the free text as a literal (JSON string escapes), then anything
+    lark = f"start: {json.dumps(free)} REST\nREST: /(.|\\n)*/"
+    constrained, _ = generate(engine, prompt, Constraint.grammar(lark, "lark"), n_predict=16)
+    assert constrained == free
+
+
+def test_bad_constraints_are_refused() -> None:
+    for make in (
+        lambda: Constraint.json_schema({"type": "nonsense"}),
+        lambda: Constraint.json_schema([1, 2]),  # type: ignore[arg-type]
+        lambda: Constraint.regex("[a-"),
+        lambda: Constraint.grammar("root ::= undefined-rule", "gbnf"),
+        lambda: Constraint.grammar("start: (", "lark"),
+        lambda: Constraint.grammar('root ::= "a"', "ebnf"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidRequest):
+            make()
+
+
+def test_cli_arguments(tmp_path: Any) -> None:
+    assert load_json_schema('{"type": "object"}') == {"type": "object"}
+    f = tmp_path / "s.json"
+    f.write_text('{"type": "integer"}')
+    assert load_json_schema(str(f)) == {"type": "integer"}
+    for bad in ("{not json", str(tmp_path / "missing.json"), "[1]"):
+        with pytest.raises(InvalidRequest):
+            load_json_schema(bad)
+    g = tmp_path / "g.gbnf"
+    g.write_text('root ::= "x"')
+    assert load_grammar(str(g)).syntax == "gbnf"
+    with pytest.raises(InvalidRequest):
+        load_grammar(str(tmp_path / "g.txt"))
+    with pytest.raises(InvalidRequest):
+        load_grammar(str(tmp_path / "missing.lark"))
+
+
+def test_an_engine_without_the_capability_refuses() -> None:
+    class NoStructured:
+        name = "plain"
+        capabilities = frozenset({"stream"})
+
+    request = GenerateRequest(prompt="x", constraint=Constraint.json_object())
+    with pytest.raises(UnsupportedOption, match="structured"):
+        check_constraint(NoStructured(), request)  # type: ignore[arg-type]
+    check_constraint(NoStructured(), GenerateRequest(prompt="x"))  # type: ignore[arg-type]
