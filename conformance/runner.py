@@ -14,11 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stdengine.conformance import checks, http
+from stdengine.conformance import checks, http, structured
 from stdengine.conformance.golden import GOLDEN_DIR, golden_path, load_golden, sha256_file
 from stdengine.conformance.suite import Check, Context, Result, run_check, select
 
-SUITE_VERSION = "2.0"
+SUITE_VERSION = "2.1"
 # The checks each version added (ID globs): results.json lists the run's checks that are new in
 # this version under `new_checks`, so an engine that passed 1.x knows what it is newly judged on.
 ADDED: dict[str, tuple[str, ...]] = {
@@ -48,6 +48,7 @@ ADDED: dict[str, tuple[str, ...]] = {
         "http.eog",
         "http.tokenize:*",
     ),
+    "2.1": ("structured.*", "http.structured.*"),
 }
 
 
@@ -81,7 +82,8 @@ def find_golden(model_ref: str | None, model_path: Path | None) -> tuple[dict[st
 
 
 def plan(ctx: Context) -> list[Check]:
-    return (checks.plan(ctx) if ctx.engine is not None else []) + http.plan_http(ctx)
+    engine = checks.plan(ctx) + structured.plan_structured(ctx) if ctx.engine is not None else []
+    return engine + http.plan_http(ctx) + structured.plan_http(ctx)
 
 
 def run_suite(

@@ -241,6 +241,60 @@ class NoisyLogits(Faulty, noisy_logits(0.1)):  # type: ignore[misc]
     fails_served = ("http.logprobs.kl:text=all",)
 
 
+# --- structured output (tests/test_conformance_structured.py) -----------------------------------
+class IgnoresConstraint(Faulty):
+    """Declares `structured` but generates as if the request had no constraint."""
+
+    fails = ("structured.json_schema:*", "structured.json_object", "structured.regex:*")
+    fails_served = (
+        "http.structured.json_schema:*",
+        "http.structured.json_object",
+        "http.structured.tool_call:*",
+    )
+
+    def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+        return super().generate(dataclasses.replace(request, constraint=None))
+
+
+class DropsLastConstrainedToken(Faulty):
+    """Honours the constraint but loses the last token of a constrained answer (the closing brace
+    or quote the constraint forced): the JSON it emits does not parse."""
+
+    fails = ("structured.json_schema:*", "structured.json_object", "structured.regex:*")
+
+    def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+        if request.constraint is None:
+            yield from super().generate(request)
+            return
+        held: TokenEvent | None = None
+        for ev in super().generate(request):
+            if isinstance(ev, TokenEvent):
+                if held is not None:
+                    yield held
+                held = ev
+            else:
+                yield ev  # the DoneEvent: the held last token is never sent
+
+
+class PenalisesRepeatsUnderConstraint(Faulty):
+    """A constrained request gets a repeat penalty of 1.5 whatever it asked for (a constrained path
+    with its own sampler defaults): valid output, but not the text the model would give."""
+
+    fails = ("structured.unchanged:*",)
+
+    def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+        if request.constraint is not None:
+            s = dataclasses.replace(request.sampling, repeat_penalty=1.5, repeat_last_n=64)
+            request = dataclasses.replace(request, sampling=s)
+        return super().generate(request)
+
+
+STRUCTURED_FAULTS: tuple[type[Faulty], ...] = (
+    IgnoresConstraint,
+    DropsLastConstrainedToken,
+    PenalisesRepeatsUnderConstraint,
+)
+
 FAULTS: tuple[type[Faulty], ...] = (
     RunnerUpEvery5th,
     SkipsLayer,

@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 from stdengine.conformance import golden as golden_mod
-from stdengine.conformance import http as http_checks
 from stdengine.conformance import metrics
 from stdengine.conformance.report import write_bundle
-from stdengine.conformance.runner import find_golden, run_suite
+from stdengine.conformance.runner import find_golden, plan, run_suite
 from stdengine.conformance.suite import Check, Context, Outcome, Result, exit_status, run_check, select, worst
 
 GOLDEN = Path(golden_mod.GOLDEN_DIR)
@@ -523,6 +522,9 @@ class _Handler(BaseHTTPRequestHandler):
         chat = self.path.endswith("/chat/completions")
         if chat and "messages" not in body:
             return self._error(400, "no messages")
+        if not self.broken and ("response_format" in body or "tools" in body):
+            # the broken toy ignores them instead
+            return self._error(400, "response_format and tools are not supported")
         usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
         if self.broken and chat:
             # one request at a time: a second concurrent one is turned away
@@ -587,7 +589,7 @@ def test_http_checks(broken):
     finally:
         server.shutdown()
     status = {r.id: r.status for r in results}
-    assert set(status) == {c.id for c in http_checks.plan_http(Context(url=url))}
+    assert set(status) == {c.id for c in plan(Context(url=url))}
     # the toy model has no golden data: the checks that compare with it skip, saying so
     # (tests/test_conformance_http.py runs them against a real model)
     skipped = {r.id for r in results if r.status == "skip"}
@@ -605,13 +607,18 @@ def test_http_checks(broken):
         "http.seed",
         "http.eog",
     }
+    structured = {i for i in status if i.startswith("http.structured.")}
+    assert structured
     if not broken:
-        assert all(s == "pass" for i, s in status.items() if i not in skipped), [
+        # the toy refuses response_format and tools (400): not supported, never a failure
+        assert {status[i] for i in structured} == {"not_supported"}
+        assert all(s == "pass" for i, s in status.items() if i not in skipped | structured), [
             r.to_dict() for r in results if r.status not in ("pass", "skip")
         ]
     else:
         failing = {i for i, s in status.items() if s == "fail"}
-        assert failing == {
+        # the broken toy ignores response_format and tools: its answers are not JSON
+        assert failing == structured | {
             "http.models",
             "http.chat",
             "http.concurrent:n=4",
