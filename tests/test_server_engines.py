@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class RealServer:
     """`infer serve` itself (the console script's module), with a real engine and model."""
 
-    def __init__(self, engine: str, model: Path, tmp: Path) -> None:
+    def __init__(self, engine: str, model: Path, tmp: Path, *extra: str) -> None:
         self.log = tmp / f"serve-{engine}.log"
         self.err = open(self.log, "w", encoding="utf-8")  # noqa: SIM115
         cmd = [
@@ -46,6 +46,7 @@ class RealServer:
             "2",
             "--log-format",
             "json",
+            *extra,  # e.g. a larger -c: the last of a repeated flag wins
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.err, cwd=ROOT)
         self.url = ""

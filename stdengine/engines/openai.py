@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 
     from stdengine.events import Emitter
     from stdengine.options import Options
+    from stdengine.structured import Constraint
 
 # Server dialects: which of llama.cpp's extra sampling fields a server takes (besides the OpenAI ones).
 DIALECT_EXTRAS: dict[str, tuple[str, ...]] = {
@@ -182,6 +183,8 @@ class OpenAIEngine(Engine):
             caps.add("tokenize")
         if engine._serves_logprobs():
             caps.add("logprobs")
+        # constraints are passed on as response_format (or GBNF grammar): the server enforces them
+        caps.add("structured")
         if engine.dialect != "llama.cpp" and not options.chat_template:
             # the server applies its template without showing it: nothing here renders it
             caps.discard("chat_template")
@@ -387,6 +390,8 @@ class OpenAIEngine(Engine):
             "stream_options": {"include_usage": True},
         }
         body.update(self._check_extras_supported(s, at="request"))
+        if request.constraint is not None:
+            body.update(self._constraint_fields(request.constraint))
         if s.seed >= 0:
             body["seed"] = s.seed
         if request.messages is not None and not self.options.chat_template:
@@ -427,6 +432,22 @@ class OpenAIEngine(Engine):
                 hint="the 'tokenize' capability is declared only for servers that have one",
             )
         return self.tokenize_route
+
+    def _constraint_fields(self, constraint: Constraint) -> dict[str, Any]:
+        """A constraint as the request fields the server takes: OpenAI's response_format for JSON
+        (llama-server and vLLM take it on completions too), llama-server's `grammar` for GBNF.
+        The server enforces it; what else it cannot send is refused."""
+        if constraint.kind == "json_object":
+            return {"response_format": {"type": "json_object"}}
+        if constraint.kind == "json_schema":
+            schema = {"name": "output", "schema": constraint.schema, "strict": True}
+            return {"response_format": {"type": "json_schema", "json_schema": schema}}
+        if constraint.kind == "grammar" and constraint.syntax == "gbnf" and self.dialect == "llama.cpp":
+            return {"grammar": constraint.grammar}
+        raise UnsupportedOption(
+            f"cannot pass {constraint.describe()} to the server at {self.root} ({self.dialect} dialect)",
+            hint="a JSON schema or json_object goes to any server; a GBNF grammar to llama.cpp's",
+        )
 
     def _check_extras_supported(self, s: SamplingParams, at: str) -> dict[str, Any]:
         """llama.cpp's extra sampling fields this server takes; one it does not take is refused

@@ -2,15 +2,17 @@
 
 Requests are parsed strictly (pydantic, `extra="forbid"`, `strict=True`): a field of the wrong type
 or a field we do not know is a 400 that names it, as OpenAI's own API answers "Unrecognized
-request argument supplied". Fields we know but cannot honour (n > 1, tools, logprobs from an
-engine without the capability, ...) are a 400 too, never silently dropped. Sampling fields map to canonical options; a field whose option
-the engine does not honour is refused the same way `infer run` refuses the flag.
+request argument supplied". Fields we know but cannot honour (n > 1, logprobs or a
+response_format from an engine without the capability, ...) are a 400 too, never silently dropped.
+Sampling fields map to canonical options; a field whose option the engine does not honour is
+refused the same way `infer run` refuses the flag.
 """
 
 from __future__ import annotations
 
 import codecs
 import dataclasses
+import json
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,6 +30,9 @@ from stdengine.adapter import (
 )
 from stdengine.errors import InvalidRequest, UnsupportedOption
 from stdengine.options import SAMPLING, SAMPLING_REQUEST_NAMES
+
+if TYPE_CHECKING:
+    from stdengine.server.tools import ToolPlan
 
 
 class _Strict(BaseModel):
@@ -86,25 +91,81 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only for an assistant message that made tool calls (checked in stdengine.server.tools)
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+    refusal: str | None = None  # what the openai client sends back with an assistant message
 
 
-class ChatRequest(_Chat):
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none: the function takes no arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Structured(_Strict):
+    """The fields that constrain the output (stdengine.server.tools.constraint_for): OpenAI's
+    response_format, and llama-server's own json_schema and grammar (GBNF)."""
+
+    response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
+
+
+class ChatRequest(_Chat, _Structured):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
 
-class CompletionRequest(_Text):
+class CompletionRequest(_Text, _Structured):
     # text, or token ids (lm-evaluation-harness sends [[ids]]); one prompt per request
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -158,12 +219,9 @@ def refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
     if req.logit_bias:
         bad.append("logit_bias")
     if isinstance(req, ChatRequest):
-        if req.tools or req.functions:
-            bad.append("tools / functions (tool calls are not supported)")
-        if req.tool_choice not in (None, "none", "auto") or req.function_call not in (None, "none", "auto"):
-            bad.append("tool_choice / function_call")
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            bad.append(f"response_format {req.response_format.get('type')!r} (only 'text')")
+        # the legacy function-calling fields; tools and tool_choice are their replacement
+        if req.functions or req.function_call not in (None, "none", "auto"):
+            bad.append("functions / function_call (send tools / tool_choice instead)")
     else:
         if req.suffix is not None:
             bad.append("suffix")
@@ -247,14 +305,54 @@ def props_defaults(defaults: SamplingParams) -> dict[str, Any]:
     }
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
-    """OpenAI messages -> the {role, content} dicts a chat template renders."""
-    out = []
+def _text(content: str | list[TextPart] | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)
+
+
+def call_text(call: ToolCall) -> str:
+    """An earlier turn's call, written back in the format the model is asked to answer in."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise InvalidRequest(
+            f"messages: the arguments of tool call {call.id!r} are not JSON: {call.function.arguments[:80]!r}"
+        ) from None
+    return json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
+
+
+def chat_messages(req: ChatRequest, tool_instructions: str | None = None) -> list[dict[str, str]]:
+    """OpenAI messages -> the {role, content} dicts a chat template renders: "developer" is the
+    system role; an assistant's tool calls are written as the JSON objects it is asked to answer
+    in, and a tool's result becomes a user turn that names the function (a template knows the
+    user, assistant and system roles; many refuse any other). tool_instructions (stdengine.server.tools) open
+    the system message."""
+    names: dict[str, str] = {}  # tool call id -> function name
+    out: list[dict[str, str]] = []
     for m in req.messages:
+        content = _text(m.content)
+        if m.role == "tool":
+            if m.content is None:
+                raise InvalidRequest("messages: a tool message needs content (the function's result)")
+            name = names.get(m.tool_call_id or "", m.name or "the function")
+            out.append({"role": "user", "content": f"Result of {name}: {content}"})
+            continue
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidRequest("messages: only an assistant message has tool_calls")
+            for call in m.tool_calls:
+                names[call.id] = call.function.name
+            content = "\n".join([content] * bool(content) + [call_text(c) for c in m.tool_calls])
+        elif m.content is None:
+            raise InvalidRequest(f"messages: a {m.role} message needs content")
         # "developer" is OpenAI's newer name for the system role; templates know "system".
-        role = "system" if m.role == "developer" else m.role
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
-        out.append({"role": role, "content": content})
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    if tool_instructions is not None:
+        if out[0]["role"] == "system":
+            out[0]["content"] = tool_instructions + "\n\n" + out[0]["content"]
+        else:
+            out.insert(0, {"role": "system", "content": tool_instructions})
     return out
 
 
@@ -406,6 +504,7 @@ class Reply:
     created: int = 0
     echo: str | None = None  # completions with echo: the prompt's text, put before the answer
     logprobs: LogprobsReply | None = None  # the request asked for log-probabilities
+    tools: ToolPlan | None = None  # chat with tools: the answer may be a tool call
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id(self.kind)
@@ -420,14 +519,23 @@ class Reply:
             "system_fingerprint": self.fingerprint,
         }
 
-    def final(self, text: str, done: DoneEvent, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The whole answer of a non-streamed request."""
+    def final(
+        self,
+        text: str,
+        done: DoneEvent,
+        logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The whole answer of a non-streamed request: a text, or (chat) tool calls."""
         if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message.update(content=None, tool_calls=tool_calls)
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": done.finish_reason,
+                "finish_reason": "tool_calls" if tool_calls else done.finish_reason,
             }
             body = self._head("chat.completion")
         else:
@@ -443,14 +551,19 @@ class Reply:
         role: bool = False,
         done: DoneEvent | None = None,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+        finish: str | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk: the role (chat only), a piece of text and its tokens' logprobs, or
-        the finish."""
-        finish = done.finish_reason if done is not None else None
+        """One streamed chunk: the role (chat only), a piece of text and its tokens' logprobs,
+        tool calls' deltas, or the finish (its reason is the DoneEvent's unless `finish` says)."""
+        if done is not None:
+            finish = finish or done.finish_reason
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
+            elif tool_calls is not None:
+                delta = {"tool_calls": tool_calls}
             elif text is not None:
                 delta = {"content": text}
             choice: dict[str, Any] = {

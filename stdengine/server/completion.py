@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from stdengine.adapter import DoneEvent, GenerateRequest, PromptLogprobs, TokenEvent
 from stdengine.errors import EngineFailure, InferError, InvalidRequest
-from stdengine.server import api
+from stdengine.server import api, tools
 from stdengine.server.envelope import LOG_KEY, as_infer_error, error_parts, log_error
 from stdengine.server.middleware import check_prompt_size, read_json
 from stdengine.server.slots import ClientGone, DisconnectWatch, Generation
@@ -53,7 +53,15 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
     api.refuse_unsupported(req)
     api.refuse_missing(req, engine.name, engine.capabilities)
     sampling = api.sampling_for(req, state.defaults, engine.name, engine.honoured_options())
-    prompt = await (chat_prompt(state, req) if isinstance(req, api.ChatRequest) else text_prompt(state, req))
+    plan = (
+        tools.tool_plan(req, engine.name, engine.capabilities) if isinstance(req, api.ChatRequest) else None
+    )
+    constraint = tools.constraint_for(req, engine.name, engine.capabilities)
+    if plan is not None:
+        constraint = plan.constraint()
+    prompt = await (
+        chat_prompt(state, req, plan) if isinstance(req, api.ChatRequest) else text_prompt(state, req)
+    )
     request.scope[LOG_KEY]["prompt"] = prompt.shown
     reply = api.Reply(
         kind,
@@ -61,6 +69,7 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
         state.fingerprint,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         echo=prompt.echo,
+        tools=plan,
     )
     n_logprobs = api.logprobs_wanted(req)
     if n_logprobs is not None:
@@ -71,17 +80,18 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
         messages=prompt.messages,
         sampling=sampling,
         logprobs=n_logprobs,
+        constraint=constraint,
     )
     return await answer(request, state, gen_request, reply, req.stream, prompt.score)
 
 
-async def chat_prompt(state: ServerState, req: api.ChatRequest) -> Prompt:
+async def chat_prompt(state: ServerState, req: api.ChatRequest, plan: tools.ToolPlan | None) -> Prompt:
     if not state.engine.has_chat_template():
         raise InvalidRequest(
             "this model has no chat template, so the server cannot render a conversation",
             hint="use /v1/completions, or start the server with --chat-template",
         )
-    messages = api.chat_messages(req)
+    messages = api.chat_messages(req, plan.instructions() if plan is not None else None)
     check_prompt_size(state.n_ctx(), sum(len(m["content"]) for m in messages))
     return Prompt(shown=messages, messages=messages)
 
@@ -217,7 +227,8 @@ async def whole_body(run: Run, item: Event, reply: api.Reply) -> dict[str, Any]:
         logprobs = reply.logprobs.tokens(tokens)
         if scores is not None:
             logprobs = api.join_legacy(reply.logprobs.prompt(scores), logprobs)
-    return reply.final(text, item, logprobs)
+    calls = reply.tools.parse(text) if reply.tools is not None else None
+    return reply.final(text, item, logprobs, calls)
 
 
 async def stream_body(request: Request, run: Run, item: Event, reply: api.Reply) -> AsyncIterator[bytes]:
@@ -226,16 +237,34 @@ async def stream_body(request: Request, run: Run, item: Event, reply: api.Reply)
             yield _sse(reply.chunk(role=True))
         elif reply.echo is not None and not isinstance(item, PromptLogprobs):
             yield _sse(reply.chunk(reply.echo))
+        # with tools, the answer is held until it is known not to be a call (auto: it does not
+        # start with "{"); a call is sent whole at the end, as tool_calls deltas
+        held: list[str] | None = [] if reply.tools is not None else None
         while True:
             if isinstance(item, PromptLogprobs):
                 assert reply.logprobs is not None and reply.echo is not None
                 yield _sse(reply.chunk(reply.echo, logprobs=reply.logprobs.prompt(item)))
+            elif isinstance(item, TokenEvent) and held is not None:
+                held.append(item.text)
+                start = "".join(held).lstrip()[:1]
+                if start and start != "{":
+                    yield _sse(reply.chunk("".join(held)))
+                    held = None
             elif isinstance(item, TokenEvent):
                 lp = reply.logprobs.tokens([item]) if reply.logprobs is not None else None
                 if item.text or (lp is not None and item.token is not None):
                     yield _sse(reply.chunk(item.text, logprobs=lp))
             else:
-                yield _sse(reply.chunk(done=item))
+                calls = None
+                if held is not None and reply.tools is not None:
+                    text = "".join(held)
+                    calls = reply.tools.parse(text)
+                    if calls:
+                        for delta in tools.call_deltas(calls):
+                            yield _sse(reply.chunk(tool_calls=delta))
+                    elif text:
+                        yield _sse(reply.chunk(text))
+                yield _sse(reply.chunk(done=item, finish="tool_calls" if calls else None))
                 if reply.include_usage:
                     yield _sse(reply.usage_chunk(item))
                 yield b"data: [DONE]\n\n"

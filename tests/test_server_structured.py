@@ -1,0 +1,373 @@
+"""Structured output and tool calls through `infer serve` (issue 19), with real clients: the
+`openai` client's `chat.completions.parse` with a pydantic model, a tool-call round trip (whole
+and streamed), llama-server's `json_schema` field, and the `llm` CLI's `--schema`.
+
+Validity is checked independently of the code under test: by pydantic (the client's own parse),
+by `jsonschema`, and by json.loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from test_server_engines import RealServer, engine_ready
+
+from stdengine.errors import InvalidRequest, UnsupportedOption
+from stdengine.server import api, tools
+
+# --- request parsing, without a model -------------------------------------------------------------
+
+
+def chat_request(**fields: Any) -> api.ChatRequest:
+    body = {"messages": [{"role": "user", "content": "x"}], **fields}
+    return api.parse(api.ChatRequest, body)
+
+
+def test_response_format_needs_the_structured_capability() -> None:
+    rf = {"type": "json_object"}
+    with pytest.raises(UnsupportedOption, match="response_format .*'structured' capability"):
+        tools.constraint_for(chat_request(response_format=rf), "toy", frozenset({"stream"}))
+    with pytest.raises(UnsupportedOption, match="grammar"):
+        completion = api.parse(api.CompletionRequest, {"prompt": "x", "grammar": 'root ::= "a"'})
+        tools.constraint_for(completion, "toy", frozenset())
+    with pytest.raises(UnsupportedOption, match="tools"):
+        tools.tool_plan(chat_request(tools=[WEATHER]), "toy", frozenset())
+    # text is no constraint, and tool_choice none leaves the tools out: any engine answers
+    assert tools.constraint_for(chat_request(response_format={"type": "text"}), "toy", frozenset()) is None
+    assert tools.tool_plan(chat_request(tools=[WEATHER], tool_choice="none"), "toy", frozenset()) is None
+
+
+def test_bad_structured_requests_are_400s() -> None:
+    caps = frozenset({"structured"})
+    with pytest.raises(InvalidRequest, match="response_format.type"):
+        chat_request(response_format={"type": "xml"})
+    with pytest.raises(InvalidRequest, match="json_schema.schema"):
+        tools.constraint_for(
+            chat_request(response_format={"type": "json_schema", "json_schema": {"name": "a"}}), "e", caps
+        )
+    with pytest.raises(InvalidRequest, match="both constrain"):
+        tools.constraint_for(
+            chat_request(response_format={"type": "json_object"}, grammar='root ::= "a"'), "e", caps
+        )
+    with pytest.raises(InvalidRequest, match="'nope', which tools does not declare"):
+        tools.tool_plan(
+            chat_request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+            "e",
+            caps,
+        )
+    with pytest.raises(InvalidRequest, match="tool_choice needs tools"):
+        tools.tool_plan(chat_request(tool_choice="required"), "e", caps)
+    with pytest.raises(InvalidRequest, match="tools.0.function.name"):
+        chat_request(tools=[{"type": "function", "function": {"name": "bad name"}}])
+    with pytest.raises(UnsupportedOption, match="functions"):
+        api.refuse_unsupported(chat_request(functions=[{"name": "f"}]))
+
+
+def test_tool_history_is_written_back_in_the_call_format() -> None:
+    req = chat_request(
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        ],
+        tools=[WEATHER],
+    )
+    plan = tools.tool_plan(req, "e", frozenset({"structured"}))
+    assert plan is not None
+    messages = api.chat_messages(req, plan.instructions())
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert "get_weather" in messages[0]["content"]
+    assert json.loads(messages[2]["content"]) == {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert messages[3]["content"] == "Result of get_weather: rain"
+
+
+def test_closed_objects_follows_llama_server() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"properties": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        "$defs": {"d": {"properties": {}}},
+        "anyOf": [{"properties": {}}, {"properties": {}, "additionalProperties": True}],
+    }
+    closed = tools.closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False  # a field named "properties"
+    assert "additionalProperties" not in closed["properties"]  # the map of fields is no schema
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert [s["additionalProperties"] for s in closed["anyOf"]] == [False, True]
+    # integers without bounds are kept to the range every JSON parser holds exactly
+    age = tools.closed_objects({"type": "integer", "minimum": 0})
+    assert age == {"type": "integer", "minimum": 0, "maximum": 2**53 - 1}
+
+
+# --- end to end, on both catalogue models ---------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["a", "b"],
+        },
+    },
+}
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}  # type: ignore[index]
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    legs: int = Field(ge=0, le=8)
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    pets: list[Pet] = Field(max_length=3)
+
+
+# both engines that declare the `structured` capability (LocalEngine applies the mask), on both
+# catalogue models
+@pytest.fixture(
+    scope="module",
+    params=[(e, m) for e in ("reference", "llamacpp") for m in ("smollm2", "gemma3")],
+    ids=lambda p: "-".join(p),
+)
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
+    engine, alias = request.param
+    model: Path = request.getfixturevalue(f"{alias}_path")
+    why = engine_ready(engine, model)
+    if why is not None:
+        pytest.skip(why)
+    # the tool instructions need more than RealServer's 256 positions
+    server = RealServer(engine, model, tmp_path_factory.mktemp("serve-structured"), "-c", "1024")
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(served: RealServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def model_id(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.mark.parametrize("seed", [None, 1, 2])
+def test_parse_with_a_pydantic_model(client: openai.OpenAI, seed: int | None) -> None:
+    sampling: Any = {"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}
+    r = client.chat.completions.parse(
+        model=model_id(client),
+        messages=[{"role": "user", "content": "Describe a person and their pets as JSON."}],
+        response_format=Person,
+        max_tokens=200,
+        **sampling,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content  # complete, not cut off
+    assert isinstance(choice.message.parsed, Person)  # the client validated it with pydantic
+
+
+# a few-shot prompt: with any object allowed, the model must also want to end one
+PROMPT = 'A person as JSON: {"name": "Bob", "colors": ["red", "blue"]}\nAnother person as JSON: '
+
+
+def test_json_object_and_llama_server_json_schema_on_completions(served: RealServer) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "colors": {
+                "type": "array",
+                "items": {"type": "string", "pattern": "^[a-z]+$"},
+                "minItems": 2,
+                "maxItems": 4,
+            }
+        },
+        "required": ["colors"],
+    }
+    with httpx.Client(base_url=served.url, timeout=300) as http:
+        for extra, check in (
+            ({"response_format": {"type": "json_object"}}, lambda v: isinstance(v, dict)),
+            ({"json_schema": schema}, lambda v: jsonschema.validate(v, schema) is None),
+        ):
+            r = http.post(
+                "/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 120, "temperature": 0, **extra},
+            )
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "stop" and check(json.loads(choice["text"])), choice
+
+
+def test_tool_call_round_trip(client: openai.OpenAI) -> None:
+    model = model_id(client)
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named: Any = {"type": "function", "function": {"name": "add"}}
+    for choice in ("required", named):
+        r = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=[WEATHER, ADD],
+            tool_choice=choice,
+            max_tokens=80,
+            temperature=0,  # type: ignore[list-item]
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        (call,) = c.message.tool_calls or []
+        assert call.type == "function" and call.id.startswith("call_")
+        name = call.function.name  # type: ignore[union-attr]
+        assert name == "add" if choice == named else name in PARAMETERS
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[name])  # type: ignore[union-attr]
+    # the call and its result go back; the model answers in text
+    messages += [
+        c.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "5"},
+    ]
+    r = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=[WEATHER, ADD],
+        tool_choice="none",
+        max_tokens=10,
+        temperature=0,  # type: ignore[list-item]
+    )
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+def test_streamed_tool_calls_are_the_whole_answer(client: openai.OpenAI) -> None:
+    args: Any = {
+        "model": model_id(client),
+        "messages": [{"role": "user", "content": "Add 2 and 3."}],
+        "tools": [WEATHER, ADD],
+        "tool_choice": "required",
+        "max_tokens": 80,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**args).choices[0].message.tool_calls
+    assert whole is not None
+    name, arguments, ids, finish = "", "", set(), None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for d in delta.tool_calls or []:
+            assert d.index == 0
+            ids |= {d.id} - {None}
+            name += d.function.name or "" if d.function else ""
+            arguments += d.function.arguments or "" if d.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(ids) == 1
+    assert (name, json.loads(arguments)) == (whole[0].function.name, json.loads(whole[0].function.arguments))  # type: ignore[union-attr]
+
+
+def test_llm_cli_schema(served: RealServer, client: openai.OpenAI, tmp_path: Path) -> None:
+    """simonw's llm pointed at infer serve through its extra-openai-models.yaml (an api_base
+    entry), with `--schema 'name, age int'` (llm's concise schema syntax)."""
+    llm = shutil.which("llm", path=str(Path(sys.executable).parent))
+    if llm is None:
+        pytest.skip("llm is not installed (pip install 'stdengine[dev]')")
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f"- model_id: infer\n  model_name: {model_id(client)}\n  api_base: {served.url}/v1\n  supports_schema: true\n"
+    )
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "OPENAI_API_KEY": "none"}
+    out = subprocess.run(
+        [
+            llm,
+            "-m",
+            "infer",
+            "--schema",
+            "name, age int",
+            "Invent a person.",
+            "-o",
+            "temperature",
+            "0",
+            "--no-log",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
+    value = json.loads(out.stdout)
+    assert set(value) == {"name", "age"} and isinstance(value["name"], str) and isinstance(value["age"], int)
+
+
+# --- the openai engine passes constraints on ------------------------------------------------------
+
+
+def test_openai_engine_sends_constraints_upstream() -> None:
+    from http.server import ThreadingHTTPServer
+
+    from test_openai_adapter import LlamaServerLike, load, run
+
+    from stdengine.adapter import GenerateRequest, SamplingParams
+    from stdengine.structured import Constraint
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), LlamaServerLike)
+    httpd.bodies = []  # type: ignore[attr-defined]
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        engine = load(f"http://127.0.0.1:{httpd.server_address[1]}/v1")
+        assert "structured" in engine.capabilities
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        grammar = 'root ::= "Hello"'
+        for constraint, sent in (
+            (Constraint.json_object(), {"response_format": {"type": "json_object"}}),
+            (
+                Constraint.json_schema(schema),
+                {
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "output", "schema": schema, "strict": True},
+                    }
+                },
+            ),
+            (Constraint.grammar(grammar, "gbnf"), {"grammar": grammar}),
+        ):
+            run(
+                engine,
+                GenerateRequest(prompt="hi", sampling=SamplingParams(n_predict=2), constraint=constraint),
+            )
+            body = httpd.bodies[-1]  # type: ignore[attr-defined]
+            assert {k: body[k] for k in sent} == sent
+        with pytest.raises(UnsupportedOption, match="cannot pass the regular expression"):
+            run(engine, GenerateRequest(prompt="hi", constraint=Constraint.regex("a+")))
+        engine.close()
+    finally:
+        httpd.shutdown()
