@@ -21,6 +21,7 @@ from stdengine.conformance.http import model_id, request
 from stdengine.conformance.suite import Check, Context, Level, NotSupported, Outcome
 
 from stdengine.adapter import GenerateRequest
+from stdengine.openai_wire import DONE, parse_chunk
 
 N_PREDICT = 128  # tokens for one structured answer: each schema's answer needs far fewer
 
@@ -363,9 +364,9 @@ TOOLS: tuple[dict[str, Any], ...] = (
 TOOL_PROMPT = "What is the weather like in Paris today?"
 
 
-def _chat(ctx: Context, out: Outcome, prompt: str, what: str, **extra: Any) -> dict[str, Any] | None:
-    """POST a chat completion at temperature 0 with extra fields; the first choice, or None (a
-    failure recorded). A refusal of the fields is not_supported."""
+def _post_chat(ctx: Context, out: Outcome, prompt: str, what: str, **extra: Any) -> Any:
+    """POST a chat completion at temperature 0 with extra fields: the Reply when it is a 200, else
+    None (a failure recorded). A refusal of the fields is not_supported."""
     body = {
         "model": model_id(ctx),
         "messages": [{"role": "user", "content": prompt}],
@@ -376,9 +377,14 @@ def _chat(ctx: Context, out: Outcome, prompt: str, what: str, **extra: Any) -> d
     r = request(ctx, "POST", "/v1/chat/completions", body)
     if r.status in REFUSED:
         raise NotSupported(f"the server refuses {what}: HTTP {r.status}: {r.body[:200]!r}")
-    if not out.expect(
-        r.status == 200, f"{what}: HTTP {r.status}" + ("" if r.status == 200 else f": {r.body[:200]!r}")
-    ):
+    ok = r.status == 200
+    return r if out.expect(ok, f"{what}: HTTP {r.status}" + ("" if ok else f": {r.body[:200]!r}")) else None
+
+
+def _chat(ctx: Context, out: Outcome, prompt: str, what: str, **extra: Any) -> dict[str, Any] | None:
+    """The first choice of a chat completion (_post_chat), or None."""
+    r = _post_chat(ctx, out, prompt, what, **extra)
+    if r is None:
         return None
     choice = (r.json().get("choices") or [{}])[0]
     return choice if isinstance(choice, dict) else {}
@@ -420,48 +426,77 @@ def http_json_object(ctx: Context, out: Outcome) -> None:
         judge_json(out, text, None, what)
 
 
-def http_tool_call(mode: str) -> Callable[[Context, Outcome], None]:
-    """tool_choice `required` (either declared function) or a named function (that one)."""
+def _tool_choice(mode: str) -> Any:
+    return "required" if mode == "required" else {"type": "function", "function": {"name": mode}}
+
+
+def judge_tool_calls(out: Outcome, what: str, calls: Any, finish_reason: Any, mode: str) -> None:
+    """OpenAI's tool_calls: each an id, type function, a declared function's name (the named one
+    for a named tool_choice) and arguments that are a JSON string valid for its parameters."""
     names = [t["function"]["name"] for t in TOOLS]
     wanted = names if mode == "required" else [mode]
+    out.details["tool_calls"] = calls
+    if not isinstance(calls, list) or not calls:
+        out.add("fail", f"NOT MET: {what}: tool_calls is a non-empty list: {calls!r}")
+        return
+    out.expect(finish_reason == "tool_calls", f"{what}: finish reason {finish_reason!r} (want 'tool_calls')")
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        fn = fn if isinstance(fn, dict) else {}
+        out.expect(
+            isinstance(call, dict) and call.get("type") == "function" and isinstance(call.get("id"), str),
+            f"{what}: tool_calls[{i}] has an id and type 'function'",
+        )
+        name = fn.get("name")
+        if not out.expect(name in wanted, f"{what}: tool_calls[{i}] names {name!r} (want one of {wanted})"):
+            continue
+        args = fn.get("arguments")
+        if out.expect(isinstance(args, str), f"{what}: tool_calls[{i}].function.arguments is a JSON string"):
+            params = TOOLS[names.index(str(name))]["function"]["parameters"]
+            judge_json(out, str(args), params, f"{what}: the arguments of {name}")
+
+
+def http_tool_call(mode: str) -> Callable[[Context, Outcome], None]:
+    """tool_choice `required` (either declared function) or a named function (that one)."""
 
     def check(ctx: Context, out: Outcome) -> None:
         what = f"tools with tool_choice {mode}"
-        choice_field: Any = (
-            "required" if mode == "required" else {"type": "function", "function": {"name": mode}}
-        )
-        choice = _chat(ctx, out, TOOL_PROMPT, what, tools=list(TOOLS), tool_choice=choice_field)
-        if choice is None:
-            return
-        calls = (choice.get("message") or {}).get("tool_calls")
-        out.details["tool_calls"] = calls
-        if not isinstance(calls, list) or not calls:
-            out.add("fail", f"NOT MET: {what}: choices[0].message.tool_calls is a non-empty list: {calls!r}")
-            return
-        out.expect(
-            choice.get("finish_reason") == "tool_calls",
-            f"{what}: finish reason {choice.get('finish_reason')!r} (want 'tool_calls')",
-        )
-        for i, call in enumerate(calls):
-            fn = call.get("function") if isinstance(call, dict) else None
-            fn = fn if isinstance(fn, dict) else {}
-            out.expect(
-                isinstance(call, dict) and call.get("type") == "function" and isinstance(call.get("id"), str),
-                f"{what}: tool_calls[{i}] has an id and type 'function'",
-            )
-            name = fn.get("name")
-            if not out.expect(
-                name in wanted, f"{what}: tool_calls[{i}] names {name!r} (want one of {wanted})"
-            ):
-                continue
-            args = fn.get("arguments")
-            if out.expect(
-                isinstance(args, str), f"{what}: tool_calls[{i}].function.arguments is a JSON string"
-            ):
-                params = TOOLS[names.index(str(name))]["function"]["parameters"]
-                judge_json(out, str(args), params, f"{what}: the arguments of {name}")
+        choice = _chat(ctx, out, TOOL_PROMPT, what, tools=list(TOOLS), tool_choice=_tool_choice(mode))
+        if choice is not None:
+            calls = (choice.get("message") or {}).get("tool_calls")
+            judge_tool_calls(out, what, calls, choice.get("finish_reason"), mode)
 
     return check
+
+
+def http_tool_call_stream(ctx: Context, out: Outcome) -> None:
+    """The same request streamed: the `delta.tool_calls` pieces, joined by their index (the id,
+    type and name come once, the arguments in pieces), make a valid call; one finish reason."""
+    what, mode = "streamed tools with tool_choice required", "required"
+    r = _post_chat(
+        ctx, out, TOOL_PROMPT, what, stream=True, tools=list(TOOLS), tool_choice=_tool_choice(mode)
+    )
+    if r is None:
+        return
+    calls: dict[int, dict[str, Any]] = {}
+    finishes = []
+    for data in r.sse():
+        if data == DONE:
+            continue
+        for ch in parse_chunk(data).get("choices") or []:
+            if ch.get("finish_reason"):
+                finishes.append(ch["finish_reason"])
+            for piece in (ch.get("delta") or {}).get("tool_calls") or []:
+                call = calls.setdefault(int(piece.get("index", 0)), {"function": {"arguments": ""}})
+                for key in ("id", "type"):
+                    if piece.get(key) is not None:
+                        call[key] = piece[key]
+                fn = piece.get("function") or {}
+                if fn.get("name") is not None:
+                    call["function"]["name"] = fn["name"]
+                call["function"]["arguments"] += fn.get("arguments") or ""
+    out.expect(len(finishes) == 1, f"{what}: exactly one finish reason ({finishes})")
+    judge_tool_calls(out, what, [calls[i] for i in sorted(calls)], finishes[-1] if finishes else None, mode)
 
 
 def plan_http(ctx: Context) -> list[Check]:
@@ -500,4 +535,14 @@ def plan_http(ctx: Context) -> list[Check]:
                 "a tool call names a declared function with arguments valid for its parameters",
             )
         )
+    checks.append(
+        Check(
+            "http.structured.tool_call.stream",
+            "optional",
+            http_tool_call_stream,
+            frozenset(),
+            False,
+            "streamed delta.tool_calls join into a valid call",
+        )
+    )
     return checks

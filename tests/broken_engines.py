@@ -249,7 +249,7 @@ class IgnoresConstraint(Faulty):
     fails_served = (
         "http.structured.json_schema:*",
         "http.structured.json_object",
-        "http.structured.tool_call:*",
+        "http.structured.tool_call*",
     )
 
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from broken_engines import STRUCTURED_FAULTS, Faulty
+from broken_engines import STRUCTURED_FAULTS, Faulty, IgnoresConstraint
 from stdengine.conformance import structured
 from stdengine.conformance.runner import find_golden, plan, run_suite
 from stdengine.conformance.suite import Context, Outcome, exit_status
@@ -140,3 +140,32 @@ def test_the_checks_fail_each_broken_engine(fault: type[Faulty], smollm2_path: P
         assert ids, f"no check matches {glob}"
         assert set(ids) & failed, {i: (results[i].status, results[i].message) for i in ids}
     assert exit_status(list(results.values())) == 1
+
+
+# --- over HTTP: infer serve's response_format and tools -----------------------------------------
+def run_served(engine: str | type, path: Path) -> dict[str, Any]:
+    from served import KEY, InProcessServer
+
+    server = InProcessServer(engine, path)
+    try:
+        ctx = Context(url=server.url, api_key=KEY, model="smollm2-135m-instruct")
+        results = run_suite(ctx, level="optional", only="http.structured.*")
+    finally:
+        server.stop()
+    return {r.id: r for r in results}
+
+
+def test_the_http_checks_pass_against_infer_serve(smollm2_path: Path) -> None:
+    results = run_served("reference", smollm2_path)
+    assert len(results) == len(structured.SCHEMAS) + 1 + 3
+    assert all(r.level == "optional" for r in results.values())
+    bad = {i: (r.status, r.message) for i, r in results.items() if r.status != "pass"}
+    assert not bad, bad
+
+
+def test_the_http_checks_fail_an_engine_that_ignores_the_constraint(smollm2_path: Path) -> None:
+    results = run_served(IgnoresConstraint, smollm2_path)
+    failed = {i for i, r in results.items() if r.status == "fail"}
+    for glob in IgnoresConstraint.fails_served:
+        ids = [i for i in results if fnmatch.fnmatchcase(i, glob)]
+        assert ids and set(ids) & failed, {i: (results[i].status, results[i].message) for i in ids}
