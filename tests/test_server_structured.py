@@ -71,6 +71,8 @@ def test_bad_structured_requests_are_400s() -> None:
         tools.tool_plan(chat_request(tool_choice="required"), "e", caps)
     with pytest.raises(InvalidRequest, match="tools.0.function.name"):
         chat_request(tools=[{"type": "function", "function": {"name": "bad name"}}])
+    with pytest.raises(InvalidRequest):  # the library's message: the schema cannot be compiled
+        tools.constraint_for(chat_request(json_schema={"type": "object", "minProperties": "x"}), "e", caps)
     with pytest.raises(UnsupportedOption, match="functions"):
         api.refuse_unsupported(chat_request(functions=[{"name": "f"}]))
 
@@ -270,29 +272,39 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
-def test_streamed_tool_calls_are_the_whole_answer(client: openai.OpenAI) -> None:
-    args: Any = {
-        "model": model_id(client),
-        "messages": [{"role": "user", "content": "Add 2 and 3."}],
-        "tools": [WEATHER, ADD],
-        "tool_choice": "required",
-        "max_tokens": 80,
-        "temperature": 0,
-    }
-    whole = client.chat.completions.create(**args).choices[0].message.tool_calls
-    assert whole is not None
-    name, arguments, ids, finish = "", "", set(), None
-    for chunk in client.chat.completions.create(**args, stream=True):
-        delta = chunk.choices[0].delta
-        assert not delta.content
-        for d in delta.tool_calls or []:
-            assert d.index == 0
-            ids |= {d.id} - {None}
-            name += d.function.name or "" if d.function else ""
-            arguments += d.function.arguments or "" if d.function else ""
-        finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls" and len(ids) == 1
-    assert (name, json.loads(arguments)) == (whole[0].function.name, json.loads(whole[0].function.arguments))  # type: ignore[union-attr]
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_streamed_tool_calls_are_the_whole_answer(client: openai.OpenAI, choice: str) -> None:
+    """Greedy: the stream's content, or its delta.tool_calls joined by index, is the whole
+    answer's (under auto the model may answer either way; both are checked)."""
+    for prompt in ("Add 2 and 3.", "Say hello."):
+        args: Any = {
+            "model": model_id(client),
+            "messages": [{"role": "user", "content": prompt}],
+            "tools": [WEATHER, ADD],
+            "tool_choice": choice,
+            "max_tokens": 40,
+            "temperature": 0,
+        }
+        whole = client.chat.completions.create(**args).choices[0]
+        content, name, arguments, ids, finish = "", "", "", set(), None
+        for chunk in client.chat.completions.create(**args, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                assert d.index == 0
+                ids |= {d.id} - {None}
+                name += d.function.name or "" if d.function else ""
+                arguments += d.function.arguments or "" if d.function else ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == whole.finish_reason
+        if whole.message.tool_calls is None:
+            assert choice == "auto" and content == whole.message.content and not ids
+            assert not content.lstrip().startswith("{")  # auto's grammar: text, or a whole call
+            continue
+        assert finish == "tool_calls" and len(ids) == 1 and not content
+        call = whole.message.tool_calls[0].function  # type: ignore[union-attr]
+        assert (name, json.loads(arguments)) == (call.name, json.loads(call.arguments))
+        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
 
 
 def test_llm_cli_schema(served: RealServer, client: openai.OpenAI, tmp_path: Path) -> None:
