@@ -113,6 +113,9 @@ def require_structured(field: str, engine_name: str, capabilities: frozenset[str
 # --- tool calls ---------------------------------------------------------------------------------
 
 
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}  # a function without parameters
+
+
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
@@ -133,7 +136,7 @@ class ToolPlan:
     def instructions(self) -> str:
         listing = [
             {k: v for k, v in (("name", f.name), ("description", f.description)) if v}
-            | {"parameters": f.parameters or {"type": "object", "properties": {}}}
+            | {"parameters": f.parameters or NO_ARGUMENTS}
             for f in self.functions.values()
         ]
         if self.choice == "auto":
@@ -157,7 +160,7 @@ class ToolPlan:
                 "type": "object",
                 "properties": {
                     "name": {"const": f.name},
-                    "arguments": f.parameters or {"type": "object", "properties": {}},
+                    "arguments": f.parameters or NO_ARGUMENTS,
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
