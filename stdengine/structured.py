@@ -41,13 +41,7 @@ class Constraint:
     kind: Kind
     schema: dict[str, Any] | None = None  # json_schema
     pattern: str | None = None  # regex
-    if TYPE_CHECKING:  # the grammar's text is the field below; type checkers see the constructor
-
-        @classmethod
-        def grammar(cls, text: str, syntax: Syntax = "gbnf") -> Constraint: ...
-
-    else:
-        grammar: str | None = None  # grammar
+    text: str | None = None  # grammar: its source text
     syntax: Syntax | None = None  # grammar: "gbnf" (llama.cpp's) or "lark"
     compiled: str = field(default="", repr=False, compare=False)  # llguidance's grammar text
 
@@ -68,12 +62,12 @@ class Constraint:
         return cls("regex", pattern=pattern, compiled=_compile("regex", pattern))
 
     @classmethod
-    def grammar_text(cls, text: str, syntax: Syntax = "gbnf") -> Constraint:
+    def grammar(cls, text: str, syntax: Syntax = "gbnf") -> Constraint:
         if not isinstance(text, str):
             raise InvalidRequest(f"a grammar must be a string, not {type(text).__name__}")
         if syntax not in ("gbnf", "lark"):
             raise InvalidRequest(f"unknown grammar syntax {syntax!r}", hint="use 'gbnf' or 'lark'")
-        return cls("grammar", grammar=text, syntax=syntax, compiled=_compile(syntax, text))  # type: ignore[call-arg]
+        return cls("grammar", text=text, syntax=syntax, compiled=_compile(syntax, text))
 
     def describe(self) -> str:
         if self.kind == "json_schema":
@@ -83,15 +77,6 @@ class Constraint:
         if self.kind == "regex":
             return f"the regular expression {self.pattern!r}"
         return f"a {self.syntax} grammar"
-
-
-def _grammar_constructor(cls: type[Constraint], text: str, syntax: Syntax = "gbnf") -> Constraint:
-    return cls.grammar_text(text, syntax)
-
-
-# `Constraint.grammar(text, syntax)` is the published constructor; the name is also the field
-# holding the text, so the classmethod is attached under it after the dataclass is built.
-setattr(Constraint, "grammar", classmethod(_grammar_constructor))  # noqa: B010
 
 
 def _compile(fmt: str, source: Any) -> str:
@@ -121,11 +106,17 @@ _NAMES = {
 
 def check_constraint(engine: Engine, request: GenerateRequest) -> None:
     """UnsupportedOption when the request has a constraint the engine cannot honour."""
-    if request.constraint is not None and "structured" not in engine.capabilities:
+    if request.constraint is not None:
+        require_structured("a structured-output constraint", engine.name, engine.capabilities)
+
+
+def require_structured(what: str, engine_name: str, capabilities: frozenset[str]) -> None:
+    """UnsupportedOption naming `what` (a constraint, a request field) when the engine's loaded
+    instance does not declare the 'structured' capability."""
+    if "structured" not in capabilities:
         raise UnsupportedOption(
-            f"engine '{engine.name}' cannot honour a structured-output constraint "
-            "(needs the 'structured' capability)",
-            hint="use an engine that declares it (reference, llamacpp), or drop the constraint",
+            f"engine '{engine_name}' cannot honour {what} (needs the 'structured' capability)",
+            hint="use an engine that declares it (reference, llamacpp), or remove it",
         )
 
 

@@ -443,7 +443,7 @@ class OpenAIEngine(Engine):
             schema = {"name": "output", "schema": constraint.schema, "strict": True}
             return {"response_format": {"type": "json_schema", "json_schema": schema}}
         if constraint.kind == "grammar" and constraint.syntax == "gbnf" and self.dialect == "llama.cpp":
-            return {"grammar": constraint.grammar}
+            return {"grammar": constraint.text}
         raise UnsupportedOption(
             f"cannot pass {constraint.describe()} to the server at {self.root} ({self.dialect} dialect)",
             hint="a JSON schema or json_object goes to any server; a GBNF grammar to llama.cpp's",

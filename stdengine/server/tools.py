@@ -15,14 +15,11 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stdengine.errors import InvalidRequest, UnsupportedOption
 from stdengine.server import api
-
-if TYPE_CHECKING:
-    from stdengine.structured import Constraint
-
+from stdengine.structured import Constraint, require_structured
 
 # keywords whose value is a schema, a list of schemas, or a map of names to schemas
 _SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
@@ -61,9 +58,6 @@ def closed_objects(schema: Any) -> Any:
 
 
 def _constraint(kind: str, value: Any = None) -> Constraint:
-    # imported here: the structured-output library is loaded only by requests that use it
-    from stdengine.structured import Constraint
-
     if kind == "json_schema":
         return Constraint.json_schema(closed_objects(value))
     if kind == "json_object":
@@ -100,14 +94,6 @@ def constraint_for(
     field, kind, value = asked[0]
     require_structured(field, engine_name, capabilities)
     return _constraint(kind, value)
-
-
-def require_structured(field: str, engine_name: str, capabilities: frozenset[str]) -> None:
-    if "structured" not in capabilities:
-        raise UnsupportedOption(
-            f"engine '{engine_name}' cannot honour {field} (needs the 'structured' capability)",
-            hint="remove it from the request",
-        )
 
 
 # --- tool calls ---------------------------------------------------------------------------------
