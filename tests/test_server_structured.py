@@ -67,6 +67,10 @@ def test_bad_structured_requests_are_400s() -> None:
             "e",
             caps,
         )
+    with pytest.raises(UnsupportedOption, match="together with tools"):
+        tools.tool_plan(chat_request(tools=[WEATHER], grammar='root ::= "a"'), "e", caps)
+    with pytest.raises(UnsupportedOption, match="together with tools"):
+        tools.tool_plan(chat_request(tools=[WEATHER], response_format={"type": "json_object"}), "e", caps)
     with pytest.raises(InvalidRequest, match="tool_choice needs tools"):
         tools.tool_plan(chat_request(tool_choice="required"), "e", caps)
     with pytest.raises(InvalidRequest, match="tools.0.function.name"):

@@ -56,9 +56,10 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
     plan = (
         tools.tool_plan(req, engine.name, engine.capabilities) if isinstance(req, api.ChatRequest) else None
     )
-    constraint = tools.constraint_for(req, engine.name, engine.capabilities)
-    if plan is not None:
-        constraint = plan.constraint()
+    # a tool plan refuses the other output constraints, so one of the two decides
+    constraint = (
+        plan.constraint() if plan is not None else tools.constraint_for(req, engine.name, engine.capabilities)
+    )
     prompt = await (
         chat_prompt(state, req, plan) if isinstance(req, api.ChatRequest) else text_prompt(state, req)
     )

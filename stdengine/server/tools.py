@@ -209,9 +209,14 @@ def tool_plan(req: api.ChatRequest, engine_name: str, capabilities: frozenset[st
     if choice == "none":
         return None
     require_structured("tools", engine_name, capabilities)
-    if req.response_format is not None and req.response_format.type != "text":
+    if (
+        (req.response_format is not None and req.response_format.type != "text")
+        or req.json_schema is not None
+        or req.grammar is not None
+    ):
         raise UnsupportedOption(
-            "response_format together with tools is not supported", hint="give one of them"
+            "response_format, json_schema or grammar together with tools is not supported",
+            hint="give tools or an output format, not both",
         )
     if req.logprobs:
         raise UnsupportedOption("logprobs together with tools is not supported", hint="remove logprobs")
