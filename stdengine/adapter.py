@@ -88,7 +88,11 @@ class GenerateRequest:
     the `logprobs` capability).
 
     constraint: what the output must match (stdengine.structured.Constraint), for engines that
-    declare the `structured` capability; others refuse it (UnsupportedOption)."""
+    declare the `structured` capability; others refuse it (UnsupportedOption).
+
+    ignore_eos: an end-of-generation token never ends generation (its logits are masked);
+    min_tokens: neither an end-of-generation token nor a stop string ends generation before this
+    many tokens (llama-server's and vLLM's extensions; engines with `eog_controls`)."""
 
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
@@ -96,6 +100,8 @@ class GenerateRequest:
     prompt_tokens: list[int] | None = None
     logprobs: int | None = None
     constraint: Constraint | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 @dataclass
@@ -215,6 +221,8 @@ class Engine(ABC):
     needs_model_file: ClassVar[bool] = True
     # True for engines whose generate() takes GenerateRequest.prompt_tokens (a prompt of token ids)
     takes_prompt_tokens: ClassVar[bool] = False
+    # True for engines whose generate() honours GenerateRequest.ignore_eos and min_tokens
+    eog_controls: ClassVar[bool] = False
 
     @classmethod
     def version(cls) -> str:

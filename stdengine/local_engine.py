@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from stdengine.adapter import (
     DoneEvent,
     Engine,
@@ -33,8 +35,6 @@ from stdengine.errors import ContextOverflow, InvalidRequest
 from stdengine.generation import StopMatcher, render_chat_template, request_tokens, validate_sampling
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from stdengine.events import Emitter
     from stdengine.options import Options
     from stdengine.structured import Matcher, Vocabulary
@@ -51,6 +51,7 @@ class LocalEngine(Engine):
     the hooks)."""
 
     takes_prompt_tokens = True
+    eog_controls = True
     template: str | None
     events: Emitter
     bos_id: int | None
@@ -132,6 +133,8 @@ class LocalEngine(Engine):
                 if constraint is not None:
                     # an end-of-generation token stays allowed only where the output is complete
                     constraint.apply(self._logits_buffer())
+                if request.ignore_eos or n_gen < request.min_tokens:
+                    self._logits_buffer()[self._eog_ids()] = -np.inf  # cannot end here
                 tok = next(samples)
                 if self._is_eog(tok):
                     finish = "stop"
@@ -140,7 +143,11 @@ class LocalEngine(Engine):
                     constraint.consume(tok)
                 n_gen += 1
                 self._progress = (prompt_n, t1 - t0, t1, n_gen)
-                delta, matched = stops.feed(text.push(tok))
+                piece = text.push(tok)
+                if n_gen <= request.min_tokens:  # stop strings count from the min_tokens-th token on
+                    delta, matched = stops.flush() + piece, None
+                else:
+                    delta, matched = stops.feed(piece)
                 event = TokenEvent(tok, delta)
                 if logits is not None and want_logprobs is not None:
                     self._add_logprobs(event, logits, want_logprobs)
@@ -175,6 +182,15 @@ class LocalEngine(Engine):
 
         check_constraint(self, request)
         return Matcher(tokenizer_for(self._vocab_owner(), self._vocabulary), request.constraint, self.n_vocab)
+
+    def _eog_ids(self) -> np.ndarray:
+        """The ids of the end-of-generation tokens (found once per context)."""
+        ids = getattr(self, "_eog_cache", None)
+        if ids is None:
+            ids = self._eog_cache = np.array(
+                [t for t in range(self.n_vocab) if self._is_eog(t)], dtype=np.int64
+            )
+        return ids
 
     def _add_logprobs(self, event: TokenEvent, logits: np.ndarray, n: int) -> None:
         lp = log_softmax(logits)

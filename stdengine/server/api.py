@@ -71,6 +71,9 @@ class _Completion(_Strict):
     n: int | None = Field(None, ge=1)
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the caller's own tracking; not used
+    # llama-server's and vLLM's extensions that benchmarks send to fix an answer's length
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
 
 
 # The sampling fields are made from the options' table, so the type checker does not see them:
@@ -235,6 +238,19 @@ def refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
         raise InvalidRequest("stream_options is only allowed when stream is true")
     if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true")
+
+
+def eog_controls(req: ChatRequest | CompletionRequest, engine_name: str, honoured: bool) -> tuple[bool, int]:
+    """(ignore_eos, min_tokens) of the request; an UnsupportedOption when the engine cannot
+    honour what is asked (engines with Engine.eog_controls can)."""
+    ignore_eos, min_tokens = bool(req.ignore_eos), req.min_tokens or 0
+    if (ignore_eos or min_tokens) and not honoured:
+        asked = [f for f, v in (("ignore_eos", ignore_eos), ("min_tokens", min_tokens)) if v]
+        raise UnsupportedOption(
+            f"engine '{engine_name}' cannot honour {', '.join(asked)}",
+            hint="remove " + ("it" if len(asked) == 1 else "them") + " from the request",
+        )
+    return ignore_eos, min_tokens
 
 
 def logprobs_wanted(req: ChatRequest | CompletionRequest) -> int | None:

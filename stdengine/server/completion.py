@@ -53,6 +53,7 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
     api.refuse_unsupported(req)
     api.refuse_missing(req, engine.name, engine.capabilities)
     sampling = api.sampling_for(req, state.defaults, engine.name, engine.honoured_options())
+    ignore_eos, min_tokens = api.eog_controls(req, engine.name, engine.eog_controls)
     plan = (
         tools.tool_plan(req, engine.name, engine.capabilities) if isinstance(req, api.ChatRequest) else None
     )
@@ -82,6 +83,8 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
         sampling=sampling,
         logprobs=n_logprobs,
         constraint=constraint,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
     )
     return await answer(request, state, gen_request, reply, req.stream, prompt.score)
 
