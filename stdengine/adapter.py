@@ -38,6 +38,7 @@ CAPABILITIES: dict[str, str] = {
     "gpu": "can offload layers to a GPU (n_gpu_layers)",
     "logprobs": "log-probabilities: generate() fills them when asked, score() rates a token sequence",
     "structured": "generate() honours GenerateRequest.constraint (JSON Schema, regex, grammar) by masking tokens",
+    "batch_decode": "LocalEngine._evaluate_batch evaluates several contexts' tokens in shared forward passes",
 }
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs / logprobs; the server refuses more

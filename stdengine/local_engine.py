@@ -35,6 +35,7 @@ from stdengine.errors import ContextOverflow, InvalidRequest
 from stdengine.generation import StopMatcher, render_chat_template, request_tokens, validate_sampling
 
 if TYPE_CHECKING:
+    from stdengine.batching import Batcher
     from stdengine.events import Emitter
     from stdengine.options import Options
     from stdengine.structured import Matcher, Vocabulary
@@ -59,6 +60,8 @@ class LocalEngine(Engine):
     add_bos: bool
     n_vocab: int
     tokens: list[int]
+    # set (Batcher.attach) when this context shares steps with other contexts of its model
+    batcher: Batcher | None = None
 
     @staticmethod
     def thread_counts(options: Options) -> tuple[int, int]:
@@ -96,6 +99,17 @@ class LocalEngine(Engine):
 
     # --- generation ------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+        batcher = self.batcher
+        if batcher is None:
+            yield from self._generate(request)
+            return
+        batcher.join(self)
+        try:
+            yield from self._generate(request)
+        finally:
+            batcher.leave(self)
+
+    def _generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         s = request.sampling
         want_logprobs = check_logprobs(request.logprobs)
         if request.prompt_tokens is not None:
@@ -159,7 +173,7 @@ class LocalEngine(Engine):
                     break  # the context is full: finish with "length"
                 if s.n_predict >= 0 and n_gen >= s.n_predict:
                     break
-                self._evaluate([tok])
+                self._step([tok])
         finally:
             samples.close()
         if matched is None:
@@ -237,8 +251,15 @@ class LocalEngine(Engine):
         common = min(common, len(prompt) - 1)  # always evaluate the last token, for its logits
         common = self._keep_prefix(common)
         todo = prompt[common:]
-        self._evaluate(todo)
+        self._step(todo)
         return len(todo)
+
+    def _step(self, tokens: list[int]) -> None:
+        """_evaluate, through the batcher when this context shares steps with others."""
+        if self.batcher is None:
+            self._evaluate(tokens)
+        else:
+            self.batcher.evaluate(self, tokens)
 
     # --- hooks -----------------------------------------------------------------------------
     def token_text(self, token: int) -> str:
@@ -274,6 +295,15 @@ class LocalEngine(Engine):
     def _evaluate(self, tokens: list[int]) -> None:
         """Append tokens to the context (and to self.tokens); the last one's logits are kept."""
         raise NotImplementedError
+
+    def _evaluate_batch(self, items: list[tuple[LocalEngine, list[int]]]) -> None:
+        """Evaluate each (context, tokens) item as its context's _evaluate would; the contexts are
+        this engine's new_context() family. The default is a loop of _evaluate calls; an engine
+        with the `batch_decode` capability evaluates them in shared forward passes (the weights
+        read once per pass), with every context's logits and cache bit-identical to evaluating it
+        alone, and on an error evaluates nothing."""
+        for ctx, tokens in items:
+            ctx._evaluate(tokens)
 
     def _sample_tokens(self, s: SamplingParams) -> Generator[int, None, None]:
         """Sample from the last logits each time it is asked; closed when generation ends."""

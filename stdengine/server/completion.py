@@ -135,6 +135,7 @@ class Run:
         self.watch = watch
         self.log = log
         self.t0 = t0  # when the request started waiting for its slot: ttft counts from there
+        self.t_token: float | None = None  # when the last token came (inter-token latency)
 
     async def next(self) -> Event:
         """The next event; after the DoneEvent the worker has left its slot. Raises the
@@ -145,8 +146,13 @@ class Run:
             return item
         if isinstance(item, TokenEvent):
             state.metrics.count_decode(state.slots.busy)
+            now = time.perf_counter()
+            if item.id >= 0:  # a generated token (-1: text held back until the end)
+                m = state.metrics
+                m.observe(m.ttft if self.t_token is None else m.itl, now - (self.t_token or self.t0))
+                self.t_token = now
             if item.text and "ttft_ms" not in log:
-                log["ttft_ms"] = round((time.perf_counter() - self.t0) * 1e3, 1)
+                log["ttft_ms"] = round((now - self.t0) * 1e3, 1)
             return item
         if isinstance(item, DoneEvent):
             state.metrics.count_decode(state.slots.busy)  # the prompt's decode
@@ -189,7 +195,9 @@ async def answer(
     try:
         ctx = await watch.guard(state.slots.acquire())
         log["slot"] = state.slots.slot_id(ctx)
-        log["queued_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        queued = time.perf_counter() - t0
+        log["queued_ms"] = round(queued * 1e3, 1)
+        state.metrics.observe(state.metrics.queue, queued)
         gen = Generation(state.slots, ctx, gen_request, score)
         run = Run(state, gen, watch, log, t0)
         gen.start()
