@@ -416,3 +416,31 @@ def _quiet() -> Any:
     from stdengine.events import Emitter
 
     return Emitter(stream=io.StringIO())
+
+
+def test_loading_reports_the_recipe_event(home, model):
+    import io
+
+    from stdengine.cli.common import load, resolve_cli
+    from stdengine.events import Emitter
+
+    install(make("evt", {"ubatch_size": 128, "mlock": True}))
+    stream = io.StringIO()
+    events = Emitter(log_format="json", stream=stream)
+    resolved = resolve_cli({"engine": "toyrecipe", "model": model}, recipes=True)
+    engine = load(resolved, events).engine
+    assert engine.options.ubatch_size == 128  # the engine got the recipe's value
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    evt = next(e for e in lines if e["event"] == "recipe.applied")
+    assert evt["level"] == "info" and evt["name"] == "evt"
+    assert evt["applied"] == {"ubatch_size": 128} and evt["ignored"] == ["mlock"]
+    # named explicitly though made for another machine: used, with a warning
+    install(make("far", {"ubatch_size": 64}, machine={"cpu": "Another CPU"}))
+    resolved = resolve_cli({"engine": "toyrecipe", "model": model, "recipe": "far"})
+    load(resolved, events)
+    evt = next(
+        e
+        for e in reversed([json.loads(x) for x in stream.getvalue().splitlines()])
+        if e["event"] == "recipe.applied"
+    )
+    assert evt["level"] == "warn" and evt["name"] == "far" and "another CPU" in evt["warnings"][0]
