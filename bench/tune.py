@@ -27,7 +27,7 @@ from typing import Any
 
 from stdengine.bench.runner import TokenSource, bos_token, run_gen, run_prompt
 
-from stdengine.errors import UsageError
+from stdengine.errors import InferError, UsageError
 
 # what each tunable option affects: "pp" the prompt, "tg" generation, "both"
 AFFECTS = {
@@ -210,6 +210,7 @@ class Tuner:
         self.min_gain = min_gain
         self.view = view or View()
         self.samples: dict[tuple[Any, ...], Samples] = {}
+        self.failed: set[tuple[Any, ...]] = set()
         self.t0 = monotonic()
         self.eval_s: list[float] = []
         self.evaluations = 0
@@ -232,9 +233,15 @@ class Tuner:
     # -- measuring --
     def _evaluate(self, config: dict[str, Any], tests: str) -> None:
         t = monotonic()
-        pp, tg = self.m.run(
-            config, tests in ("pp", "both"), self.search_gen if tests in ("tg", "both") else 0
-        )
+        try:
+            pp, tg = self.m.run(
+                config, tests in ("pp", "both"), self.search_gen if tests in ("tg", "both") else 0
+            )
+        except Exception as e:  # a setting the engine refuses or fails with is left out, not fatal
+            self.failed.add(_key(config))
+            msg = e.message if isinstance(e, InferError) else f"{type(e).__name__}: {e}"
+            self.view.note(f"setting {config} failed, left out: {msg}")
+            return
         self.eval_s.append(monotonic() - t)
         self.evaluations += 1
         s = self.samples.setdefault(_key(config), Samples())
@@ -246,7 +253,7 @@ class Tuner:
     def _score(self, config: dict[str, Any], tests: str, base: dict[str, Any]) -> float | None:
         """Speed relative to `base` on the tests the option affects (geometric mean for both)."""
         s, b = self.samples.get(_key(config)), self.samples.get(_key(base))
-        if s is None or b is None:
+        if s is None or b is None or _key(config) in self.failed:
             return None
         ratios = []
         for test in ("pp", "tg") if tests == "both" else (tests,):
@@ -259,6 +266,8 @@ class Tuner:
     def _needed(self, config: dict[str, Any], tests: str) -> bool:
         """Whether the config has fewer than reps samples of the tests (earlier passes count)."""
         s = self.samples.get(_key(config))
+        if _key(config) in self.failed:
+            return False
         if s is None:
             return True
         have = {"pp": len(s.pp), "tg": len(s.tg), "both": min(len(s.pp), len(s.tg))}[tests]
@@ -294,7 +303,7 @@ class Tuner:
                 if best_score > 1 + self.min_gain and best != current:
                     current = best
                     changed = True
-                s = self.samples[_key(current)]
+                s = self.samples.get(_key(current), Samples())
                 self.view.result(option, current, {"pp": s.median("pp"), "tg": s.median("tg")})
             if not changed:
                 break
