@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -340,3 +341,42 @@ def test_served_concurrent_answers_equal_solo_answers(smollm2_path: Any) -> None
     assert values["batch_size_max"] >= 2 and values["n_busy_slots_per_decode"] > 1
     assert values["time_to_first_token_seconds_count"] == 8 and values["queue_seconds_count"] == 8
     assert values["inter_token_latency_seconds_count"] > 0
+
+
+def test_served_disconnect_frees_its_sequence(smollm2_path: Any, tmp_path: Any) -> None:
+    """`infer serve -np 2` on the reference engine (batched when it declares batch_decode): a
+    streaming client that leaves frees its sequence at the next token, and the next requests are
+    answered as they are alone."""
+    httpx = pytest.importorskip("httpx")
+    from test_server_toy import Server
+
+    s = Server(["-e", "reference", "-m", str(smollm2_path), "-np", "2", "-c", "512", "-t", "2"], tmp_path)
+    try:
+        with httpx.Client(base_url=s.url, timeout=120) as http:
+            body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                while not next(lines).startswith("data: {"):
+                    pass
+            deadline = time.monotonic() + 60
+            while "stdengine:requests_processing 0" not in http.get("/metrics").text:
+                assert time.monotonic() < deadline, "the left request still holds its slot"
+                time.sleep(0.05)
+            short = {"prompt": "The sea is", "max_tokens": 12, "temperature": 0}
+            alone = http.post("/v1/completions", json=short).json()["choices"][0]["text"]
+            results: list[Any] = []
+            threads = [
+                threading.Thread(target=lambda: results.append(http.post("/v1/completions", json=short)))
+                for _ in range(2)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert [r.json()["choices"][0]["text"] for r in results] == [alone, alone]
+            if "batch_decode" in http.get("/props").json()["capabilities"]:
+                assert "stdengine:batch_size_max " in http.get("/metrics").text
+    finally:
+        assert s.stop() == 0
+    done = [e["status"] for e in s.events("request.done") if e["route"] == "/v1/completions"]
+    assert sorted(done) == [200, 200, 200, 499]
