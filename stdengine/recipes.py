@@ -235,7 +235,8 @@ def discover(dirs: Iterable[Path] | None = None) -> tuple[list[Found], list[str]
 
 
 def find_named(ref: str) -> Path:
-    """--recipe's value: a file path, or the name of a recipe in the folders."""
+    """--recipe's value: a file path, or the name of a recipe in the folders (its `name`, which
+    is usually also its file's stem)."""
     path = Path(ref).expanduser()
     if path.is_file():
         return path
@@ -243,10 +244,14 @@ def find_named(ref: str) -> Path:
         candidate = d / f"{ref}.toml"
         if candidate.is_file():
             return candidate
-    names = [f.recipe.name for f in discover()[0]]
+    found = discover()[0]
+    for f in found:
+        if f.recipe.name == ref:
+            return f.path
     raise ConfigError(
         f"recipe not found: {ref}",
-        hint=f"give a recipe file or one of: {', '.join(names) or '(no recipes yet: infer bench tune)'}",
+        hint="give a recipe file or one of: "
+        + (", ".join(f.recipe.name for f in found) or "(no recipes yet: infer bench tune)"),
     )
 
 

@@ -321,6 +321,11 @@ def test_recipes_cli_list_show_export_apply(home, model, tmp_path):
     assert tomllib.loads(res.output) == {"threads": 2, "flash_attn": False, "engine_args": {"k": "v"}}
     res = runner.invoke(cli, ["recipes", "show", "shared"])
     assert 'name = "shared"' in res.output
+    # a recipe is found by its name even in a file named otherwise
+    (recipes.user_dir() / "shared.toml").rename(recipes.user_dir() / "renamed.toml")
+    assert recipes.find_named("shared") == recipes.user_dir() / "renamed.toml"
+    with pytest.raises(ConfigError, match="recipe not found: nope"):
+        recipes.find_named("nope")
 
 
 # --- infer-bench and tune ----------------------------------------------------------------------
