@@ -31,9 +31,9 @@ def model(request, smollm2_path, gemma3_path):
         yield m
 
 
-def _tokens(n: int, seed: int) -> list[int]:
+def _tokens(n: int, seed: int, n_vocab: int = 30000) -> list[int]:
     rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(100, 30000, n)]
+    return [int(t) for t in rng.integers(min(100, n_vocab // 2), n_vocab, n)]
 
 
 def _same(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -217,6 +217,20 @@ def test_errors_evaluate_nothing(tiny):
     finally:
         for c in ctxs:
             c.close()
+
+
+def test_tiny_model_mixed_batches(tiny):
+    """Chunks and single tokens mixed, passes of 5 rows (ctxs[0]'s ubatch) that split chunks, on the
+    synthetic model (quick enough for the sanitizer build, .ci/sanitize)."""
+    pairs = [Pair(tiny, n_ctx=64, n_ubatch=5 if i == 0 else 64) for i in range(4)]
+    try:
+        shapes = ([3, 1, 1, 1], [1, 1, 1, 1], [1, 7, 1, 2], [1, 1, 1, 9], [4, 4, 4, 4], [1, 1, 1, 1])
+        for k, shape in enumerate(shapes):
+            lists = [_tokens(n, 10 * k + i, tiny.n_vocab) for i, n in enumerate(shape)]
+            _step(pairs, lists, f"shape {shape}")
+    finally:
+        for p in pairs:
+            p.close()
 
 
 def test_contexts_of_two_models_are_refused(tiny):
