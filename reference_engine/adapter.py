@@ -232,10 +232,11 @@ class ReferenceEngine(LocalEngine):
 
         if not items:
             return
-        engines = [e for e, _ in items]
-        for e in engines:
+        engines: list[ReferenceEngine] = []
+        for e, _ in items:
             if not isinstance(e, ReferenceEngine):
                 raise InvalidRequest(f"a {self.name} batch cannot evaluate a context of engine {e.name!r}")
+            engines.append(e)
         decode_batch([e.ctx for e in engines], [toks for _, toks in items])
         for e, toks in items:
             e.tokens.extend(toks)
