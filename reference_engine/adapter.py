@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from stdengine import __version__
 from stdengine.adapter import EngineInfo, SamplingParams, check_token_ids, now_ms, refuse_engine_args
+from stdengine.errors import InvalidRequest
 from stdengine.generation import choose_chat_template, template_level
 from stdengine.local_engine import LocalEngine
 
@@ -28,7 +29,17 @@ class ReferenceEngine(LocalEngine):
     name = "reference"
     description = "built-in GGUF engine: C quantized kernels, thread pool, batched prompts (CPU)"
     capabilities = frozenset(
-        {"stream", "logits", "tokenize", "chat_template", "seed", "batch", "logprobs", "structured"}
+        {
+            "stream",
+            "logits",
+            "tokenize",
+            "chat_template",
+            "seed",
+            "batch",
+            "logprobs",
+            "structured",
+            "batch_decode",
+        }
     )
     option_map = {
         "model": "GGUF file, memory-mapped, weights used in place",
@@ -211,6 +222,24 @@ class ReferenceEngine(LocalEngine):
     def _evaluate(self, tokens: list[int]) -> None:
         self.ctx.decode(tokens)
         self.tokens.extend(tokens)
+
+    def _evaluate_batch(self, items: list[tuple[LocalEngine, list[int]]]) -> None:
+        """Each (context, tokens) item's _evaluate, in shared forward passes (core.decode_batch:
+        the weights read once per pass; every context's logits as if it were evaluated alone).
+        The contexts are this engine's new_context() family (one model). On an error nothing is
+        evaluated and no context's tokens change."""
+        from stdengine.reference.core import decode_batch
+
+        if not items:
+            return
+        engines: list[ReferenceEngine] = []
+        for e, _ in items:
+            if not isinstance(e, ReferenceEngine):
+                raise InvalidRequest(f"a {self.name} batch cannot evaluate a context of engine {e.name!r}")
+            engines.append(e)
+        decode_batch([e.ctx for e in engines], [toks for _, toks in items])
+        for e, toks in items:
+            e.tokens.extend(toks)
 
     def _sample_tokens(self, s: SamplingParams) -> Generator[int, None, None]:
         while True:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -158,6 +158,7 @@ def api() -> ctypes.CDLL:
         "se_context_reset": ([_vp], None),
         "se_context_truncate": ([_vp, _i32], ctypes.c_int),
         "se_decode": ([_vp, _vp, _i32, _vp], ctypes.c_int),
+        "se_decode_batch": ([_vp, _i32, _vp, _vp], ctypes.c_int),
         "se_sample": ([_vp, _vp], _i32),
         "se_traits": ([ctypes.c_int], _vp),
         "se_row_size": ([ctypes.c_int, _i64], ctypes.c_size_t),
@@ -357,17 +358,7 @@ class Context:
                 n_ctx=self.n_ctx,
                 n_tokens=n,
             )
-        if (
-            isinstance(tokens, np.ndarray)
-            and tokens.dtype != np.int32
-            and n
-            and (tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() >= self.n_vocab)
-        ):
-            raise InvalidRequest(f"token ids must be integers in [0, {self.n_vocab})")  # no silent wrap
-        try:
-            self._tok[:n] = tokens
-        except (OverflowError, ValueError, TypeError) as e:
-            raise InvalidRequest(f"tokens must be integer ids: {e}") from None
+        _store_tokens(self._tok[:n], tokens, self.n_vocab)
         if all_logits:
             out = np.empty((n, self.n_vocab), dtype=np.float32)
             rc = self._decode_fn(h, self._tok_addr, n, out.ctypes.data)
@@ -378,7 +369,8 @@ class Context:
             self._raise(rc, n)
         return out
 
-    def _raise(self, rc: int, n: int) -> None:
+    def _raise(self, rc: int, n: int, tokens: Any = None) -> None:
+        """The error of se_decode's code rc for n tokens (the ones in self._tok, or tokens)."""
         if rc == ERR_CONTEXT_OVERFLOW:
             n_past = self.n_past
             raise ContextOverflow(
@@ -389,7 +381,9 @@ class Context:
                 n_tokens=n,
             )
         if rc == ERR_BAD_TOKEN:
-            bad = [int(t) for t in self._tok[:n] if not 0 <= t < self.n_vocab][:5]
+            bad = [
+                int(t) for t in (self._tok[:n] if tokens is None else tokens) if not 0 <= t < self.n_vocab
+            ][:5]
             raise InvalidRequest(f"token ids {bad} are outside the vocabulary [0, {self.n_vocab})")
         raise EngineFailure(f"the reference engine failed (code {rc})")
 
@@ -468,6 +462,68 @@ class Context:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _store_tokens(dst: np.ndarray, tokens: Any, n_vocab: int) -> None:
+    """Copies token ids into an int32 buffer, refusing what would wrap silently (InvalidRequest)."""
+    if (
+        isinstance(tokens, np.ndarray)
+        and tokens.dtype != np.int32
+        and len(tokens)
+        and (tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() >= n_vocab)
+    ):
+        raise InvalidRequest(f"token ids must be integers in [0, {n_vocab})")  # no silent wrap
+    try:
+        dst[:] = tokens
+    except (OverflowError, ValueError, TypeError) as e:
+        raise InvalidRequest(f"tokens must be integer ids: {e}") from None
+
+
+def decode_batch(contexts: Sequence[Context], token_lists: Sequence[Any]) -> list[np.ndarray]:
+    """Evaluates token_lists[i] after the cached tokens of contexts[i], for every i, in shared
+    forward passes (se_decode_batch: the weights are read once per pass, contexts[0]'s thread pool
+    and scratch do the work). The contexts must be distinct and of one Model. Returns each
+    context's last-token logits (its read-only `logits` view); each is bit-identical to what
+    contexts[i].decode(token_lists[i]) alone would give. On an error (ContextOverflow naming the
+    context that does not fit, InvalidRequest) no context has changed."""
+    n_seq = len(contexts)
+    if n_seq == 0 or n_seq != len(token_lists):
+        raise InvalidRequest(
+            f"decode_batch needs one token list per context ({n_seq} contexts, {len(token_lists)} lists)"
+        )
+    model = contexts[0].model
+    for i, ctx in enumerate(contexts):
+        if not ctx._h:
+            raise EngineFailure(f"context {i} of the batch is closed")
+        if ctx.model is not model:
+            raise InvalidRequest(
+                f"context {i} of the batch is on another model: a batch shares one model's weights"
+            )
+        if len(token_lists[i]) == 0:
+            raise InvalidRequest(f"context {i} of the batch has no tokens: each needs at least one")
+    if len({id(ctx) for ctx in contexts}) != n_seq:
+        raise InvalidRequest("a context appears twice in the batch: its tokens must be one list")
+    counts = np.array([len(t) for t in token_lists], dtype=np.int32)
+    flat = np.empty(int(counts.sum()), dtype=np.int32)
+    at = 0
+    for toks, n in zip(token_lists, counts, strict=True):
+        _store_tokens(flat[at : at + n], toks, model.n_vocab)
+        at += n
+    handles = (ctypes.c_void_p * n_seq)(*(ctx._h for ctx in contexts))
+    rc = api().se_decode_batch(handles, n_seq, flat.ctypes.data, counts.ctypes.data)
+    if rc != OK:
+        at = 0
+        for ctx, n in zip(contexts, counts, strict=True):  # the context the error is about
+            toks, at = flat[at : at + n], at + n
+            if (
+                rc == ERR_CONTEXT_OVERFLOW
+                and ctx.n_past + n > ctx.n_ctx
+                or rc == ERR_BAD_TOKEN
+                and (toks.min() < 0 or toks.max() >= ctx.n_vocab)
+            ):
+                ctx._raise(rc, int(n), toks)
+        raise EngineFailure(f"the reference engine failed (code {rc})")
+    return [ctx.logits for ctx in contexts]
 
 
 _GREEDY = SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=0)

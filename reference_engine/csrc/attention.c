@@ -159,34 +159,39 @@ static void attention_split(const se_context *c, int nth, int *T, int *g) {
 /* Attention of every (token, query head) of the ubatch, in work items dealt to the threads: in
  * batches round-robin (later tokens see more keys, so contiguous shares would be unequal); for a
  * few tokens in contiguous shares, which put a thread's heads on fewer kv heads, so that it reads
- * less of the cache. Then a barrier. */
+ * less of the cache. A work item's tokens are of one segment (one context: se_decode_batch puts
+ * several in a ubatch), and attend over that context's cache from their positions in it. Then a
+ * barrier. */
 void se_forward_attention(se_context *c, int il, int ith, int nth) {
     const se_hparams *hp = &c->m->hp;
     const se_layer *L = &c->m->layers[il];
     int H = hp->n_head, hd = hp->head_dim, group = H / hp->n_head_kv, T, g;
     attention_split(c, nth, &T, &g);
-    int64_t Dq = (int64_t)H * hd, per_chunk = H / g, n_items = (c->ub_n + T - 1) / T * per_chunk;
+    int64_t Dq = (int64_t)H * hd, per_chunk = H / g, n_items = 0;
+    for (int si = 0; si < c->ub_nseg; si++) n_items += (c->ub_seg[si].n + T - 1) / T * per_chunk;
     att_row rows[ATT_TOKENS * ATT_MAX_GROUP];
     attend_fn attend = attend_kernels[se_isa_in_use()];
-    int64_t i0 = ith, i1 = n_items, step = nth;
-    if (T == 1) {
-        se_split(n_items, ith, nth, 1, &i0, &i1);
-        step = 1;
-    }
-    for (int64_t i = i0; i < i1; i += step) {
-        int t0 = (int)(i / per_chunk) * T, h0 = (int)(i % per_chunk) * g, kvh = h0 / group, n = 0;
-        for (int t = t0; t < t0 + T && t < c->ub_n; t++) {
-            int64_t pos = c->ub_pos + t;
-            for (int h = h0; h < h0 + g; h++) {
-                rows[n].q = c->q + t * Dq + (int64_t)h * hd;
-                rows[n].out = c->att + t * Dq + (int64_t)h * hd;
-                rows[n].lo = L->sliding_window > 0 ? max64(0, pos - L->sliding_window + 1) : 0;
-                rows[n].hi = pos + 1;
-                n++;
+    int64_t i0 = 0, i1 = n_items, i = 0;
+    if (T == 1) se_split(n_items, ith, nth, 1, &i0, &i1);
+    for (int si = 0; si < c->ub_nseg && i < i1; si++) {
+        const se_ub_seg *sg = &c->ub_seg[si];
+        for (int t0 = sg->start; t0 < sg->start + sg->n; t0 += T)
+            for (int64_t hc = 0; hc < per_chunk; hc++, i++) {
+                if (T == 1 ? i < i0 || i >= i1 : i % nth != ith) continue;
+                int h0 = (int)hc * g, kvh = h0 / group, n = 0;
+                for (int t = t0; t < t0 + T && t < sg->start + sg->n; t++) {
+                    int64_t pos = sg->pos + (t - sg->start);
+                    for (int h = h0; h < h0 + g; h++) {
+                        rows[n].q = c->q + t * Dq + (int64_t)h * hd;
+                        rows[n].out = c->att + t * Dq + (int64_t)h * hd;
+                        rows[n].lo = L->sliding_window > 0 ? max64(0, pos - L->sliding_window + 1) : 0;
+                        rows[n].hi = pos + 1;
+                        n++;
+                    }
+                }
+                attend(rows, n, kv_head(sg->ctx, sg->ctx->k_cache, il, kvh),
+                       kv_head(sg->ctx, sg->ctx->v_cache, il, kvh), hd, hp->attn_scale);
             }
-        }
-        attend(rows, n, kv_head(c, c->k_cache, il, kvh), kv_head(c, c->v_cache, il, kvh), hd,
-               hp->attn_scale);
     }
     se_pool_barrier(c->pool);
 }

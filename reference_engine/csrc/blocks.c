@@ -15,6 +15,7 @@
 #include "blocks.h"
 
 #include <math.h>
+#include <string.h>
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -138,7 +139,7 @@ void se_forward_prologue(se_context *c, int ith, int nth) {
         if (hp->embd_scale != 1.0f)
             for (int i = 0; i < hp->n_embd; i++) x[i] *= hp->embd_scale;
         for (int b = 0; b < m->n_rope; b++)
-            rope_table((float *)rope_row(c, b, (int)t), c->ub_pos + t, m->rope_bases[b],
+            rope_table((float *)rope_row(c, b, (int)t), se_row_pos(c, t), m->rope_bases[b],
                        hp->rope_freq_scale, hp->n_rot);
     }
     se_pool_barrier(c->pool);
@@ -146,7 +147,9 @@ void se_forward_prologue(se_context *c, int ith, int nth) {
 
 /* Q, K and V projections of layer il, split across threads by whole heads, so that each thread
  * can finish its heads at once: Q heads are roped in place; K heads are roped in c->k_new, then
- * stored into the cache's key tiles; V heads go straight into the cache. Then a barrier. */
+ * stored into the cache's key tiles of each segment's context; V heads go straight into the
+ * cache when the ubatch is one context's (one segment), else into c->v_new, then each segment's
+ * rows into its context's cache. Then a barrier. */
 void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
     const se_hparams *hp = &c->m->hp;
     const se_layer *L = &c->m->layers[il];
@@ -174,7 +177,10 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
         int is_k = u < H + HKV;
         int h = (int)(is_k ? u - H : u - H - HKV);
         const se_tensor *W = &L->t[is_k ? SE_T_ATTN_K : SE_T_ATTN_V];
-        float *dst = is_k ? c->k_new + (size_t)h * c->cp.n_ubatch * hd : se_kv_value_row(c, il, h, c->ub_pos);
+        const se_ub_seg *s0 = &c->ub_seg[0];
+        int direct = !is_k && c->ub_nseg == 1;
+        float *dst = direct ? se_kv_value_row(s0->ctx, il, h, s0->pos)
+                            : (is_k ? c->k_new : c->v_new) + (size_t)h * c->cp.n_ubatch * hd;
         /* rows [h*hd, (h+1)*hd) of W, addressed as rows [0, hd) of the sub-matrix */
         se_tensor sub = *W;
         sub.data = (const char *)W->data + (size_t)h * hd * W->row_size;
@@ -186,7 +192,15 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
                 if (kn) se_rmsnorm(k, k, kn, hd, hp->norm_eps);
                 rope_apply(k, rope_row(c, L->rope_idx, t), hp->n_rot, hp->rope_type);
             }
-            se_kv_store_keys(c, il, h, c->ub_pos, n, dst);
+        }
+        if (direct) continue;
+        for (int si = 0; si < c->ub_nseg; si++) {
+            const se_ub_seg *sg = &c->ub_seg[si];
+            const float *rows = dst + (size_t)sg->start * hd;
+            if (is_k)
+                se_kv_store_keys(sg->ctx, il, h, sg->pos, sg->n, rows);
+            else
+                memcpy(se_kv_value_row(sg->ctx, il, h, sg->pos), rows, (size_t)sg->n * hd * sizeof(float));
         }
     }
     se_pool_barrier(c->pool);
@@ -278,20 +292,50 @@ void se_ffn_block(se_context *c, int il, se_ffn_act act, const float *post_w, in
 }
 
 /* Final norm and the output head for the tokens whose logits are wanted: every token of the
- * ubatch when the caller asked for all logits, else its last token if it is the last of the
- * se_decode call, else none. */
+ * ubatch when the caller asked for all logits (one segment), else the last row of each segment
+ * that ends its context's tokens of the call (ub_nout of them), else none. One such row goes
+ * straight into its context's logits. Several go through the head together (its weights read
+ * once): their rows of x are gathered (unless they are every row already), the head writes
+ * c->ub_logits, and each thread copies its share of the vocabulary to each context. */
 void se_forward_output(se_context *c, int ith, int nth) {
     const se_model *m = c->m;
     int64_t E = m->hp.n_embd, V = m->hp.n_vocab;
-    int first, n_out;
-    float *out;
-    if (c->ub_out) { first = 0; n_out = c->ub_n; out = c->ub_out; }
-    else if (c->ub_out_first >= 0) { first = c->ub_n - 1; n_out = 1; out = c->logits; }
-    else return;
+    int n_out = c->ub_out ? c->ub_n : c->ub_nout;
+    if (n_out == 0) return;
+    const float *src = c->x;
+    float *out = c->ub_out;
+    if (!out && n_out == 1) {
+        for (int si = 0; si < c->ub_nseg; si++) {
+            const se_ub_seg *sg = &c->ub_seg[si];
+            if (sg->out) { src = c->x + (sg->start + sg->n - 1) * E; out = sg->ctx->logits; }
+        }
+    } else if (!out) {
+        out = c->ub_logits;
+        if (n_out < c->ub_n) { /* gather the last rows into c->tmp, free by now */
+            int64_t s0, s1;
+            se_split(c->ub_nseg, ith, nth, 1, &s0, &s1);
+            for (int si = 0, j = 0; si < c->ub_nseg; si++) {
+                const se_ub_seg *sg = &c->ub_seg[si];
+                if (!sg->out) continue;
+                if (si >= s0 && si < s1)
+                    memcpy(c->tmp + j * E, c->x + (sg->start + sg->n - 1) * E, (size_t)E * sizeof(float));
+                j++;
+            }
+            se_pool_barrier(c->pool);
+            src = c->tmp;
+        }
+    }
     const se_tensor *w[1] = { &m->output };
     se_acts a;
-    se_prep_acts(c, ith, nth, c->x + first * E, E, n_out, m->output_norm.data, w, 1, &a);
+    se_prep_acts(c, ith, nth, src, E, n_out, m->output_norm.data, w, 1, &a);
     int64_t r0, r1;
     se_split(V, ith, nth, SPLIT_ALIGN, &r0, &r1);
     se_matmul_rows(&m->output, &a, n_out, out, V, r0, r1);
+    if (out != c->ub_logits || r1 <= r0) return;
+    for (int si = 0, j = 0; si < c->ub_nseg; si++) {
+        const se_ub_seg *sg = &c->ub_seg[si];
+        if (!sg->out) continue;
+        memcpy(sg->ctx->logits + r0, out + j * V + r0, (size_t)(r1 - r0) * sizeof(float));
+        j++;
+    }
 }

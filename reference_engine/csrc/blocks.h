@@ -28,6 +28,14 @@ typedef enum {
     SE_FFN_GELU_TANH, /* GEGLU with GELU's tanh approximation (gemma) */
 } se_ffn_act;
 
+/* The segment (se_ub_seg: a context's rows) of row t of the ubatch, and the row's position in
+ * that context. */
+static inline const se_ub_seg *se_row_seg(const se_context *c, int64_t t) { return &c->ub_seg[c->ub_rseg[t]]; }
+static inline int64_t se_row_pos(const se_context *c, int64_t t) {
+    const se_ub_seg *s = se_row_seg(c, t);
+    return s->pos + (t - s->start);
+}
+
 /* ---- the blocks an architecture's forward pass is made of (every one ends with a barrier) */
 
 /* Token embeddings (times hp.embd_scale) and the rope tables of the ubatch. */
@@ -56,7 +64,8 @@ void se_matmul_rows(const se_tensor *W, const se_acts *a, int n_tok, float *y, i
                     int64_t r0, int64_t r1);
 /* Q, K, V of layer il (q/k norms when the layer has them, rope, K and V into the cache); barrier. */
 void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth);
-/* Attention of every (token, head), sliding window per layer, into c->att; barrier. */
+/* Attention of every (token, head) over its own context's cache, sliding window per layer, into
+ * c->att; barrier. */
 void se_forward_attention(se_context *c, int il, int ith, int nth);
 /* The KV cache (attention.c alone knows its layout): positions held per layer and kv head for a
  * context of n_ctx; the value row of layer il, kv head h, position p; n keys (rows of head_dim)

@@ -137,6 +137,20 @@ SE_API int se_context_truncate(se_context *c, int32_t n_past);
  * token. Returns SE_OK, or an error before anything was evaluated. */
 SE_API int se_decode(se_context *c, const int32_t *tokens, int32_t n, float *all_logits);
 
+/* Evaluates tokens of n_seq distinct contexts of one model together: context ctxs[i] takes
+ * n_tokens[i] >= 1 tokens (consecutive in `tokens`, context 0's first) at its positions
+ * n_past..n_past+n_tokens[i]-1, and its last token's logits go to its se_context_logits().
+ * The rows of every context go through each forward pass together (the weights are read once
+ * per pass); ctxs[0]'s scratch buffers and thread pool serve the passes, n_ubatch rows at most
+ * each (more rows take several passes). Each row attends over its own context's cache with its
+ * own position, so every context's logits and cache are bit-identical to se_decode on that
+ * context alone. Returns SE_OK, or an error before anything was evaluated in any context:
+ * SE_ERR_INVALID (n_seq < 1, a NULL or repeated context, contexts of different models, a count
+ * < 1), SE_ERR_CONTEXT_OVERFLOW (a context's tokens do not fit it), SE_ERR_BAD_TOKEN,
+ * SE_ERR_NOMEM. The contexts must not be used by another thread during the call. */
+SE_API int se_decode_batch(se_context *const *ctxs, int32_t n_seq, const int32_t *tokens,
+                           const int32_t *n_tokens);
+
 /* Samples the next token from the last logits (which it does not modify). Returns the token id,
  * or SE_ERR_INVALID if nothing was decoded yet. */
 SE_API int32_t se_sample(se_context *c, const se_sampling_params *sp);
@@ -184,6 +198,15 @@ typedef struct {
 
 #define SE_PRIVATE_TOKENS 4 /* batches up to this size quantize activations on every thread */
 
+/* A run of consecutive rows of a ubatch that belong to one context (se_decode: one segment;
+ * se_decode_batch: one per context in the pass). */
+typedef struct {
+    se_context *ctx;   /* whose KV cache the rows write and attend over, whose logits they give */
+    int32_t start, n;  /* rows [start, start + n) of the ubatch */
+    int32_t pos;       /* the position of row start in ctx */
+    int32_t out;       /* 1: the last row's logits go to ctx->logits */
+} se_ub_seg;
+
 struct se_context {
     const se_model *m;
     se_context_params cp;
@@ -191,6 +214,7 @@ struct se_context {
     int32_t *tokens;         /* the n_past tokens in the cache, for the penalties */
     float *k_cache, *v_cache;/* per layer and kv head (attention.c: se_kv_positions, se_kv_*) */
     float *k_new;            /* the ubatch's keys on their way to the cache [n_head_kv][n_ubatch][head_dim] */
+    float *v_new;            /* its values, when its rows go to several caches (same shape) */
     /* activations for one ubatch */
     float *x;                /* residual stream [n_ubatch][n_embd] */
     float *xb;               /* normalised rows [n_ubatch][max(n_embd, n_ff)] */
@@ -207,9 +231,13 @@ struct se_context {
     /* the ubatch being evaluated (read by every pool thread) */
     const int32_t *ub_tokens;
     int32_t ub_n;
-    int32_t ub_pos;
-    float *ub_out;           /* logits rows to write, or NULL */
-    int32_t ub_out_first;    /* first token (within the ubatch) whose logits are written */
+    float *ub_out;           /* logits rows of every token to write (one segment only), or NULL */
+    se_ub_seg *ub_seg;       /* its segments [n_ubatch] (the rows of each context), in row order */
+    int32_t ub_nseg;
+    int32_t ub_nout;         /* segments whose last row's logits are wanted */
+    int32_t *ub_rseg;        /* the segment of each row [n_ubatch] */
+    float *ub_logits;        /* several segments' logits before they go to their contexts */
+    int32_t ub_logits_rows;  /* [ub_logits_rows][n_vocab] allocated */
     /* sampler */
     se_cand *cand;           /* [n_vocab] */
     int32_t *counts;         /* [n_vocab] occurrences in the penalty window, kept all zero */

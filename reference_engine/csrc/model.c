@@ -263,6 +263,9 @@ se_context *se_context_new(const se_model *m, const se_context_params *cp_in) {
     c->k_cache = xalloc(kv * sizeof(float), &ok);
     c->v_cache = xalloc(kv * sizeof(float), &ok);
     c->k_new = xalloc((size_t)(U * hp->n_head_kv * hp->head_dim) * sizeof(float), &ok);
+    c->v_new = xalloc((size_t)(U * hp->n_head_kv * hp->head_dim) * sizeof(float), &ok);
+    c->ub_seg = xalloc((size_t)U * sizeof(se_ub_seg), &ok);
+    c->ub_rseg = xalloc((size_t)U * sizeof(int32_t), &ok);
     c->tokens = xalloc((size_t)cp.n_ctx * sizeof(int32_t), &ok);
     c->x = xalloc((size_t)(U * E) * sizeof(float), &ok);
     c->xb = xalloc((size_t)(U * kmax) * sizeof(float), &ok);
@@ -306,7 +309,8 @@ void se_context_free(se_context *c) {
         }
         free(c->ts);
     }
-    free(c->k_cache); free(c->v_cache); free(c->k_new); free(c->tokens);
+    free(c->k_cache); free(c->v_cache); free(c->k_new); free(c->v_new); free(c->tokens);
+    free(c->ub_seg); free(c->ub_rseg); free(c->ub_logits);
     free(c->x); free(c->xb); free(c->q); free(c->att); free(c->tmp); free(c->hb); free(c->hb2);
     free(c->rope);
     for (int j = 0; j < 3; j++) free(c->act[j]);
@@ -334,32 +338,99 @@ int se_context_truncate(se_context *c, int32_t n_past) {
  * Decoding
  */
 
+/* One forward pass of c->ub_n rows (c->ub_tokens) in c->ub_nseg segments (c->ub_seg, set by the
+ * caller) on c's thread pool; then each segment's context holds its rows' tokens. */
+static void run_ubatch(se_context *c) {
+    c->ub_nout = 0;
+    for (int32_t si = 0; si < c->ub_nseg; si++) {
+        const se_ub_seg *sg = &c->ub_seg[si];
+        for (int32_t t = sg->start; t < sg->start + sg->n; t++) c->ub_rseg[t] = si;
+        c->ub_nout += sg->out;
+    }
+    int nth = c->ub_n == 1 ? c->cp.n_threads : c->cp.n_threads_batch;
+    se_pool_run(c->pool, nth, arch_of(c->m->hp.arch)->forward, c);
+    for (int32_t si = 0; si < c->ub_nseg; si++) {
+        se_ub_seg *sg = &c->ub_seg[si];
+        memcpy(sg->ctx->tokens + sg->ctx->n_past, c->ub_tokens + sg->start, (size_t)sg->n * sizeof(int32_t));
+        sg->ctx->n_past += sg->n;
+    }
+}
+
+static int check_tokens(const se_context *c, const int32_t *tokens, int32_t n) {
+    if ((int64_t)c->n_past + n > c->cp.n_ctx) return SE_ERR_CONTEXT_OVERFLOW;
+    for (int32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= c->m->hp.n_vocab) return SE_ERR_BAD_TOKEN;
+    return SE_OK;
+}
+
 int se_decode(se_context *c, const int32_t *tokens, int32_t n, float *all_logits) {
     if (!c || !tokens || n < 1) return SE_ERR_INVALID;
     const se_hparams *hp = &c->m->hp;
-    if ((int64_t)c->n_past + n > c->cp.n_ctx) return SE_ERR_CONTEXT_OVERFLOW;
-    for (int32_t i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab) return SE_ERR_BAD_TOKEN;
-    se_pool_fn forward = arch_of(hp->arch)->forward;
+    int rc = check_tokens(c, tokens, n);
+    if (rc != SE_OK) return rc;
     int32_t done = 0;
     while (done < n) {
         /* a logical batch of n_batch tokens, evaluated in ubatches of n_ubatch */
         int32_t batch_end = (int32_t)min64(n, (int64_t)done + c->cp.n_batch);
         while (done < batch_end) {
             int32_t nu = (int32_t)min64(c->cp.n_ubatch, batch_end - done);
-            memcpy(c->tokens + c->n_past, tokens + done, (size_t)nu * sizeof(int32_t));
             c->ub_tokens = tokens + done;
             c->ub_n = nu;
-            c->ub_pos = c->n_past;
             c->ub_out = all_logits ? all_logits + (size_t)done * hp->n_vocab : NULL;
-            c->ub_out_first = (done + nu == n) ? nu - 1 : -1; /* last token of the call */
-            int nth = nu == 1 ? c->cp.n_threads : c->cp.n_threads_batch;
-            se_pool_run(c->pool, nth, forward, c);
-            c->n_past += nu;
+            /* one segment; its last row's logits are wanted if it is the call's last token */
+            c->ub_seg[0] = (se_ub_seg){ c, 0, nu, c->n_past, !all_logits && done + nu == n };
+            c->ub_nseg = 1;
+            run_ubatch(c);
             done += nu;
         }
     }
     if (all_logits)
         memcpy(c->logits, all_logits + (size_t)(n - 1) * hp->n_vocab, (size_t)hp->n_vocab * sizeof(float));
+    return SE_OK;
+}
+
+int se_decode_batch(se_context *const *ctxs, int32_t n_seq, const int32_t *tokens, const int32_t *n_tokens) {
+    if (!ctxs || n_seq < 1 || !tokens || !n_tokens) return SE_ERR_INVALID;
+    for (int32_t i = 0; i < n_seq; i++) {
+        if (!ctxs[i] || ctxs[i]->m != ctxs[0]->m || n_tokens[i] < 1) return SE_ERR_INVALID;
+        for (int32_t j = 0; j < i; j++)
+            if (ctxs[j] == ctxs[i]) return SE_ERR_INVALID;
+    }
+    int64_t total = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
+        int rc = check_tokens(ctxs[i], tokens + total, n_tokens[i]);
+        if (rc != SE_OK) return rc;
+        total += n_tokens[i];
+    }
+    se_context *c = ctxs[0]; /* its scratch and thread pool serve every pass */
+    int64_t V = c->m->hp.n_vocab, U = c->cp.n_ubatch;
+    /* room for the logits of every context that may end in one pass, before anything is changed */
+    int32_t rows = (int32_t)min64(n_seq, U);
+    if (rows > 1 && rows > c->ub_logits_rows) {
+        int ok = 1;
+        float *buf = xalloc((size_t)rows * (size_t)V * sizeof(float), &ok);
+        if (!ok) return SE_ERR_NOMEM;
+        free(c->ub_logits);
+        c->ub_logits = buf;
+        c->ub_logits_rows = rows;
+    }
+    c->ub_out = NULL;
+    /* passes of up to U rows: the contexts in order, a context's tokens split where a pass is full */
+    int64_t first = 0; /* the next row to evaluate, an index into tokens */
+    int32_t i = 0, off = 0; /* its context, and its offset within that context's tokens */
+    while (i < n_seq) {
+        c->ub_tokens = tokens + first;
+        c->ub_n = 0;
+        c->ub_nseg = 0;
+        while (i < n_seq && c->ub_n < U) {
+            int32_t n = (int32_t)min64(n_tokens[i] - off, U - c->ub_n);
+            c->ub_seg[c->ub_nseg++] = (se_ub_seg){ ctxs[i], c->ub_n, n, ctxs[i]->n_past, off + n == n_tokens[i] };
+            c->ub_n += n;
+            off += n;
+            if (off == n_tokens[i]) { i++; off = 0; }
+        }
+        run_ubatch(c);
+        first += c->ub_n;
+    }
     return SE_OK;
 }
