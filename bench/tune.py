@@ -122,8 +122,16 @@ class Measurer:
         self.engine_args = engine_args
         self.n_prompt = n_prompt
         self.loads = 0
+        # what the last run cost: seconds outside the timed generation, generation seconds and tokens
+        self.last_other_s = 0.0
+        self.last_tg: tuple[float, int] = (0.0, 0)
 
-    def run(self, config: dict[str, Any], pp: bool, n_gen: int) -> tuple[float | None, float | None]:
+    def run(
+        self, config: dict[str, Any], pp: bool, n_gen: int, tg_cap_s: float = float("inf")
+    ) -> tuple[float | None, float | None]:
+        """pp and tg t/s (None for a test not run). Generation stops after tg_cap_s seconds (at
+        least one token), and its rate is that of the tokens decoded by then: a setting that makes
+        generation crawl (threads fighting for a busy machine's cores) costs at most the cap."""
         from stdengine import registry
         from stdengine.options import Options
 
@@ -135,8 +143,10 @@ class Measurer:
         }
         if "ctx_size" in self.cls.honoured_options():
             values["ctx_size"] = self.n_prompt + max(n_gen, 1) + 16
+        start = monotonic()
         engine = registry.load(Options.model_validate(values), self.events, set(config)).engine
         self.loads += 1
+        tg_s, done = 0.0, 0
         try:
             info = engine.info()
             n_vocab = info.model.get("n_vocab")
@@ -156,11 +166,18 @@ class Measurer:
             if n_gen > 0:
                 engine.reset()
                 t0 = clock_ns()
-                run_gen(engine, n_gen, src)
-                tg_ts = n_gen * 1e9 / max(clock_ns() - t0, 1)
+                token = src.bos if src.bos is not None else src.random()
+                while done < n_gen and (done == 0 or (clock_ns() - t0) / 1e9 < tg_cap_s):
+                    engine.decode([token])
+                    token = src.random()
+                    done += 1
+                tg_s = (clock_ns() - t0) / 1e9
+                tg_ts = done / max(tg_s, 1e-9)
             return pp_ts, tg_ts
         finally:
             engine.close()
+            self.last_tg = (tg_s, done)
+            self.last_other_s = monotonic() - start - tg_s
 
 
 class View:
@@ -182,6 +199,8 @@ class Outcome:
     evaluations: int
     search_s: float
     stopped: str  # why the search ended: "flat" or "budget"
+    final_rounds: int = 0  # A B rounds of the final comparison
+    capped_s: float | None = None  # a generation sample of the final comparison was cut at this
 
 
 class Tuner:
@@ -213,7 +232,15 @@ class Tuner:
         self.failed: set[tuple[Any, ...]] = set()
         self.t0 = monotonic()
         self.eval_s: list[float] = []
+        self.other_s: list[float] = []  # each measurement's cost outside generation
+        self.tg_token_s: list[float] = []  # seconds per generated token
         self.evaluations = 0
+        # a generation sample is cut at these many seconds (search, final comparison)
+        self.tg_cap_s = max(5.0, budget_s / 30)
+        self.final_cap_s = max(10.0, budget_s / 15)
+        self.final_reps = reps  # lowered when the budget is tight
+        self.final_rounds = 0
+        self.final_capped = False
 
     # -- budget --
     def elapsed(self) -> float:
@@ -222,20 +249,33 @@ class Tuner:
     def eval_estimate(self) -> float:
         return statistics.median(self.eval_s) if self.eval_s else 0.0
 
-    def final_estimate(self) -> float:
-        """The final comparison: 2 x reps evaluations of the full tests (tg n_gen, not search_gen)."""
-        per = self.eval_estimate() * (1 + self.n_gen / max(self.search_gen, 1)) / 2
-        return 2 * self.reps * per
+    def final_eval_estimate(self) -> float:
+        """One measurement of the final comparison: the slowest load and prompt seen so far, and
+        n_gen tokens at the slowest rate seen (at most the cap)."""
+        other = max(self.other_s, default=0.0)
+        tg = min(self.final_cap_s, self.n_gen * max(self.tg_token_s, default=0.0))
+        return other + tg
 
     def can_afford(self) -> bool:
-        return self.elapsed() + self.eval_estimate() + self.final_estimate() <= self.budget_s
+        """Room for one more search measurement and the final comparison (whose repetitions go
+        down to one before the search stops)."""
+        while True:
+            final = 2 * self.final_reps * self.final_eval_estimate()
+            if self.elapsed() + self.eval_estimate() + final <= self.budget_s:
+                return True
+            if self.final_reps == 1:
+                return False
+            self.final_reps -= 1
 
     # -- measuring --
     def _evaluate(self, config: dict[str, Any], tests: str) -> None:
         t = monotonic()
         try:
             pp, tg = self.m.run(
-                config, tests in ("pp", "both"), self.search_gen if tests in ("tg", "both") else 0
+                config,
+                tests in ("pp", "both"),
+                self.search_gen if tests in ("tg", "both") else 0,
+                self.tg_cap_s,
             )
         except Exception as e:  # a setting the engine refuses or fails with is left out, not fatal
             self.failed.add(_key(config))
@@ -243,12 +283,19 @@ class Tuner:
             self.view.note(f"setting {config} failed, left out: {msg}")
             return
         self.eval_s.append(monotonic() - t)
+        self._cost()
         self.evaluations += 1
         s = self.samples.setdefault(_key(config), Samples())
         if pp is not None:
             s.pp.append(pp)
         if tg is not None:
             s.tg.append(tg)
+
+    def _cost(self) -> None:
+        self.other_s.append(self.m.last_other_s)
+        tg_s, done = self.m.last_tg
+        if done:
+            self.tg_token_s.append(tg_s / done)
 
     def _score(self, config: dict[str, Any], tests: str, base: dict[str, Any]) -> float | None:
         """Speed relative to `base` on the tests the option affects (geometric mean for both)."""
@@ -320,6 +367,7 @@ class Tuner:
                 pp, tg = self.m.run(config, True, self.n_gen)
                 runs[label].pp.append(pp or 0.0)
                 runs[label].tg.append(tg or 0.0)
+            self.final_rounds = r + 1
         return {
             label: {f"pp{n_prompt}": s.median("pp") or 0.0, f"tg{self.n_gen}": s.median("tg") or 0.0}
             for label, s in runs.items()
@@ -360,7 +408,10 @@ def tune(tuner: Tuner, default: dict[str, Any], n_prompt: int) -> Outcome:
         )
         if final != tuned:  # measure what the recipe now says, in the same run
             table = tuner.compare(default, final, n_prompt)
-    return Outcome(default, final, table, reverted, tuner.evaluations, search_s, stopped)
+    capped = tuner.final_cap_s if tuner.final_capped else None
+    return Outcome(
+        default, final, table, reverted, tuner.evaluations, search_s, stopped, tuner.final_rounds, capped
+    )
 
 
 def check_conformance(

@@ -453,3 +453,14 @@ def test_loading_reports_the_recipe_event(home, model):
         if e["event"] == "recipe.applied"
     )
     assert evt["level"] == "warn" and evt["name"] == "far" and "another CPU" in evt["warnings"][0]
+
+
+def test_a_crawling_generation_is_cut_at_the_cap(home, model, fake_clock):
+    # the toy decodes a token in 4000 simulated ns at one thread: a 10 us cap stops it early,
+    # and the rate is that of the tokens decoded by then
+    m = tune_mod.Measurer(ToyEngine, model, _quiet(), {}, 16)
+    config = {"threads": 1, "threads_batch": 1, "ubatch_size": 128}
+    _, tg = m.run(config, False, 128, tg_cap_s=1e-5)
+    tg_s, done = m.last_tg
+    assert 1 <= done < 128
+    assert tg == pytest.approx(1e9 / 4000)

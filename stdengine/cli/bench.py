@@ -417,7 +417,7 @@ def _make_recipe(
             "measured": {
                 "tuned": outcome.table["tuned"],
                 "default": outcome.table["default"],
-                "reps": reps,
+                "reps": max(outcome.final_rounds, 1),
                 "peak_rss_bytes": rss,
                 "model_size": model_fields(model_path)["model_size"] if model_path else None,
                 "conformance": verdict,
@@ -432,7 +432,12 @@ def _print_table(recipe: Any, outcome: Any, model_ref: str, engine: str) -> None
     lines = [
         f"model {model_ref}, engine {engine}: {outcome.evaluations} settings measured in "
         f"{outcome.search_s:.0f} s (search ended: {outcome.stopped}); conformance core: "
-        f"{recipe.measured.conformance}",
+        f"{recipe.measured.conformance}; final comparison: {outcome.final_rounds} A/B round(s), medians"
+        + (
+            f"; generation samples cut at {outcome.capped_s:.0f} s (t/s over the tokens decoded by then)"
+            if outcome.capped_s
+            else ""
+        ),
         "",
         "| test | default t/s | tuned t/s | tuned/default | setting for this test |",
         "|---|---:|---:|---:|---|",
