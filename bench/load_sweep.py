@@ -91,7 +91,9 @@ class Served:
         self.log.close()
 
 
-def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
+    """Every server x model x concurrency; save(results) after each run, so that an interrupted
+    sweep keeps what it measured."""
     from stdengine.store import resolve_model
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -120,6 +122,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                     result = run_load_test(parse_args(argv))
                     result.update(server=label, kind=kind, model_alias=model)
                     out.append(result)
+                    save(out)
                     print(one_line(result), file=sys.stderr, flush=True)
             finally:
                 served.close()
@@ -175,13 +178,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--note", default="", help="a line for the results file (e.g. the machine was busy)")
     ap.add_argument("--out", help="results file stem (default: bench/results/load-<UTC stamp>)")
     args = ap.parse_args(argv)
-    results = sweep(args)
     stem = Path(args.out) if args.out else RESULTS / time.strftime("load-%Y%m%d-%H%M", time.gmtime())
     command = "python -m stdengine.bench.load_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
-    stem.with_suffix(".md").write_text(render(results, command, args.note), encoding="utf-8")
-    with open(stem.with_suffix(".jsonl"), "w", encoding="utf-8") as f:
-        for r in results:
-            f.write(json.dumps(r) + "\n")
+
+    def save(results: list[dict[str, Any]]) -> None:
+        stem.with_suffix(".md").write_text(render(results, command, args.note), encoding="utf-8")
+        with open(stem.with_suffix(".jsonl"), "w", encoding="utf-8") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+    sweep(args, save)
     print(stem.with_suffix(".md"))
 
 
