@@ -359,7 +359,9 @@ def chat_messages(req: ChatRequest, tool_instructions: str | None = None) -> lis
                 raise InvalidRequest("messages: only an assistant message has tool_calls")
             for call in m.tool_calls:
                 names[call.id] = call.function.name
-            content = "\n".join([content] * bool(content) + [call_text(c) for c in m.tool_calls])
+            texts = [call_text(c) for c in m.tool_calls]
+            calls = texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"  # several: an array
+            content = "\n".join([content] * bool(content) + [calls])
         elif m.content is None:
             raise InvalidRequest(f"messages: a {m.role} message needs content")
         # "developer" is OpenAI's newer name for the system role; templates know "system".

@@ -249,33 +249,25 @@ async def stream_body(request: Request, run: Run, item: Event, reply: api.Reply)
             yield _sse(reply.chunk(role=True))
         elif reply.echo is not None and not isinstance(item, PromptLogprobs):
             yield _sse(reply.chunk(reply.echo))
-        # with tools, the answer is held until it is known not to be a call (auto: it does not
-        # start with "{"); a call is sent whole at the end, as tool_calls deltas
-        held: list[str] | None = [] if reply.tools is not None else None
+        # with tools, what is sent of the answer is the CallStream's to say (a text, or calls)
+        calls_stream = tools.CallStream(reply.tools) if reply.tools is not None else None
         while True:
             if isinstance(item, PromptLogprobs):
                 assert reply.logprobs is not None and reply.echo is not None
                 yield _sse(reply.chunk(reply.echo, logprobs=reply.logprobs.prompt(item)))
-            elif isinstance(item, TokenEvent) and held is not None:
-                held.append(item.text)
-                start = "".join(held).lstrip()[:1]
-                if start and start != "{":
-                    yield _sse(reply.chunk("".join(held)))
-                    held = None
+            elif isinstance(item, TokenEvent) and calls_stream is not None:
+                for chunk in calls_stream.feed(item.text):
+                    yield _sse(reply.chunk(**chunk))
             elif isinstance(item, TokenEvent):
                 lp = reply.logprobs.tokens([item]) if reply.logprobs is not None else None
                 if item.text or (lp is not None and item.token is not None):
                     yield _sse(reply.chunk(item.text, logprobs=lp))
             else:
                 calls = None
-                if held is not None and reply.tools is not None:
-                    text = "".join(held)
-                    calls = reply.tools.parse(text)
-                    if calls:
-                        for delta in tools.call_deltas(calls):
-                            yield _sse(reply.chunk(tool_calls=delta))
-                    elif text:
-                        yield _sse(reply.chunk(text))
+                if calls_stream is not None:
+                    last, calls = calls_stream.end()
+                    for chunk in last:
+                        yield _sse(reply.chunk(**chunk))
                 yield _sse(reply.chunk(done=item, finish="tool_calls" if calls else None))
                 if reply.include_usage:
                     yield _sse(reply.usage_chunk(item))
