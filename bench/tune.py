@@ -359,12 +359,19 @@ class Tuner:
     def compare(
         self, default: dict[str, Any], tuned: dict[str, Any], n_prompt: int
     ) -> dict[str, dict[str, float]]:
-        """Defaults and tuned in alternation (A B A B), reps times, on pp n_prompt and tg n_gen."""
+        """Defaults and tuned in alternation (A B A B) on pp n_prompt and tg n_gen: final_reps
+        rounds, fewer when the budget runs out (at least one)."""
         runs: dict[str, Samples] = {"default": Samples(), "tuned": Samples()}
-        for r in range(self.reps):
+        self.final_rounds = 0
+        for r in range(self.final_reps):
+            if r > 0 and self.elapsed() + 2 * self.final_eval_estimate() > self.budget_s:
+                self.view.note(f"budget spent: the final comparison ran {r} of {self.final_reps} rounds")
+                break
             for label, config in (("default", default), ("tuned", tuned)):
-                self.view.trying("final", config, r + 1, self.reps)
-                pp, tg = self.m.run(config, True, self.n_gen)
+                self.view.trying("final", config, r + 1, self.final_reps)
+                pp, tg = self.m.run(config, True, self.n_gen, self.final_cap_s)
+                self._cost()
+                self.final_capped |= self.m.last_tg[1] < self.n_gen
                 runs[label].pp.append(pp or 0.0)
                 runs[label].tg.append(tg or 0.0)
             self.final_rounds = r + 1

@@ -464,3 +464,12 @@ def test_a_crawling_generation_is_cut_at_the_cap(home, model, fake_clock):
     tg_s, done = m.last_tg
     assert 1 <= done < 128
     assert tg == pytest.approx(1e9 / 4000)
+
+
+def test_the_final_comparison_keeps_to_the_budget(home, model, fake_clock):
+    m = tune_mod.Measurer(ToyEngine, model, _quiet(), {}, 64)
+    config = {"threads": 1, "threads_batch": 1, "ubatch_size": 128}
+    tuner = tune_mod.Tuner(m, [], config, {}, budget_s=1e-6, reps=3, n_gen=16)
+    table = tuner.compare(config, config, 64)
+    assert tuner.final_rounds == 1  # one A/B round at least, then the budget stops it
+    assert set(table["tuned"]) == {"pp64", "tg16"}
