@@ -81,6 +81,12 @@ class Served:
         self.close()
         raise SystemExit(f"the server did not start in 180 s: {log.read_text()[-2000:]}")
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system, all threads) the server has used: the cost of its tokens,
+        which a busy machine changes less than their wall-clock rate."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         self.proc.terminate()
         try:
@@ -119,8 +125,11 @@ def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
                         str(args.n_gen),
                     ]
                     argv += ["--concurrency", str(c), "--requests", str(max(4, args.requests_per * c))]
+                    cpu0 = served.cpu_seconds()
                     result = run_load_test(parse_args(argv))
-                    result.update(server=label, kind=kind, model_alias=model)
+                    cpu = served.cpu_seconds() - cpu0  # the warm-up request included
+                    result.update(server=label, kind=kind, model_alias=model, server_cpu_s=cpu)
+                    result["tokens_per_cpu_s"] = result["total_output_tokens"] / cpu if cpu > 0 else 0.0
                     out.append(result)
                     save(out)
                     print(one_line(result), file=sys.stderr, flush=True)
@@ -133,7 +142,8 @@ def one_line(r: dict[str, Any]) -> str:
     return (
         f"{r['model_alias']} {r['server']} c={r['concurrency']}: {r['output_throughput']:.1f} tok/s, "
         f"TTFT median {r['ttft_ms']['median']:.0f} ms p99 {r['ttft_ms']['p99']:.0f} ms, ITL median "
-        f"{r['itl_ms']['median']:.1f} ms p99 {r['itl_ms']['p99']:.1f} ms, errors {r['errors']}, short {r['short']}"
+        f"{r['itl_ms']['median']:.1f} ms p99 {r['itl_ms']['p99']:.1f} ms, {r['tokens_per_cpu_s']:.1f} tok per "
+        f"server CPU-s, errors {r['errors']}, short {r['short']}"
     )
 
 
@@ -149,17 +159,20 @@ def render(results: list[dict[str, Any]], command: str, note: str) -> str:
     lines += [
         "- each run: streamed completions of fresh random prompts, greedy, exactly -n tokens each;"
         " aggregate tok/s = generated tokens / wall time of the run; TTFT and ITL as the client sees"
-        " them (spec/bench-record.md §6.2)",
+        " them (spec/bench-record.md §6.2); tok/CPU-s = generated tokens / CPU time (user + system,"
+        " all threads) the server process used during the run: what the tokens cost, which other"
+        " load on the machine changes less than the wall-clock rate",
         "",
         "| model | server | concurrency | requests | tok/s (aggregate) | TTFT median (ms) | TTFT p99 (ms) |"
-        " ITL median (ms) | ITL p99 (ms) | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " ITL median (ms) | ITL p99 (ms) | tok/CPU-s | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r['model_alias']} | {r['server']} | {r['concurrency']} | {r['requests']} | "
             f"{r['output_throughput']:.1f} | {r['ttft_ms']['median']:.0f} | {r['ttft_ms']['p99']:.0f} | "
-            f"{r['itl_ms']['median']:.1f} | {r['itl_ms']['p99']:.1f} | {r['errors']} |"
+            f"{r['itl_ms']['median']:.1f} | {r['itl_ms']['p99']:.1f} | {r.get('tokens_per_cpu_s', 0):.1f} | "
+            f"{r['errors']} |"
         )
     return "\n".join(lines) + "\n"
 
