@@ -103,6 +103,9 @@ class GenerateRequest:
     constraint: Constraint | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    # chat: OpenAI's tool list for a chat template that renders tools itself (its `tools`
+    # variable; stdengine.server.tools decides when), passed to apply_chat_template
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -297,7 +300,10 @@ class Engine(ABC):
     def has_chat_template(self) -> bool:
         return False
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """variables: more of the template's variables (`tools`)."""
         raise NotImplementedError
 
     def new_context(self) -> Engine | None:

@@ -42,7 +42,9 @@ def request_tokens(engine: Any, request: Any, bos_id: int | None, add_bos: bool)
     it), or the raw prompt with the model's special tokens. Checks the sampling values too."""
     validate_sampling(request.sampling)
     if request.messages is not None:
-        text = engine.apply_chat_template(request.messages)
+        # tools: for a template that renders them itself (stdengine.server.tools)
+        variables = {"tools": request.tools} if request.tools is not None else {}
+        text = engine.apply_chat_template(request.messages, **variables)
         prompt = engine.tokenize(text, add_special=False, parse_special=True)
         if add_bos and bos_id is not None and prompt[:1] != [bos_id]:
             prompt = [bos_id, *prompt]
@@ -294,9 +296,12 @@ def render_chat_template(
     eos_token: str = "",
     add_generation_prompt: bool = True,
     cancel: Any = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """Render a chat template (as HF transformers and llama.cpp --jinja do), within the limits
-    above. A problem of the template itself is bad_model_file for a ModelTemplate (the model
+    above. tools: OpenAI's tool list, given to the template as its `tools` variable (only when
+    given: a template may test `tools is defined`). A problem of the template itself is
+    bad_model_file for a ModelTemplate (the model
     file's), invalid_request for one given by the user or a request; a template that refuses the
     conversation (raise_exception) is invalid_request. cancel: a threading.Event that stops it."""
     from jinja2 import TemplateError, TemplateSyntaxError
@@ -318,7 +323,9 @@ def render_chat_template(
     def raise_exception(message: str) -> None:
         raise InvalidRequest(f"the chat template refused the conversation: {message}")
 
-    input_chars = len(template) + sum(len(str(m.get("content", ""))) for m in messages)
+    input_chars = (
+        len(template) + sum(len(str(m.get("content", ""))) for m in messages) + len(str(tools or ""))
+    )
     max_chars = TEMPLATE_MIN_OUTPUT_CHARS + 4 * input_chars
     env = _bounded_environment(max_chars, cancel)
     env.globals["raise_exception"] = raise_exception
@@ -327,11 +334,13 @@ def render_chat_template(
         compiled = env.from_string(env.count_loops(str(template)))
         out: list[str] = []
         n = 0
+        variables: dict[str, Any] = {"tools": tools} if tools is not None else {}
         for piece in compiled.generate(
             messages=messages,
             bos_token=bos_token,
             eos_token=eos_token,
             add_generation_prompt=add_generation_prompt,
+            **variables,
         ):
             n += len(piece)
             if n > max_chars:

@@ -86,7 +86,9 @@ class LocalEngine(Engine):
     def has_chat_template(self) -> bool:
         return bool(self.template)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
         if not self.template:
             raise InvalidRequest("this model has no chat template", hint="pass one with --chat-template")
         return render_chat_template(
@@ -95,6 +97,7 @@ class LocalEngine(Engine):
             bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
             eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "",
             add_generation_prompt=add_generation_prompt,
+            **variables,
         )
 
     # --- generation ------------------------------------------------------------------------

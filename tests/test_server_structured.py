@@ -83,23 +83,27 @@ def test_bad_structured_requests_are_400s() -> None:
         api.refuse_unsupported(chat_request(functions=[{"name": "f"}]))
 
 
+# a conversation with an earlier call and its result
+HISTORY = [
+    {"role": "user", "content": "weather?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+]
+
+
 def test_tool_history_is_written_back_in_the_call_format() -> None:
     req = chat_request(
-        messages=[
-            {"role": "user", "content": "weather?"},
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "c1",
-                        "type": "function",
-                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "c1", "content": "rain"},
-        ],
+        messages=HISTORY,
         tools=[WEATHER],
     )
     plan = tools.tool_plan(req, "e", frozenset({"structured"}))
@@ -173,24 +177,164 @@ def test_parallel_calls_are_an_array_of_calls(choice: str) -> None:
     # without parallel calls an array is no call: refused, or under auto a text like any other
     assert accepts(single.constraint(), two) == (choice == "auto")
     assert not accepts(parallel.constraint(), "[]")  # an array holds at least one call
+    bound = tools.MAX_PARALLEL_CALLS
+    assert accepts(parallel.constraint(), "[" + ", ".join([OSLO] * bound) + "]")
+    assert not accepts(parallel.constraint(), "[" + ", ".join([OSLO] * (bound + 1)) + "]")
     bad = '[{"name": "add", "arguments": {"a": 1, "b": 20}}]'  # b above its maximum
     assert not accepts(parallel.constraint(), bad)
     assert accepts(parallel.constraint(), "Hello.") == (choice == "auto")
     assert not accepts(parallel.constraint(), " " + two)  # blank, then a call: neither text nor call
 
-    calls = parallel.parse(two)
+    calls = tools.answer_calls(parallel, two)
     assert calls is not None and [c["function"]["name"] for c in calls] == ["get_weather", "add"]
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [
         {"city": "Oslo", "unit": "celsius"},
         {"a": 1, "b": 2},
     ]
     assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
-    assert single.parse(two) is None
-    assert parallel.parse(two[:-1]) is None  # cut off by max_tokens: not calls
-    deltas = tools.call_deltas(calls)
-    assert [d[0]["index"] for d in deltas] == [0, 0, 1, 1]
+    if choice == "auto":
+        assert tools.answer_calls(single, two) is None  # without parallel calls an array is a text
+        assert tools.answer_calls(parallel, "Hello.") is None
     assert "You must call one of them" in plan_for(tool_choice="required").instructions()
     assert "JSON array" in parallel.instructions() and "JSON array" not in single.instructions()
+
+
+@pytest.mark.parametrize("step", [1, 3, 7])
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_call_arguments_stream_as_they_are_generated(choice: str, step: int) -> None:
+    """Fed in pieces of `step` characters: each call's id, type and name come first, once its
+    name is complete, then its arguments in pieces as they grow, before the answer ends; joined
+    by index they are the whole answer's calls. A call cut off by max_tokens keeps what came."""
+    plan = plan_for(tool_choice=choice)
+    answer = f" [{OSLO},\n {ADD_1_2}]" if choice == "required" else f"[{OSLO}, {ADD_1_2}]"
+    stream = tools.CallStream(plan)
+    joined: dict[int, dict[str, str]] = {}
+    pieces_before_end = 0
+    for k in range(0, len(answer), step):
+        for chunk in stream.feed(answer[k : k + step]):
+            assert "text" not in chunk
+            (delta,) = chunk["tool_calls"]
+            call = joined.setdefault(delta["index"], {"name": "", "arguments": ""})
+            if "id" in delta:  # the head: first, once
+                assert call == {"name": "", "arguments": ""} and delta["type"] == "function"
+                call["id"] = delta["id"]
+            assert "id" in call  # nothing of a call before its head
+            call["name"] += delta["function"].get("name", "")
+            call["arguments"] += delta["function"]["arguments"]
+            pieces_before_end += 1
+    last, calls = stream.end()
+    assert last == [] and calls is not None and pieces_before_end > 4
+    assert [
+        {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+    ] == [joined[i] for i in range(len(joined))]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Oslo", "unit": "celsius"},
+        {"a": 1, "b": 2},
+    ]
+    cut = tools.answer_calls(plan, answer[: answer.index('"b"')])  # max_tokens ends it here
+    assert cut is not None and [c["function"]["arguments"] for c in cut] == [
+        '{"city": "Oslo", "unit": "celsius"}',
+        '{"a": 1, ',
+    ]
+    assert tools.answer_calls(plan, answer[: answer.index("get_weather") + 3]) is None  # no name yet
+
+
+def test_a_text_streams_as_text() -> None:
+    stream = tools.CallStream(plan_for(tool_choice="auto"))
+    assert stream.feed(" \n") == [] and stream.feed("Hi") == [{"text": " \nHi"}]
+    assert stream.feed(" {x}") == [{"text": " {x}"}] and stream.end() == ([], None)
+    empty = tools.CallStream(plan_for(tool_choice="auto"))
+    assert empty.feed("") == [] and empty.end() == ([], None)
+
+
+# A toy chat template in the Hermes / Qwen 2.5 tool format (written for this test): the tools in
+# <tools>, each call in <tool_call> tags, results in <tool_response> (ChatML turns).
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+{% endif %}You may call functions, listed in <tools></tools>:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+For each call, answer with a JSON object in <tool_call></tool_call> tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}{% if not (tools and loop.first and m.role == 'system') %}
+<|im_start|>{{ 'user' if m.role == 'tool' else m.role }}
+{% if m.role == 'tool' %}<tool_response>
+{{ m.content }}
+</tool_response>{% else %}{{ m.content }}{% endif %}
+{%- for c in m.tool_calls or [] %}
+<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}<|im_end|>{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+LLAMA3_LIKE = """{% if tools %}Respond in the format {"name": function name, "parameters": dictionary of
+argument name and its value}.{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"""
+
+
+def test_template_tool_formats_are_known_by_their_markers() -> None:
+    assert tools.template_format(HERMES_TEMPLATE) is tools.HERMES_CALLS
+    assert tools.template_format(LLAMA3_LIKE) is tools.LLAMA3_CALLS
+    # no tools variable, or a format not recognised (Mistral's [TOOL_CALLS]): ours
+    assert tools.template_format("{% for m in messages %}{{ m.content }}{% endfor %}") is tools.JSON_CALLS
+    assert tools.template_format("{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]") is tools.JSON_CALLS
+    assert tools.template_format(None) is tools.JSON_CALLS
+
+
+def test_hermes_template_renders_the_tools_and_its_calls_come_back() -> None:
+    from stdengine.generation import render_chat_template
+
+    req = chat_request(
+        messages=HISTORY,
+        tools=[WEATHER, ADD],
+        tool_choice="required",
+    )
+    plan = tools.tool_plan(req, "e", frozenset({"structured"}), HERMES_TEMPLATE)
+    assert plan is not None and plan.format is tools.HERMES_CALLS and plan.instructions() is None
+    listed = plan.template_tools()
+    assert listed is not None and [t["function"]["name"] for t in listed] == ["get_weather", "add"]
+    text = render_chat_template(HERMES_TEMPLATE, tools.chat_messages(req, plan), tools=listed)
+    assert '"name": "get_weather"' in text.split("\n</tools>")[0]  # the template listed the tools
+    earlier = text.split("weather?")[1].split("<tool_call>\n")[1].split("\n</tool_call>")[0]
+    assert json.loads(earlier) == {"name": "get_weather", "arguments": {"city": "Oslo"}}  # the earlier call
+    assert "<tool_response>\nrain\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+    one = "<tool_call>\n" + OSLO + "\n</tool_call>"
+    two = one + "\n<tool_call>\n" + ADD_1_2 + "\n</tool_call>"
+    assert accepts(plan.constraint(), one) and accepts(plan.constraint(), two)
+    assert not accepts(plan.constraint(), OSLO)  # the template's format, not ours
+    calls = tools.answer_calls(plan, two)
+    assert calls is not None and [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls
+    ] == [
+        ("get_weather", {"city": "Oslo", "unit": "celsius"}),
+        ("add", {"a": 1, "b": 2}),
+    ]
+    auto = tools.tool_plan(chat_request(tools=[WEATHER]), "e", frozenset({"structured"}), HERMES_TEMPLATE)
+    assert auto is not None
+    assert accepts(auto.constraint(), "Hello.") and accepts(auto.constraint(), one)
+    assert not accepts(auto.constraint(), "<b>Hello</b>")  # a text cannot start like a call
+    assert tools.answer_calls(auto, "Hello.") is None
+
+
+def test_llama3_format_has_one_call_with_parameters() -> None:
+    plan = tools.tool_plan(
+        chat_request(tools=[WEATHER, ADD], tool_choice="required"),
+        "e",
+        frozenset({"structured"}),
+        LLAMA3_LIKE,
+    )
+    assert plan is not None and not plan.parallel  # one call per answer in this format
+    call = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    assert accepts(plan.constraint(), call) and not accepts(plan.constraint(), ADD_1_2)
+    calls = tools.answer_calls(plan, call)
+    assert calls is not None and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
 
 
 def test_several_earlier_calls_are_written_back_as_an_array() -> None:
@@ -367,7 +511,7 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
 def test_parallel_tool_calls(client: openai.OpenAI) -> None:
     """OpenAI's default parallel_tool_calls: the answer may hold several calls, each valid, each
     with its own id; MAX_PARALLEL_CALLS bounds them, so the answer completes (the catalogue
-    models, greedy, answer 1 to 8 calls here)."""
+    models, greedy, answer one call or fill the bound here)."""
     r = client.chat.completions.create(
         model=model_id(client),
         messages=[{"role": "user", "content": "What is the weather in Paris and in Rome?"}],
@@ -417,12 +561,56 @@ def test_streamed_tool_calls_are_the_whole_answer(client: openai.OpenAI, choice:
             if choice == "auto":
                 assert not content.lstrip().startswith(("{", "["))  # auto's grammar: text, or calls
             continue
-        assert finish == "tool_calls" and not content
+        assert not content
         assert sorted(calls) == list(range(len(whole.message.tool_calls)))
         assert len({c["id"] for c in calls.values()}) == len(calls)
         for i, call in enumerate(whole.message.tool_calls):
-            assert (calls[i]["name"], calls[i]["arguments"]) == (call.function.name, call.function.arguments)  # type: ignore[union-attr]
-            jsonschema.validate(json.loads(calls[i]["arguments"]), PARAMETERS[calls[i]["name"]])
+            function = call.function  # type: ignore[union-attr]
+            assert (calls[i]["name"], calls[i]["arguments"]) == (function.name, function.arguments)
+            if finish == "tool_calls":  # complete (not cut off by max_tokens)
+                jsonschema.validate(json.loads(function.arguments), PARAMETERS[function.name])
+        # the openai client's stream helper assembles the deltas into the same calls
+        with client.chat.completions.stream(**args) as helper:
+            final = helper.get_final_completion().choices[0]
+        assert final.finish_reason == whole.finish_reason
+        assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls or []] == [  # type: ignore[union-attr]
+            (c.function.name, c.function.arguments)  # type: ignore[union-attr]
+            for c in whole.message.tool_calls
+        ]
+
+
+def test_a_template_with_its_own_tool_format(smollm2_path: Path, tmp_path: Path) -> None:
+    """infer serve with a chat template that renders tools (HERMES_TEMPLATE via --chat-template):
+    the model is shown the template's tool list and answers in its <tool_call> format, which comes
+    back as OpenAI's tool_calls, whole and streamed alike."""
+    why = engine_ready("llamacpp", smollm2_path)
+    if why is not None:
+        pytest.skip(why)
+    server = RealServer("llamacpp", smollm2_path, tmp_path, "-c", "1024", "--chat-template", HERMES_TEMPLATE)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        args: Any = {
+            "model": model_id(client),
+            "messages": [{"role": "user", "content": "Add 2 and 3."}],
+            "tools": [WEATHER, ADD],
+            "tool_choice": "required",
+            "max_tokens": 200,
+            "temperature": 0,
+        }
+        whole = client.chat.completions.create(**args).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+        calls = whole.message.tool_calls or []
+        for call in calls:
+            function = call.function  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(function.arguments), PARAMETERS[function.name])
+        with client.chat.completions.stream(**args) as helper:
+            streamed = helper.get_final_completion().choices[0]
+        assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == [  # type: ignore[union-attr]
+            (c.function.name, c.function.arguments)  # type: ignore[union-attr]
+            for c in calls
+        ]
+    finally:
+        assert server.stop() == 0
 
 
 def test_llm_cli_schema(served: RealServer, client: openai.OpenAI, tmp_path: Path) -> None:

@@ -361,13 +361,16 @@ class OpenAIEngine(Engine):
     def has_chat_template(self) -> bool:
         return True  # the server renders its model's template (or --chat-template is rendered here)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
         if self.options.chat_template:
             return render_chat_template(
-                self.options.chat_template, messages, add_generation_prompt=add_generation_prompt
+                self.options.chat_template, messages, add_generation_prompt=add_generation_prompt, **variables
             )
         if self.dialect == "llama.cpp":
-            data = self._json("POST", "/apply-template", {"messages": messages}, what="POST /apply-template")
+            body = {"messages": messages, **variables}
+            data = self._json("POST", "/apply-template", body, what="POST /apply-template")
             return str(data["prompt"])
         raise InvalidRequest(
             "this server applies its chat template itself and does not show it",

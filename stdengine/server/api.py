@@ -374,6 +374,12 @@ def chat_messages(req: ChatRequest, tool_instructions: str | None = None) -> lis
     return out
 
 
+def finish_reason(done: DoneEvent, tool_calls: list[dict[str, Any]] | None) -> str:
+    """`tool_calls` for an answer of calls that ended complete (the constraint ended it: `stop`);
+    calls cut off keep the generation's reason (`length`)."""
+    return "tool_calls" if tool_calls and done.finish_reason == "stop" else done.finish_reason
+
+
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
     """The one prompt of a completion request: text, or token ids."""
     p = req.prompt
@@ -553,7 +559,7 @@ class Reply:
                 "index": 0,
                 "message": message,
                 "logprobs": logprobs,
-                "finish_reason": "tool_calls" if tool_calls else done.finish_reason,
+                "finish_reason": finish_reason(done, tool_calls),
             }
             body = self._head("chat.completion")
         else:

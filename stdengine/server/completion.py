@@ -55,7 +55,9 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
     sampling = api.sampling_for(req, state.defaults, engine.name, engine.honoured_options())
     ignore_eos, min_tokens = api.eog_controls(req, engine.name, engine.eog_controls)
     plan = (
-        tools.tool_plan(req, engine.name, engine.capabilities) if isinstance(req, api.ChatRequest) else None
+        tools.tool_plan(req, engine.name, engine.capabilities, getattr(engine, "template", None))
+        if isinstance(req, api.ChatRequest)
+        else None
     )
     # a tool plan refuses the other output constraints, so one of the two decides
     constraint = (
@@ -83,6 +85,7 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
         sampling=sampling,
         logprobs=n_logprobs,
         constraint=constraint,
+        tools=plan.template_tools() if plan is not None else None,
         ignore_eos=ignore_eos,
         min_tokens=min_tokens,
     )
@@ -95,7 +98,7 @@ async def chat_prompt(state: ServerState, req: api.ChatRequest, plan: tools.Tool
             "this model has no chat template, so the server cannot render a conversation",
             hint="use /v1/completions, or start the server with --chat-template",
         )
-    messages = api.chat_messages(req, plan.instructions() if plan is not None else None)
+    messages = tools.chat_messages(req, plan)
     check_prompt_size(state.n_ctx(), sum(len(m["content"]) for m in messages))
     return Prompt(shown=messages, messages=messages)
 
@@ -239,7 +242,7 @@ async def whole_body(run: Run, item: Event, reply: api.Reply) -> dict[str, Any]:
         logprobs = reply.logprobs.tokens(tokens)
         if scores is not None:
             logprobs = api.join_legacy(reply.logprobs.prompt(scores), logprobs)
-    calls = reply.tools.parse(text) if reply.tools is not None else None
+    calls = tools.answer_calls(reply.tools, text) if reply.tools is not None else None
     return reply.final(text, item, logprobs, calls)
 
 
@@ -268,7 +271,7 @@ async def stream_body(request: Request, run: Run, item: Event, reply: api.Reply)
                     last, calls = calls_stream.end()
                     for chunk in last:
                         yield _sse(reply.chunk(**chunk))
-                yield _sse(reply.chunk(done=item, finish="tool_calls" if calls else None))
+                yield _sse(reply.chunk(done=item, finish=api.finish_reason(item, calls)))
                 if reply.include_usage:
                     yield _sse(reply.usage_chunk(item))
                 yield b"data: [DONE]\n\n"

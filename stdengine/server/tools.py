@@ -3,16 +3,19 @@
 and a constraint whose answer is parsed back into OpenAI's `tool_calls`.
 
 Tool calls use one format for every model (spec/server.md, "Tool calls"): the tool list goes into
-the system message as JSON, with the instruction to answer a call as one JSON object
-`{"name": ..., "arguments": {...}}`, and the earlier turns' calls and results are written back in
-that format. For `required` and a named function the output is constrained to that object (the
-name one of the declared functions, the arguments valid for its parameters), so a call is valid by
-construction; for `auto` the output is either such an object or text that does not start with `{`.
+the system message as JSON, with the instruction to answer a call as a JSON object
+`{"name": ..., "arguments": {...}}` (with parallel_tool_calls, several as a JSON array), and the
+earlier turns' calls and results are written back in that format. For `required` and a named
+function the output is constrained to such calls (the names declared, the arguments valid for
+their parameters), so a call is valid by construction; for `auto` the output is either calls or
+a text that does not start like them. CallStream reads the answer as it is generated, so a
+stream sends each call's name and then its arguments while they are written.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -103,29 +106,81 @@ NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}  # a functio
 
 # The most calls one answer may hold with parallel_tool_calls: a small model can otherwise repeat
 # a call until max_tokens cuts the answer off.
-MAX_PARALLEL_CALLS = 8
+MAX_PARALLEL_CALLS = 4
 
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+@dataclass(frozen=True)
+class CallFormat:
+    """How an answer writes calls. Ours ("json") is for every model; the others are what a chat
+    template that renders `tools` itself teaches its model (spec/server.md, "Tool calls")."""
+
+    name: str
+    args_key: str = "arguments"  # the call object's key of the arguments
+    wrap: tuple[str, str] | None = None  # the text around each call object (Hermes' tags)
+    several: bool = True  # several calls per answer are possible (parallel_tool_calls)
+
+    def openers(self, parallel: bool) -> str:
+        """The first characters of an answer that is calls."""
+        if self.wrap is not None:
+            return self.wrap[0][:1]
+        return "{[" if parallel else "{"
+
+
+JSON_CALLS = CallFormat("json")
+# Hermes / Qwen 2.5: each call `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`
+HERMES_CALLS = CallFormat("hermes", wrap=("<tool_call>\n", "\n</tool_call>"))
+# Llama 3.1 / 3.2: one bare object `{"name": ..., "parameters": ...}`
+LLAMA3_CALLS = CallFormat("llama3", args_key="parameters", several=False)
+
+
+def template_format(template: str | None) -> CallFormat:
+    """The call format a chat template renders its `tools` for, known by its markers; ours when
+    the template does not use `tools` or its format is not one of these."""
+    if not template or not re.search(r"\btools\b", template):
+        return JSON_CALLS
+    if "<tool_call>" in template:
+        return HERMES_CALLS
+    if '"parameters"' in template:  # Llama 3.1's '{"name": function name, "parameters": ...}'
+        return LLAMA3_CALLS
+    return JSON_CALLS
+
+
 @dataclass
 class ToolPlan:
     """How a chat request with tools is answered: the functions the model may call, what the
-    request's tool_choice allows ("auto", "required", or one function's name), and whether the
-    answer may hold several calls (parallel_tool_calls)."""
+    request's tool_choice allows ("auto", "required", or one function's name), whether the
+    answer may hold several calls (parallel_tool_calls, where the format has them), and the
+    format of calls (ours in the system message, or the chat template's own)."""
 
     functions: dict[str, api.FunctionDef]
     choice: str  # "auto", "required" or "name:<function>"
     parallel: bool = True
+    format: CallFormat = JSON_CALLS
+
+    def __post_init__(self) -> None:
+        self.parallel = self.parallel and self.format.several
 
     def callable(self) -> list[api.FunctionDef]:
         if self.choice.startswith("name:"):
             return [self.functions[self.choice[5:]]]
         return list(self.functions.values())
 
-    def instructions(self) -> str:
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The `tools` a template that renders them itself gets (None: ours, in the system message)."""
+        if self.format is JSON_CALLS:
+            return None
+        return [
+            {"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions.values()
+        ]
+
+    def instructions(self) -> str | None:
+        """Our format's system message (None: the template shows the tools)."""
+        if self.format is not JSON_CALLS:
+            return None
         listing = [
             {k: v for k, v in (("name", f.name), ("description", f.description)) if v}
             | {"parameters": f.parameters or NO_ARGUMENTS}
@@ -150,71 +205,49 @@ class ToolPlan:
         )
 
     def call_schema(self) -> dict[str, Any]:
-        """A JSON Schema that only an answer of calls the request allows matches: one call, or
-        (parallel) also an array of 1 to MAX_PARALLEL_CALLS calls."""
+        """A JSON Schema that only one call the request allows matches."""
+        key = self.format.args_key
         calls = [
             {
                 "type": "object",
-                "properties": {
-                    "name": {"const": f.name},
-                    "arguments": f.parameters or NO_ARGUMENTS,
-                },
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": f.name}, key: f.parameters or NO_ARGUMENTS},
+                "required": ["name", key],
                 "additionalProperties": False,
             }
             for f in self.callable()
         ]
-        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        if not self.parallel:
-            return one
-        several = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
-        return {"anyOf": [one, several]}
+        return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
     def openers(self) -> str:
-        """The first characters of an answer that is a call."""
-        return "{[" if self.parallel else "{"
+        """The first characters of an answer that is calls."""
+        return self.format.openers(self.parallel)
 
     def constraint(self) -> Constraint:
-        if self.choice != "auto":
-            return _constraint("json_schema", self.call_schema())
-        # either calls, or a text that cannot be mistaken for them: its first non-blank character
-        # is not one a call starts with (so a text is never parsed as a call)
-        schema = json.dumps(closed_objects(self.call_schema()), ensure_ascii=False)
-        not_opener = "".join("\\" + c for c in self.openers())
-        text = f"/\\s*([^{not_opener}\\s][\\s\\S]*)?/"
-        return _constraint("lark", f"start: call | TEXT\ncall: %json {schema}\nTEXT: {text}\n")
-
-    def parse(self, text: str) -> list[dict[str, Any]] | None:
-        """The answer's tool calls in OpenAI's shape (each one's `arguments` the model's own JSON
-        text), or None when the answer is not calls (a text, or calls cut off by max_tokens)."""
-        if not text.lstrip()[:1] or text.lstrip()[0] not in self.openers():
-            return None
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        items = value if isinstance(value, list) and self.parallel else [value]
-        names = {f.name for f in self.callable()}
-        scanned = scan_calls(text)
-        if (
-            not items
-            or len(scanned) != len(items)
-            or any(
-                not isinstance(c, dict)
-                or c.get("name") not in names
-                or not isinstance(c.get("arguments"), dict)
-                for c in items
-            )
-        ):
-            return None
-        return [
-            {
-                "id": new_call_id(),
-                "type": "function",
-                "function": {"name": c["name"], "arguments": s.arguments(text)},
-            }
-            for c, s in zip(items, scanned, strict=True)
-        ]
+        """Calls as the format writes them: one, or (parallel) 1 to MAX_PARALLEL_CALLS (a JSON
+        array in ours, one tagged block after another in Hermes'). Under auto, also a text that
+        cannot be mistaken for calls: its first non-blank character is not one calls start with
+        (so a text is never read as calls)."""
+        one = self.call_schema()
+        if self.format.wrap is None:
+            several = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
+            answer = {"anyOf": [one, several]} if self.parallel else one
+            if self.choice != "auto":
+                return _constraint("json_schema", answer)
+            rules = [f"calls: %json {json.dumps(closed_objects(answer), ensure_ascii=False)}"]
+        else:
+            opening, closing = (json.dumps(t) for t in self.format.wrap)
+            n = MAX_PARALLEL_CALLS if self.parallel else 1
+            rules = [
+                "calls: " + " | ".join(' "\\n" '.join(["block"] * k) for k in range(1, n + 1)),
+                f"block: {opening} call {closing}",
+                f"call: %json {json.dumps(closed_objects(one), ensure_ascii=False)}",
+            ]
+        start = "calls"
+        if self.choice == "auto":
+            not_opener = "".join("\\" + c if c in "[]{}^-\\" else c for c in self.openers())
+            rules.append(f"TEXT: /\\s*([^{not_opener}\\s][\\s\\S]*)?/")
+            start = "calls | TEXT"
+        return _constraint("lark", "\n".join([f"start: {start}", *rules]) + "\n")
 
 
 @dataclass
@@ -283,27 +316,20 @@ def scan_calls(text: str, args_key: str = "arguments") -> list[ScannedCall]:
     return calls
 
 
-def call_deltas(calls: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """A stream's tool_calls deltas for whole calls: each call's id, type and name with empty
-    arguments, then its arguments (a client joins the pieces, as with any streamed call)."""
-    out: list[list[dict[str, Any]]] = []
-    for i, call in enumerate(calls):
-        head = {**call, "function": {"name": call["function"]["name"], "arguments": ""}}
-        out.append([{"index": i, **head}])
-        out.append([{"index": i, "function": {"arguments": call["function"]["arguments"]}}])
-    return out
-
-
 class CallStream:
-    """A streamed answer under a tool plan, as it is sent: each `feed` and the `end` return the
-    chunks to send (keyword arguments of api.Reply.chunk: a text, or tool_calls deltas). An
-    answer that may be a text (auto) is held until its first non-blank character says which it
-    is; calls are sent when the answer ends."""
+    """An answer under a tool plan, as it is sent: each `feed` (a piece of the generated text)
+    returns the stream's chunks for it (keyword arguments of api.Reply.chunk: a text, or
+    tool_calls deltas), `end` the last ones and the calls. An answer that may be a text (auto) is
+    held until its first non-blank character says which it is. Once it is calls, each call's id,
+    type and name go out as soon as its name is complete, then its arguments as they are
+    generated (OpenAI's order), so the joined deltas are the call's arguments text."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""
         self.is_call: bool | None = True if plan.choice != "auto" else None
+        self.ids: list[str] = []  # the calls whose head is sent
+        self.sent: list[int] = []  # how much of each one's arguments text is sent
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
         self.text += piece
@@ -312,22 +338,69 @@ class CallStream:
             if not start:
                 return []
             self.is_call = start in self.plan.openers()
-            return [] if self.is_call else [{"text": self.text}]
-        return [] if self.is_call or not piece else [{"text": piece}]
+            if not self.is_call:
+                return [{"text": self.text}]
+        elif not self.is_call:
+            return [{"text": piece}] if piece else []
+        return self._deltas()
+
+    def _deltas(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for i, call in enumerate(scan_calls(self.text, self.plan.format.args_key)):
+            if call.name is None:
+                break
+            if i == len(self.ids):
+                self.ids.append(new_call_id())
+                self.sent.append(0)
+                function = {"name": call.name, "arguments": ""}
+                out.append(
+                    {
+                        "tool_calls": [
+                            {"index": i, "id": self.ids[i], "type": "function", "function": function}
+                        ]
+                    }
+                )
+            arguments = call.arguments(self.text)
+            if len(arguments) > self.sent[i]:
+                out.append(
+                    {"tool_calls": [{"index": i, "function": {"arguments": arguments[self.sent[i] :]}}]}
+                )
+                self.sent[i] = len(arguments)
+        return out
 
     def end(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-        """The last chunks, and the calls (None: the answer was a text)."""
-        if self.is_call is False:
-            return [], None
-        calls = self.plan.parse(self.text)
-        if calls:
-            return [{"tool_calls": d} for d in call_deltas(calls)], calls
-        return ([{"text": self.text}] if self.text else []), None
+        """The last chunks, and the answer's calls as sent (None: the answer is a text). Calls
+        cut off by max_tokens are calls too, their arguments as far as they got (as in OpenAI's
+        API); a call is one once its name is complete, so an answer cut off before any name is
+        a text."""
+        if not self.is_call or not self.ids:
+            held = self.is_call is not False and self.text
+            return ([{"text": self.text}] if held else []), None
+        calls = [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments(self.text)},
+            }
+            # the scan may end with one more call whose name was cut off: not a call
+            for call_id, c in zip(self.ids, scan_calls(self.text, self.plan.format.args_key), strict=False)
+        ]
+        return [], calls
 
 
-def tool_plan(req: api.ChatRequest, engine_name: str, capabilities: frozenset[str]) -> ToolPlan | None:
+def answer_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
+    """A whole answer's calls, as a stream of it would have sent them (None: a text)."""
+    stream = CallStream(plan)
+    stream.feed(text)
+    return stream.end()[1]
+
+
+def tool_plan(
+    req: api.ChatRequest, engine_name: str, capabilities: frozenset[str], template: str | None = None
+) -> ToolPlan | None:
     """None when the request has no tools or tool_choice is "none" (the model then answers in
-    text, and the tools are not shown to it). Tools need the engine's `structured` capability."""
+    text, and the tools are not shown to it). Tools need the engine's `structured` capability.
+    template: the engine's chat template, whose own tool format is used where it has one."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -359,5 +432,31 @@ def tool_plan(req: api.ChatRequest, engine_name: str, capabilities: frozenset[st
                 f"tool_choice names the function {choice.function.name!r}, which tools does not declare",
                 hint="declared: " + ", ".join(functions),
             )
-        return ToolPlan(functions, "name:" + choice.function.name, parallel)
-    return ToolPlan(functions, choice or "auto", parallel)
+        return ToolPlan(functions, "name:" + choice.function.name, parallel, template_format(template))
+    return ToolPlan(functions, choice or "auto", parallel, template_format(template))
+
+
+def chat_messages(req: api.ChatRequest, plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """The conversation as the chat template gets it: ours (api.chat_messages: the tools in the
+    system message, calls and results written as text), or for a template with its own tool
+    format OpenAI's messages as such templates read them: an assistant's `tool_calls` with the
+    arguments as objects, and `tool` messages with their `tool_call_id`."""
+    ours = api.chat_messages(req, plan.instructions() if plan is not None else None)  # checks them too
+    if plan is None or plan.format is JSON_CALLS:
+        return ours
+    out: list[dict[str, Any]] = []
+    for m, plain in zip(req.messages, ours, strict=True):
+        message: dict[str, Any] = {
+            "role": m.role if m.role == "tool" else plain["role"],
+            "content": plain["content"],
+        }
+        if m.role == "tool":
+            message.update(content=api._text(m.content), tool_call_id=m.tool_call_id)
+        if m.tool_calls:
+            message["content"] = api._text(m.content)
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": json.loads(api.call_text(c))}
+                for c in m.tool_calls
+            ]
+        out.append(message)
+    return out
