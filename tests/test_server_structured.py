@@ -239,6 +239,20 @@ def test_call_arguments_stream_as_they_are_generated(choice: str, step: int) -> 
     assert tools.answer_calls(plan, answer[: answer.index("get_weather") + 3]) is None  # no name yet
 
 
+def test_finish_reason_of_calls() -> None:
+    """tool_calls only for calls the constraint ended; cut-off calls keep the generation's reason."""
+    from stdengine.adapter import DoneEvent, Timings, Usage
+
+    def done(reason: Any, stop: str | None = None) -> DoneEvent:
+        return DoneEvent(reason, Usage(), Timings(), stop=stop)
+
+    calls = [{"id": "call_1"}]
+    assert api.finish_reason(done("stop"), calls) == "tool_calls"
+    assert api.finish_reason(done("length"), calls) == "length"
+    assert api.finish_reason(done("stop", stop="}"), calls) == "stop"  # a stop string cut it
+    assert api.finish_reason(done("stop"), None) == "stop"
+
+
 def test_a_text_streams_as_text() -> None:
     stream = tools.CallStream(plan_for(tool_choice="auto"))
     assert stream.feed(" \n") == [] and stream.feed("Hi") == [{"text": " \nHi"}]

@@ -375,9 +375,10 @@ def chat_messages(req: ChatRequest, tool_instructions: str | None = None) -> lis
 
 
 def finish_reason(done: DoneEvent, tool_calls: list[dict[str, Any]] | None) -> str:
-    """`tool_calls` for an answer of calls that ended complete (the constraint ended it: `stop`);
-    calls cut off keep the generation's reason (`length`)."""
-    return "tool_calls" if tool_calls and done.finish_reason == "stop" else done.finish_reason
+    """`tool_calls` for an answer of calls that ended complete (the constraint ended it: `stop`
+    without a stop string); calls cut off keep the generation's reason (`length`, or `stop`)."""
+    complete = done.finish_reason == "stop" and done.stop is None
+    return "tool_calls" if tool_calls and complete else done.finish_reason
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:

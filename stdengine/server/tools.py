@@ -2,10 +2,11 @@
 `json_schema` and `grammar`) become the GenerateRequest's constraint, and `tools` become a prompt
 and a constraint whose answer is parsed back into OpenAI's `tool_calls`.
 
-Tool calls use one format for every model (spec/server.md, "Tool calls"): the tool list goes into
-the system message as JSON, with the instruction to answer a call as a JSON object
+Tool calls (spec/server.md, "Tool calls") use the chat template's own format where the template
+renders `tools` in one we know (CallFormat: Hermes' <tool_call> tags, Llama 3.1's "parameters"),
+and otherwise ours, for every model: the tool list goes into the system message as JSON, with the instruction to answer a call as a JSON object
 `{"name": ..., "arguments": {...}}` (with parallel_tool_calls, several as a JSON array), and the
-earlier turns' calls and results are written back in that format. For `required` and a named
+earlier turns' calls and results are written back in that format. In either, for `required` and a named
 function the output is constrained to such calls (the names declared, the arguments valid for
 their parameters), so a call is valid by construction; for `auto` the output is either calls or
 a text that does not start like them. CallStream reads the answer as it is generated, so a
