@@ -172,6 +172,7 @@ DEFAULTS = BenchParams(
 USAGE = f"""usage: infer-bench [options]
        infer-bench compare BASE CANDIDATE [--plot FILE.png] [-o md|csv|json]
        infer-bench vs-llamacpp [--reps N] [--out DIR] ...   (reference engine vs llama.cpp)
+       infer-bench tune -m MODEL [-e ENGINE] [--budget 10m]  (tune, check, write a recipe)
 
 options:
   -h, --help
@@ -192,6 +193,7 @@ options:
   -E <key=value>                            engine-specific setting (repeatable)
   --url <url>                               base URL of an OpenAI-compatible server (-e openai)
   --api-key <key>                           API key sent to --url
+  --recipe <path|name|none>                 recipe to use (default: the best that applies here)
   --concurrency <n>                         server load test: requests in flight (with --url)
   --requests <n>                            server load test: requests in all (default: 8 x concurrency)
   -r, --repetitions <n>                     (default: 5)
