@@ -346,7 +346,7 @@ def tune(
     if not no_conformance:
         print("infer-bench tune: checking the tuned setting with the conformance core ...", file=sys.stderr)
         verdict = t.check_conformance(cls, model_ref, model_path, outcome.tuned, events)
-    recipe = _make_recipe(cls, model_ref, model_path, outcome, verdict, args, reps, name, rss)
+    recipe = _make_recipe(cls, model_ref, model_path, outcome, verdict, args, name, rss)
     _print_table(recipe, outcome, model_ref, cls.name)
     if verdict == "fail":
         from stdengine.errors import InferError
@@ -367,7 +367,6 @@ def _make_recipe(
     outcome: Any,
     verdict: str,
     engine_args: dict[str, str],
-    reps: int,
     name: str | None,
     rss: int,
 ) -> Any:
