@@ -158,19 +158,43 @@ class Stream:
         return False
 
 
-def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """A streamed completion that generates exactly max_tokens tokens where the server allows it
-    (min_tokens: llama-cpp-python, vLLM; ignore_eos: llama-server, vLLM), greedily."""
-    return {
+EXTENSIONS = ("min_tokens", "ignore_eos")
+
+
+def completion_body(model: str, prompt: str, max_tokens: int, extensions: bool = True) -> dict[str, Any]:
+    """A streamed completion, greedily, that generates exactly max_tokens tokens where the server
+    allows it (the EXTENSIONS: min_tokens: llama-cpp-python, vLLM, infer serve; ignore_eos:
+    llama-server, vLLM, infer serve); without extensions, a plain OpenAI request."""
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "min_tokens": max_tokens,
-        "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if extensions:
+        body.update(min_tokens=max_tokens, ignore_eos=True)
+    return body
+
+
+def refused_extensions(s: Stream) -> list[str]:
+    """The extension fields a refused request's error names (a 400 such as OpenAI's
+    "Unrecognized request argument supplied: min_tokens")."""
+    if s.error is None or not s.error.startswith("HTTP 4"):
+        return []
+    return [f for f in EXTENSIONS if f in s.error]
+
+
+def check_extensions(s: Stream) -> None:
+    """A clear error when the server refused the length-fixing extension fields."""
+    named = refused_extensions(s)
+    if named:
+        raise EngineFailure(
+            f"the server refused the benchmark's extension field(s) {', '.join(named)}: {s.error}",
+            hint="rerun with --no-extensions to send plain OpenAI requests (answers may then end "
+            "before -n tokens; the load test counts them as 'short')",
+        )
 
 
 def stream_completion(

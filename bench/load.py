@@ -18,6 +18,7 @@ from stdengine.bench.client import (
     Prompts,
     Stream,
     Target,
+    check_extensions,
     completion_body,
     httpx_module,
     measure_latency,
@@ -95,7 +96,7 @@ async def _load(
         async with sem:
             s = streams[i]
             s.t_start = time.perf_counter()
-            body = completion_body(model, prompt, n_gen)
+            body = completion_body(model, prompt, n_gen, not params.no_extensions)
             try:
                 async with client.stream("POST", f"{target.api}/completions", json=body) as r:
                     if r.status_code != 200:
@@ -130,8 +131,10 @@ def run_load_test(params: BenchParams) -> dict[str, Any]:
         for _ in range(params.requests):
             text, n = maker.make(max(n_prompt, 1))
             prompts.append((text, n if n is not None else n_prompt))
-        if not params.no_warmup:
-            stream_completion(client, target.api, completion_body(model, maker.words(8), 2))
+        # the warm-up (a one-token probe with --no-warmup) also finds a server that refuses the
+        # extension fields, before the load runs every request into the same 400
+        probe = completion_body(model, maker.words(8), 1 if params.no_warmup else 2, not params.no_extensions)
+        check_extensions(stream_completion(client, target.api, probe))
     streams, duration = asyncio.run(_load(params, target, model, prompts, n_gen))
     metrics = load_metrics(streams, [n for _, n in prompts], duration, n_gen)
     return {
@@ -143,6 +146,7 @@ def run_load_test(params: BenchParams) -> dict[str, Any]:
         "concurrency": params.concurrency,
         "n_prompt": n_prompt,
         "n_gen": n_gen,
+        "extensions": not params.no_extensions,
         **metrics,
     }
 
@@ -162,7 +166,8 @@ def render_load(result: dict[str, Any], fmt: str) -> str:
         return json.dumps(result) + "\n"
     lines = [
         f"load test: {result['requests']} requests, concurrency {result['concurrency']}, "
-        f"pp{result['n_prompt']} tg{result['n_gen']} each, {result['model']} at {result['url']} ({result['engine']})",
+        f"pp{result['n_prompt']} tg{result['n_gen']} each, {result['model']} at {result['url']} ({result['engine']})"
+        + ("" if result.get("extensions", True) else ", plain requests (--no-extensions)"),
         "",
         "| metric           |       mean |     median |        p90 |        p99 |",
         "| ---------------- | ---------: | ---------: | ---------: | ---------: |",

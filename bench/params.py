@@ -142,6 +142,7 @@ class BenchParams:
     output_err: str = "none"
     progress: bool = False
     no_warmup: bool = False
+    no_extensions: bool = False  # server modes: send plain OpenAI requests (no min_tokens, ignore_eos)
     verbose: bool = False
     engine_args: dict[str, str] = field(default_factory=dict)
     url: str | None = None
@@ -199,6 +200,7 @@ options:
   -oe, --output-err <csv|json|jsonl|md|sql> (default: none)
   --progress                                print test progress indicators
   --no-warmup                               skip the warm-up runs before benchmarking
+  --no-extensions                           server modes: omit min_tokens / ignore_eos (answers may end early)
   -v, --verbose                             verbose output (engine logs and events on stderr)
 
 Multiple values can be given for each parameter by separating them with ','
@@ -320,6 +322,8 @@ def parse_args(argv: list[str]) -> BenchParams:
                 p.progress = True
             elif arg == "--no-warmup":
                 p.no_warmup = True
+            elif arg == "--no-extensions":
+                p.no_extensions = True
             elif arg in ("-v", "--verbose"):
                 p.verbose = True
             elif arg in NOT_SUPPORTED:

@@ -157,6 +157,55 @@ def options_for(inst: Instance, cls: Any, params: BenchParams, n_ctx: int) -> tu
     return values, given
 
 
+# Instance field -> the canonical option it is (what a recipe may set on a test).
+INSTANCE_OPTIONS = {
+    "n_batch": "batch_size",
+    "n_ubatch": "ubatch_size",
+    "n_threads": "threads",
+    "type_k": "cache_type_k",
+    "type_v": "cache_type_v",
+    "n_gpu_layers": "n_gpu_layers",
+    "flash_attn": "flash_attn",
+    "use_mmap": "mmap",
+}
+# Options a recipe may set that a test has no field for, passed to the engine as they are.
+RECIPE_EXTRAS = ("threads_batch", "engine_args")
+
+
+def recipe_for(
+    group: Group, cls: Any, params: BenchParams, ref: str | None, warn: Callable[[str], None]
+) -> tuple[Group, dict[str, Any], str]:
+    """The group with the recipe for its engine and model applied to what the command line did
+    not set (spec/recipes.md): its tests, the options without a test field, the recipe's name."""
+    from dataclasses import replace
+
+    from stdengine import recipes
+
+    first = group.tests[0][1]
+    chosen = recipes.select(ref, first.engine, first.model)
+    if chosen is None:
+        return group, {}, ""
+    for w in chosen.warnings:
+        warn(f"warning: {w}")
+    fields: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
+    for name, value in chosen.recipe.set_options().items():
+        # -t sets both thread counts, as llama-bench's does
+        if name in params.given or (name == "threads_batch" and "threads" in params.given):
+            continue
+        if not recipes.honoured(cls, name, value):
+            continue
+        field_name = next((f for f, o in INSTANCE_OPTIONS.items() if o == name), None)
+        if field_name is not None:
+            fields[field_name] = value
+        elif name in RECIPE_EXTRAS:
+            extras[name] = value
+    shown = " ".join(f"{k}={v}" for k, v in {**fields, **extras}.items())
+    warn(f"infer-bench: recipe {chosen.recipe.name} ({chosen.path}): {shown or 'nothing to apply'}")
+    tests = [(i, replace(inst, **fields)) for i, inst in group.tests]
+    return Group(tests[0][1].load_key(), tests), extras, chosen.recipe.name
+
+
 @dataclass
 class Group:
     """Consecutive tests that share a load configuration."""
@@ -209,9 +258,11 @@ def run(
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
     on_start: Callable[[], None] | None = None,
+    recipe: str | None = None,
 ) -> int:
     """Run every test; each finished record goes to on_record. Returns the exit status: 0, or the
-    status of the last error (an engine that failed to load or run is reported and skipped)."""
+    status of the last error (an engine that failed to load or run is reported and skipped).
+    `recipe`: the recipe to use (a file or name; "none": no recipe), else the best that applies."""
     from stdengine import registry
     from stdengine.options import Options
     from stdengine.store import resolve_model
@@ -247,11 +298,15 @@ def run(
     total = len(insts)
     status = 0
     for group in groups(insts):
+        cls = classes[group.tests[0][1].engine]
+        group, extras, recipe_name = recipe_for(group, cls, params, recipe, warn)
         first = group.tests[0][1]
-        cls = classes[first.engine]
         model_path = paths.get(first.model, first.model)
         inst0 = _with_model(first, model_path)
         values, given = options_for(inst0, cls, params, group.n_ctx)
+        if "engine_args" in extras:  # -E keys win over the recipe's
+            extras["engine_args"] = {**extras["engine_args"], **values["engine_args"]}
+        values.update(extras)
         try:
             registry.check_options(cls, given, values)
         except UnsupportedOption as e:
@@ -273,7 +328,19 @@ def run(
             continue
         try:
             status = (
-                _run_group(engine, cls, group, params, model_path, on_record, events, progress, total, warn)
+                _run_group(
+                    engine,
+                    cls,
+                    group,
+                    params,
+                    model_path,
+                    on_record,
+                    events,
+                    progress,
+                    total,
+                    warn,
+                    recipe_name,
+                )
                 or status
             )
         finally:
@@ -302,6 +369,7 @@ def _run_group(
     progress: Progress,
     total: int,
     warn: Callable[[str], None],
+    recipe_name: str = "",
 ) -> int:
     info = engine.info()
     commit, number = build_of(cls.name, info.build, info.version)
@@ -360,7 +428,7 @@ def _run_group(
             "engine_version": info.version,
             "engine_build": info.build,
             "n_ctx": n_ctx,
-            "recipe": "",
+            "recipe": recipe_name,
         }
         finish(rec, samples)
         events.info(

@@ -20,6 +20,7 @@ from stdengine.bench.client import (
     Prompts,
     Stream,
     Target,
+    check_extensions,
     completion_body,
     measure_latency,
     served_model,
@@ -102,7 +103,10 @@ def _one_test(
     progress: Any,
 ) -> dict[str, Any] | None:
     def request(prompt: str, max_tokens: int) -> Stream | None:
-        s = stream_completion(client, api, completion_body(model, prompt, max_tokens))
+        s = stream_completion(
+            client, api, completion_body(model, prompt, max_tokens, not params.no_extensions)
+        )
+        check_extensions(s)
         if s.error:
             warn(f"error: test {index}/{total}: {s.error}")
             return None

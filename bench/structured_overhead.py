@@ -5,9 +5,11 @@
 For each catalogue model, in one process: the same greedy tg of --tokens tokens with no
 constraint and with a constraint that lets every step run its full mask (a Lark grammar that
 accepts any text, so both runs produce the same tokens and do the same forward passes), runs
-interleaved. Prints the median generation ms/token of each and the overhead ratio; the median of
-per-run pair ratios is the headline (spec/structured.md). A json_object run is printed too (its
-tokens differ, so its ms/token is the fair number).
+interleaved. Prints the median generation ms/token of each, the overhead ratio (the median of
+per-run pair ratios), and the median time a step spends in the mask (Matcher.apply + consume:
+computing the mask, writing -inf, advancing the matcher), a figure that stays put on a busy
+machine, where the whole-token ratios are noisy. A json_object run is printed too (its tokens
+differ, so its ms/token is the fair number). spec/structured.md, "Cost".
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from stdengine.bench.compare_llamacpp import MODELS, machine
 
+from stdengine import structured
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams
 from stdengine.events import Emitter
 from stdengine.options import Options
@@ -40,6 +46,29 @@ def ms_per_token(engine: Any, constraint: Constraint | None, n: int) -> tuple[fl
     return t.predicted_ms / max(1, t.predicted_n), t.predicted_n
 
 
+@contextmanager
+def mask_steps(steps: list[float]) -> Iterator[None]:
+    """The seconds of each step's Matcher.apply + consume, appended to steps."""
+    cls = structured.Matcher
+    apply, consume = cls.apply, cls.consume
+
+    def timed_apply(self: Any, logits: Any) -> None:
+        t = time.perf_counter()
+        apply(self, logits)
+        steps.append(time.perf_counter() - t)
+
+    def timed_consume(self: Any, token: int) -> None:
+        t = time.perf_counter()
+        consume(self, token)
+        steps[-1] += time.perf_counter() - t
+
+    cls.apply, cls.consume = timed_apply, timed_consume  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.apply, cls.consume = apply, consume  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="reference")
@@ -57,16 +86,22 @@ def main(argv: list[str] | None = None) -> None:
         )
         try:
             ms_per_token(engine, ANY_TEXT, 4)  # warm up, and build the vocabulary's tokenizer once
-            free, masked, obj = [], [], []
+            free: list[float] = []
+            masked: list[float] = []
+            obj: list[float] = []
+            steps: list[float] = []  # seconds in the mask, each step of the any-text runs
             for _ in range(args.runs):
                 free.append(ms_per_token(engine, None, args.tokens)[0])
-                masked.append(ms_per_token(engine, ANY_TEXT, args.tokens)[0])
+                with mask_steps(steps):
+                    masked.append(ms_per_token(engine, ANY_TEXT, args.tokens)[0])
                 obj.append(ms_per_token(engine, Constraint.json_object(), args.tokens)[0])
             ratio = statistics.median(m / f for m, f in zip(masked, free, strict=True))
             print(
                 f"{model}: none {statistics.median(free):.2f} ms/token | any-text grammar "
-                f"{statistics.median(masked):.2f} ms/token (overhead {100 * (ratio - 1):+.1f}%) | "
-                f"json_object {statistics.median(obj):.2f} ms/token"
+                f"{statistics.median(masked):.2f} ms/token (overhead {100 * (ratio - 1):+.1f}%; "
+                f"mask {1e3 * statistics.median(steps):.3f} ms/step) | "
+                f"json_object {statistics.median(obj):.2f} ms/token",
+                flush=True,
             )
         finally:
             engine.close()

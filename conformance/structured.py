@@ -138,6 +138,31 @@ REGEXES: dict[str, tuple[str, str]] = {
 }
 
 
+# Grammars (llama.cpp's GBNF and llguidance's Lark), each with a Python regular expression that
+# accepts the same language, the independent judge. Both are regular and finite, so an answer ends
+# within the budget whatever the model does: the GBNF has several rules, a bounded repeat of a
+# rule, an optional sign and character classes; the Lark one rule alternatives and regex terminals.
+GRAMMARS: dict[str, tuple[str, str, str]] = {
+    # syntax: (prompt, grammar, its language as a Python regex)
+    "gbnf": (
+        "Three variables and their integer values:\n",
+        'root ::= "Answer: " item ("; " item){0,2} "."\n'
+        'item ::= name " = " number\n'
+        "name ::= [a-z] [a-z0-9_]{0,9}\n"
+        'number ::= "-"? [0-9]{1,4}\n',
+        r"Answer: [a-z][a-z0-9_]{0,9} = -?[0-9]{1,4}(; [a-z][a-z0-9_]{0,9} = -?[0-9]{1,4}){0,2}\.",
+    ),
+    "lark": (
+        "A greeting for a new colleague, with her name and age:\n",
+        'start: greeting ", " NAME "! You are " AGE " years old."\n'
+        'greeting: "Hello" | "Hi" | "Dear"\n'
+        "NAME: /[A-Z][a-z]{1,11}/\n"
+        "AGE: /[1-9][0-9]?/\n",
+        r"(Hello|Hi|Dear), [A-Z][a-z]{1,11}! You are [1-9][0-9]? years old\.",
+    ),
+}
+
+
 # --- judging (shared by the in-process and the HTTP checks) ------------------------------------
 def judge_json(out: Outcome, text: str, schema: dict[str, Any] | None, what: str) -> Any:
     """The text parses as JSON and, with a schema, validates against it (any JSON object without
@@ -253,6 +278,20 @@ def regex_check(name: str) -> Callable[[Context, Outcome], None]:
     return check
 
 
+def grammar_check(syntax: str) -> Callable[[Context, Outcome], None]:
+    prompt, grammar, language = GRAMMARS[syntax]
+
+    def check(ctx: Context, out: Outcome) -> None:
+        from stdengine.structured import Constraint
+
+        text, done = _constrained(ctx, prompt, Constraint.grammar(grammar, syntax))  # type: ignore[arg-type]
+        out.details.update(grammar=grammar, language=language, text=text)
+        _expect_finished(out, text, done, f"{syntax} grammar")
+        judge_regex(out, text, language, f"{syntax} grammar")
+
+    return check
+
+
 UNCHANGED_CASES = ("raw:count", "raw:emoji")  # digits and punctuation; words, emoji and CJK
 
 
@@ -319,6 +358,17 @@ def plan_structured(ctx: Context) -> list[Check]:
             "greedy output under a regex matches it in full",
         )
         for name in REGEXES
+    ]
+    checks += [
+        Check(
+            f"structured.grammar:syntax={syntax}",
+            level,
+            grammar_check(syntax),
+            needs,
+            True,
+            "greedy output under a grammar is in its language",
+        )
+        for syntax in GRAMMARS
     ]
     checks += [
         Check(

@@ -38,6 +38,7 @@ CAPABILITIES: dict[str, str] = {
     "gpu": "can offload layers to a GPU (n_gpu_layers)",
     "logprobs": "log-probabilities: generate() fills them when asked, score() rates a token sequence",
     "structured": "generate() honours GenerateRequest.constraint (JSON Schema, regex, grammar) by masking tokens",
+    "batch_decode": "LocalEngine._evaluate_batch evaluates several contexts' tokens in shared forward passes",
 }
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs / logprobs; the server refuses more
@@ -88,7 +89,11 @@ class GenerateRequest:
     the `logprobs` capability).
 
     constraint: what the output must match (stdengine.structured.Constraint), for engines that
-    declare the `structured` capability; others refuse it (UnsupportedOption)."""
+    declare the `structured` capability; others refuse it (UnsupportedOption).
+
+    ignore_eos: an end-of-generation token never ends generation (its logits are masked);
+    min_tokens: neither an end-of-generation token nor a stop string ends generation before this
+    many tokens (llama-server's and vLLM's extensions; engines with `eog_controls`)."""
 
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
@@ -96,6 +101,8 @@ class GenerateRequest:
     prompt_tokens: list[int] | None = None
     logprobs: int | None = None
     constraint: Constraint | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 @dataclass
@@ -215,6 +222,8 @@ class Engine(ABC):
     needs_model_file: ClassVar[bool] = True
     # True for engines whose generate() takes GenerateRequest.prompt_tokens (a prompt of token ids)
     takes_prompt_tokens: ClassVar[bool] = False
+    # True for engines whose generate() honours GenerateRequest.ignore_eos and min_tokens
+    eog_controls: ClassVar[bool] = False
 
     @classmethod
     def version(cls) -> str:

@@ -1,6 +1,7 @@
-"""Resolving the effective options from their four sources.
+"""Resolving the effective options from their sources.
 
-Precedence: command-line flag > INFER_* environment variable > config file > default. The config
+Precedence: command-line flag > INFER_* environment variable > recipe > config file > default.
+The recipe (stdengine.recipes) is chosen for the engine and model the other sources name. The config
 file is `--config PATH`, else `./infer.toml`, else `<user config dir>/stdengine/infer.toml`; it
 may be TOML or JSON (by extension). Every value keeps the name of its source so that
 `infer config show` can say where it came from.
@@ -16,12 +17,15 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from stdengine.errors import ConfigError
 from stdengine.options import ALIASES, DEFAULTS, OPTION_NAMES, ConfigFile, Options, env_var
+
+if TYPE_CHECKING:
+    from stdengine.recipes import Chosen
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,9 +38,10 @@ FILE_KEYS = (*OPTION_NAMES, "match")
 @dataclass
 class Resolved:
     options: Options
-    sources: dict[str, str]  # option name -> "flag", "env INFER_X", "file PATH", "default"
+    sources: dict[str, str]  # option name -> "flag", "env INFER_X", "recipe:NAME", "file PATH", "default"
     config_path: Path | None = None
     match: dict[str, Any] | None = field(default=None)
+    recipe: Chosen | None = None
 
     def explicitly_set(self) -> set[str]:
         """Options a user set (not left at their default): these must be honoured or refused."""
@@ -150,8 +155,13 @@ def resolve(
     config: str | None = None,
     env: Mapping[str, str] | None = None,
     engine_defaults: Mapping[str, Any] | None = None,
+    recipes: bool = False,
+    recipe: str | None = None,
 ) -> Resolved:
-    """Merge the sources. `flags` holds only what was given on the command line (None = not given)."""
+    """Merge the sources. `flags` holds only what was given on the command line (None = not given).
+    With `recipes` (the verbs that run an engine), the recipe named by `recipe` (a file or name;
+    "none" for no recipe), else the best one for the engine and model, sits between the
+    environment and the config file."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -170,6 +180,8 @@ def resolve(
         for name, value in data.items():
             values[name] = value
             sources[name] = f"file {path}"
+    # what the file and defaults say, under the recipe (if one is applied below)
+    below = (dict(values), dict(sources))
 
     for name in OPTION_NAMES:
         var = env_var(name)
@@ -191,6 +203,11 @@ def resolve(
         values[name] = list(value) if isinstance(value, tuple) else value
         sources[name] = "flag"
 
+    env_args = env.get(env_var("engine_args"), "") != ""
+    chosen = (
+        _apply_recipe(values, sources, below, recipe, flags.get("engine_args"), env_args) if recipes else None
+    )
+
     model = values.get("model")
     if isinstance(model, str) and not model.strip():
         src = sources["model"]
@@ -202,7 +219,53 @@ def resolve(
             key="model",
         )
     _validate(values, where="options")
-    return Resolved(options=Options.model_validate(values), sources=sources, config_path=path, match=match)
+    return Resolved(
+        options=Options.model_validate(values),
+        sources=sources,
+        config_path=path,
+        match=match,
+        recipe=chosen,
+    )
+
+
+def _apply_recipe(
+    values: dict[str, Any],
+    sources: dict[str, str],
+    below: tuple[dict[str, Any], dict[str, str]],
+    ref: str | None,
+    flag_args: Mapping[str, str] | None,
+    env_args: bool,
+) -> Chosen | None:
+    """Choose the recipe for the engine and model the other sources name, and let it set what no
+    flag or INFER_* variable set (a config file's value gives way to it). What the engine does not
+    honour is left out (a recipe never makes a run fail); engine arguments merge key by key."""
+    from stdengine import recipes
+
+    chosen = recipes.select(ref, values["engine"], values.get("model"))
+    if chosen is None:
+        return None
+    _, cls = recipes.engine_version(values["engine"])
+    same_engine = chosen.recipe.applies_to.engine == values["engine"]
+    below_values, below_sources = below
+    for name, value in chosen.recipe.set_options().items():
+        if name == "engine_args":
+            if not same_engine:  # another engine's arguments mean nothing here
+                chosen.ignored.append(name)
+            elif env_args:  # INFER_ENGINE_ARGS replaces the lower layers
+                chosen.overridden.append(name)
+            else:  # file < recipe < -E, key by key
+                values[name] = {**below_values[name], **value, **dict(flag_args or {})}
+                sources[name] = "flag" if flag_args else chosen.source
+                chosen.applied[name] = value
+        elif not recipes.honoured(cls, name, value):
+            chosen.ignored.append(name)
+        elif sources[name] != below_sources[name]:  # a flag or variable set it
+            chosen.overridden.append(name)
+        else:
+            values[name] = value
+            sources[name] = chosen.source
+            chosen.applied[name] = value
+    return chosen
 
 
 def parse_engine_args(items: tuple[str, ...] | list[str]) -> dict[str, str]:

@@ -22,6 +22,8 @@ LEVELS: dict[str, int] = {"debug": 10, "info": 20, "warn": 30, "error": 40}
 KNOWN_EVENTS: dict[str, str] = {
     "run.start": "a command started (command, argv)",
     "config.resolved": "the effective options and where each came from",
+    "recipe.applied": "a recipe set options for this run (name, path, applied, overridden, ignored; "
+    "level `warn` with `warnings` when it was made for another machine, engine or model)",
     "model.pull": "a catalogue model is being fetched (name, step, package, bytes; step `progress`: "
     "bytes of total downloaded, one per tenth of a wheel, at info level in the JSON log format)",
     "model.loaded": "a model is loaded (path, architecture, n_params, load_ms; the engine's build: "
@@ -46,6 +48,7 @@ KNOWN_EVENTS: dict[str, str] = {
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "run.start": ("command",),
     "config.resolved": ("options", "sources"),
+    "recipe.applied": ("name", "path", "applied"),
     "model.pull": ("name", "step"),
     "model.loaded": ("path",),
     "prompt.evaluated": ("prompt_n", "prompt_ms", "prompt_per_second"),

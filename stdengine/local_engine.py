@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from stdengine.adapter import (
     DoneEvent,
     Engine,
@@ -33,8 +35,7 @@ from stdengine.errors import ContextOverflow, InvalidRequest
 from stdengine.generation import StopMatcher, render_chat_template, request_tokens, validate_sampling
 
 if TYPE_CHECKING:
-    import numpy as np
-
+    from stdengine.batching import Batcher
     from stdengine.events import Emitter
     from stdengine.options import Options
     from stdengine.structured import Matcher, Vocabulary
@@ -51,6 +52,7 @@ class LocalEngine(Engine):
     the hooks)."""
 
     takes_prompt_tokens = True
+    eog_controls = True
     template: str | None
     events: Emitter
     bos_id: int | None
@@ -58,6 +60,8 @@ class LocalEngine(Engine):
     add_bos: bool
     n_vocab: int
     tokens: list[int]
+    # set (Batcher.attach) when this context shares steps with other contexts of its model
+    batcher: Batcher | None = None
 
     @staticmethod
     def thread_counts(options: Options) -> tuple[int, int]:
@@ -95,6 +99,17 @@ class LocalEngine(Engine):
 
     # --- generation ------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+        batcher = self.batcher
+        if batcher is None:
+            yield from self._generate(request)
+            return
+        batcher.join(self)
+        try:
+            yield from self._generate(request)
+        finally:
+            batcher.leave(self)
+
+    def _generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         s = request.sampling
         want_logprobs = check_logprobs(request.logprobs)
         if request.prompt_tokens is not None:
@@ -132,6 +147,8 @@ class LocalEngine(Engine):
                 if constraint is not None:
                     # an end-of-generation token stays allowed only where the output is complete
                     constraint.apply(self._logits_buffer())
+                if request.ignore_eos or n_gen < request.min_tokens:
+                    self._logits_buffer()[self._eog_ids()] = -np.inf  # cannot end here
                 tok = next(samples)
                 if self._is_eog(tok):
                     finish = "stop"
@@ -140,7 +157,11 @@ class LocalEngine(Engine):
                     constraint.consume(tok)
                 n_gen += 1
                 self._progress = (prompt_n, t1 - t0, t1, n_gen)
-                delta, matched = stops.feed(text.push(tok))
+                piece = text.push(tok)
+                if n_gen <= request.min_tokens:  # stop strings count from the min_tokens-th token on
+                    delta, matched = stops.flush() + piece, None
+                else:
+                    delta, matched = stops.feed(piece)
                 event = TokenEvent(tok, delta)
                 if logits is not None and want_logprobs is not None:
                     self._add_logprobs(event, logits, want_logprobs)
@@ -152,7 +173,7 @@ class LocalEngine(Engine):
                     break  # the context is full: finish with "length"
                 if s.n_predict >= 0 and n_gen >= s.n_predict:
                     break
-                self._evaluate([tok])
+                self._step([tok])
         finally:
             samples.close()
         if matched is None:
@@ -175,6 +196,15 @@ class LocalEngine(Engine):
 
         check_constraint(self, request)
         return Matcher(tokenizer_for(self._vocab_owner(), self._vocabulary), request.constraint, self.n_vocab)
+
+    def _eog_ids(self) -> np.ndarray:
+        """The ids of the end-of-generation tokens (found once per context)."""
+        ids = getattr(self, "_eog_cache", None)
+        if ids is None:
+            ids = self._eog_cache = np.array(
+                [t for t in range(self.n_vocab) if self._is_eog(t)], dtype=np.int64
+            )
+        return ids
 
     def _add_logprobs(self, event: TokenEvent, logits: np.ndarray, n: int) -> None:
         lp = log_softmax(logits)
@@ -221,8 +251,15 @@ class LocalEngine(Engine):
         common = min(common, len(prompt) - 1)  # always evaluate the last token, for its logits
         common = self._keep_prefix(common)
         todo = prompt[common:]
-        self._evaluate(todo)
+        self._step(todo)
         return len(todo)
+
+    def _step(self, tokens: list[int]) -> None:
+        """_evaluate, through the batcher when this context shares steps with others."""
+        if self.batcher is None:
+            self._evaluate(tokens)
+        else:
+            self.batcher.evaluate(self, tokens)
 
     # --- hooks -----------------------------------------------------------------------------
     def token_text(self, token: int) -> str:
@@ -258,6 +295,15 @@ class LocalEngine(Engine):
     def _evaluate(self, tokens: list[int]) -> None:
         """Append tokens to the context (and to self.tokens); the last one's logits are kept."""
         raise NotImplementedError
+
+    def _evaluate_batch(self, items: list[tuple[LocalEngine, list[int]]]) -> None:
+        """Evaluate each (context, tokens) item as its context's _evaluate would; the contexts are
+        this engine's new_context() family. The default is a loop of _evaluate calls; an engine
+        with the `batch_decode` capability evaluates them in shared forward passes (the weights
+        read once per pass), with every context's logits and cache bit-identical to evaluating it
+        alone, and on an error evaluates nothing."""
+        for ctx, tokens in items:
+            ctx._evaluate(tokens)
 
     def _sample_tokens(self, s: SamplingParams) -> Generator[int, None, None]:
         """Sample from the last logits each time it is asked; closed when generation ends."""

@@ -33,7 +33,14 @@ def schemas() -> dict[str, dict[str, Any]]:
         "options.schema.json": Options.model_json_schema(),
         "config.schema.json": ConfigFile.model_json_schema(),
         "event.schema.json": event_schema(),
+        "recipe.schema.json": recipe_schema(),
     }
+
+
+def recipe_schema() -> dict[str, Any]:
+    from stdengine.recipes import Recipe
+
+    return Recipe.model_json_schema()
 
 
 def event_schema() -> dict[str, Any]:

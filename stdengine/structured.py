@@ -177,8 +177,8 @@ class Matcher:
         if self._m.is_error():
             raise InvalidRequest(f"bad {constraint.describe()}: {self._m.get_error()}")
         self.n_vocab = n_vocab
-        self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
-        self._bytes = self._bits.view(np.uint8)
+        self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)  # llguidance's: 1 = allowed
+        self._forbidden = np.empty_like(self._bits)  # its complement, reused
 
     def apply(self, logits: np.ndarray) -> None:
         """Set the logits of the tokens the constraint forbids now to -inf, in place."""
@@ -186,12 +186,13 @@ class Matcher:
 
         self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         self._fail_if_error()
-        allowed = np.flatnonzero(np.unpackbits(self._bytes, count=self.n_vocab, bitorder="little"))
-        # usually few tokens are allowed: keep theirs and fill the rest (cheaper than a
-        # boolean-indexed write over the whole vocabulary)
-        keep = logits[allowed]
-        logits.fill(-np.inf)
-        logits[allowed] = keep
+        # Whole-array passes, no index arrays: the complemented bits unpacked to a byte a token
+        # and read as the boolean `where` of one copyto (~40 us on a 262k vocabulary; the index
+        # arrays of np.flatnonzero cost ~20x that). spec/structured.md, "Cost".
+        np.invert(self._bits, out=self._forbidden)
+        forbidden = np.unpackbits(self._forbidden.view(np.uint8), count=self.n_vocab, bitorder="little")
+        np.copyto(logits[: self.n_vocab], -np.inf, where=forbidden.view(np.bool_))
+        logits[self.n_vocab :] = -np.inf
 
     def consume(self, token: int) -> None:
         """The sampled token (never an end-of-generation one: those end the loop)."""

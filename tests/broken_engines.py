@@ -245,7 +245,12 @@ class NoisyLogits(Faulty, noisy_logits(0.1)):  # type: ignore[misc]
 class IgnoresConstraint(Faulty):
     """Declares `structured` but generates as if the request had no constraint."""
 
-    fails = ("structured.json_schema:*", "structured.json_object", "structured.regex:*")
+    fails = (
+        "structured.json_schema:*",
+        "structured.json_object",
+        "structured.regex:*",
+        "structured.grammar:*",
+    )
     fails_served = (
         "http.structured.json_schema:*",
         "http.structured.json_object",
@@ -260,7 +265,12 @@ class DropsLastConstrainedToken(Faulty):
     """Honours the constraint but loses the last token of a constrained answer (the closing brace
     or quote the constraint forced): the JSON it emits does not parse."""
 
-    fails = ("structured.json_schema:*", "structured.json_object", "structured.regex:*")
+    fails = (
+        "structured.json_schema:*",
+        "structured.json_object",
+        "structured.regex:*",
+        "structured.grammar:*",
+    )
 
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
         if request.constraint is None:

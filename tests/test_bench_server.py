@@ -171,3 +171,71 @@ def test_load_metrics_formulas():
     assert m["total_token_throughput"] == pytest.approx((10 + 20 + 4) / 2)
     assert percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
     assert math.isnan(load_metrics([c], [1], 1.0, 1)["ttft_ms"]["mean"])
+
+
+# --- the load mode against infer serve ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def infer_serve(smollm2_path, tmp_path_factory):
+    """`infer serve` on SmolLM2 (reference engine), two sequences in flight."""
+    from test_server_toy import Server
+
+    s = Server(
+        ["-e", "reference", "-m", str(smollm2_path), "-np", "2", "-c", "512", "-t", "2"],
+        tmp_path_factory.mktemp("serve"),
+    )
+    yield s
+    assert s.stop() == 0
+
+
+def test_load_test_against_infer_serve(infer_serve):
+    load = "-p 16 -n 8 --concurrency 2 --requests 4 -o json"
+    r = bench("-e", "openai", "--url", infer_serve.url, *load.split())
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    # min_tokens / ignore_eos are honoured: every answer has exactly -n tokens
+    assert res["completed"] == 4 and res["errors"] == 0 and res["short"] == 0 and res["extensions"]
+    assert res["total_output_tokens"] == 32
+    assert res["output_throughput"] > 0 and res["request_throughput"] > 0 and res["ttft_ms"]["median"] > 0
+
+
+def test_ignore_eos_and_min_tokens(infer_serve):
+    import httpx
+
+    def ask(**extra):
+        body = {
+            "messages": [{"role": "user", "content": "Say hi."}],
+            "max_tokens": 60,
+            "temperature": 0,
+            **extra,
+        }
+        r = httpx.post(infer_serve.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["finish_reason"], r.json()["usage"]["completion_tokens"]
+
+    finish, n = ask()
+    assert finish == "stop" and n < 40  # the model's own answer ends early (an end-of-turn token)
+    assert ask(ignore_eos=True) == ("length", 60)
+    assert ask(min_tokens=n + 10)[1] >= n + 10
+    assert ask(min_tokens=0) == ("stop", n)
+    r = httpx.post(infer_serve.url + "/v1/completions", json={"prompt": "a", "min_tokens": -1}, timeout=30)
+    assert r.status_code == 400 and "min_tokens" in r.text
+
+
+def test_load_test_says_which_extensions_a_server_refuses(tmp_path):
+    from test_server_toy import toy_server
+
+    s = toy_server(tmp_path)  # the toy engine cannot honour min_tokens / ignore_eos: a 400 naming them
+    try:
+        args = ("-e", "openai", "--url", s.url, "-p", "4", "-n", "2", "--concurrency", "1", "--requests", "2")
+        r = bench(*args)
+        assert r.returncode != 0 and r.stdout == ""
+        assert "refused the benchmark's extension field(s) min_tokens, ignore_eos" in r.stderr
+        assert "--no-extensions" in r.stderr
+        r = bench(*args, "--no-extensions", "-o", "json")
+        assert r.returncode == 0, r.stderr
+        res = json.loads(r.stdout)
+        assert res["errors"] == 0 and res["completed"] == 2 and not res["extensions"]
+    finally:
+        assert s.stop() == 0

@@ -25,8 +25,15 @@ from stdengine.events import null_emitter
 from stdengine.options import Options
 
 ONLY = "structured.*"
-# a check per schema, json_object, a check per regex, a check per golden case of the unchanged check
-N_CHECKS = len(structured.SCHEMAS) + 1 + len(structured.REGEXES) + len(structured.UNCHANGED_CASES)
+# a check per schema, json_object, a check per regex and per grammar syntax, a check per golden
+# case of the unchanged check
+N_CHECKS = (
+    len(structured.SCHEMAS)
+    + 1
+    + len(structured.REGEXES)
+    + len(structured.GRAMMARS)
+    + len(structured.UNCHANGED_CASES)
+)
 
 
 def run(cls: type, path: Path, alias: str, threads: int = 2) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import httpx
 import jsonschema
+import llguidance
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -26,6 +27,7 @@ from test_server_engines import RealServer, engine_ready
 
 from stdengine.errors import InvalidRequest, UnsupportedOption
 from stdengine.server import api, tools
+from stdengine.structured import Constraint, Vocabulary, tokenizer_for
 
 # --- request parsing, without a model -------------------------------------------------------------
 
@@ -125,6 +127,91 @@ def test_closed_objects_follows_llama_server() -> None:
     # integers without bounds are kept to the range every JSON parser holds exactly
     age = tools.closed_objects({"type": "integer", "minimum": 0})
     assert age == {"type": "integer", "minimum": 0, "maximum": 2**53 - 1}
+
+
+# --- parallel tool calls: the constraint and the parsing, on a byte vocabulary ----------------------
+
+
+class _Owner:  # what a byte vocabulary's compiled tokenizer is cached on
+    pass
+
+
+_BYTES = _Owner()
+
+
+def accepts(constraint: Constraint, text: str) -> bool:
+    """Whether the constraint lets a generation produce exactly this text and end (each byte one
+    token, the end-of-generation token 256)."""
+    vocab = Vocabulary([bytes([i]) for i in range(256)] + [b"<eos>"], [256], [256], list)
+    matcher = llguidance.LLMatcher(tokenizer_for(_BYTES, lambda: vocab), constraint.compiled, log_level=0)
+    data = list(text.encode())
+    if matcher.validate_tokens(data) != len(data):
+        return False
+    matcher.consume_tokens(data)
+    return bool(matcher.is_accepting())
+
+
+def plan_for(**fields: Any) -> tools.ToolPlan:
+    plan = tools.tool_plan(chat_request(tools=[WEATHER, ADD], **fields), "e", frozenset({"structured"}))
+    assert plan is not None
+    return plan
+
+
+OSLO = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+ADD_1_2 = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_parallel_calls_are_an_array_of_calls(choice: str) -> None:
+    """parallel_tool_calls (OpenAI's default true): the answer may be one call or an array of
+    calls; false: exactly one call. Under auto a text stays possible, but never one that starts
+    like a call."""
+    two = f"[{OSLO}, {ADD_1_2}]"
+    parallel, single = plan_for(tool_choice=choice), plan_for(tool_choice=choice, parallel_tool_calls=False)
+    assert accepts(parallel.constraint(), OSLO) and accepts(single.constraint(), OSLO)
+    assert accepts(parallel.constraint(), two)
+    # without parallel calls an array is no call: refused, or under auto a text like any other
+    assert accepts(single.constraint(), two) == (choice == "auto")
+    assert not accepts(parallel.constraint(), "[]")  # an array holds at least one call
+    bad = '[{"name": "add", "arguments": {"a": 1, "b": 20}}]'  # b above its maximum
+    assert not accepts(parallel.constraint(), bad)
+    assert accepts(parallel.constraint(), "Hello.") == (choice == "auto")
+    assert not accepts(parallel.constraint(), " " + two)  # blank, then a call: neither text nor call
+
+    calls = parallel.parse(two)
+    assert calls is not None and [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Oslo", "unit": "celsius"},
+        {"a": 1, "b": 2},
+    ]
+    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
+    assert single.parse(two) is None
+    assert parallel.parse(two[:-1]) is None  # cut off by max_tokens: not calls
+    deltas = tools.call_deltas(calls)
+    assert [d[0]["index"] for d in deltas] == [0, 0, 1, 1]
+    assert "You must call one of them" in plan_for(tool_choice="required").instructions()
+    assert "JSON array" in parallel.instructions() and "JSON array" not in single.instructions()
+
+
+def test_several_earlier_calls_are_written_back_as_an_array() -> None:
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "add", "arguments": f'{{"a": {i}, "b": 1}}'}}
+        for i in (1, 2)
+    ]
+    req = chat_request(
+        messages=[
+            {"role": "user", "content": "add"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c2", "content": "3"},
+        ],
+        tools=[ADD],
+    )
+    messages = api.chat_messages(req)
+    assert json.loads(messages[1]["content"]) == [
+        {"name": "add", "arguments": {"a": 1, "b": 1}},
+        {"name": "add", "arguments": {"a": 2, "b": 1}},
+    ]
+    assert messages[2]["content"] == "Result of add: 3"
 
 
 # --- end to end, on both catalogue models ---------------------------------------------------------
@@ -250,6 +337,7 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
             messages=messages,
             tools=[WEATHER, ADD],
             tool_choice=choice,
+            parallel_tool_calls=False,  # one call: a small model may repeat calls until max_tokens
             max_tokens=80,
             temperature=0,  # type: ignore[list-item]
         )
@@ -276,6 +364,28 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
+def test_parallel_tool_calls(client: openai.OpenAI) -> None:
+    """OpenAI's default parallel_tool_calls: the answer may hold several calls, each valid, each
+    with its own id; MAX_PARALLEL_CALLS bounds them, so the answer completes (the catalogue
+    models, greedy, answer 1 to 8 calls here)."""
+    r = client.chat.completions.create(
+        model=model_id(client),
+        messages=[{"role": "user", "content": "What is the weather in Paris and in Rome?"}],
+        tools=[WEATHER, ADD],
+        tool_choice="required",
+        max_tokens=300,
+        temperature=0,
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    calls = c.message.tool_calls or []
+    assert 1 <= len(calls) <= tools.MAX_PARALLEL_CALLS
+    assert len({call.id for call in calls}) == len(calls)
+    for call in calls:
+        name = call.function.name  # type: ignore[union-attr]
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[name])  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("choice", ["required", "auto"])
 def test_streamed_tool_calls_are_the_whole_answer(client: openai.OpenAI, choice: str) -> None:
     """Greedy: the stream's content, or its delta.tool_calls joined by index, is the whole
@@ -286,29 +396,33 @@ def test_streamed_tool_calls_are_the_whole_answer(client: openai.OpenAI, choice:
             "messages": [{"role": "user", "content": prompt}],
             "tools": [WEATHER, ADD],
             "tool_choice": choice,
-            "max_tokens": 40,
+            "max_tokens": 200 if choice == "required" else 40,  # room for several calls
             "temperature": 0,
         }
         whole = client.chat.completions.create(**args).choices[0]
-        content, name, arguments, ids, finish = "", "", "", set(), None
+        content, finish = "", None
+        calls: dict[int, dict[str, str]] = {}  # index -> id, name, arguments joined
         for chunk in client.chat.completions.create(**args, stream=True):
             delta = chunk.choices[0].delta
             content += delta.content or ""
             for d in delta.tool_calls or []:
-                assert d.index == 0
-                ids |= {d.id} - {None}
-                name += d.function.name or "" if d.function else ""
-                arguments += d.function.arguments or "" if d.function else ""
+                call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += d.id or ""
+                call["name"] += d.function.name or "" if d.function else ""
+                call["arguments"] += d.function.arguments or "" if d.function else ""
             finish = chunk.choices[0].finish_reason or finish
         assert finish == whole.finish_reason
         if whole.message.tool_calls is None:
-            assert choice == "auto" and content == whole.message.content and not ids
-            assert not content.lstrip().startswith("{")  # auto's grammar: text, or a whole call
+            assert content == whole.message.content and not calls
+            if choice == "auto":
+                assert not content.lstrip().startswith(("{", "["))  # auto's grammar: text, or calls
             continue
-        assert finish == "tool_calls" and len(ids) == 1 and not content
-        call = whole.message.tool_calls[0].function  # type: ignore[union-attr]
-        assert (name, json.loads(arguments)) == (call.name, json.loads(call.arguments))
-        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+        assert finish == "tool_calls" and not content
+        assert sorted(calls) == list(range(len(whole.message.tool_calls)))
+        assert len({c["id"] for c in calls.values()}) == len(calls)
+        for i, call in enumerate(whole.message.tool_calls):
+            assert (calls[i]["name"], calls[i]["arguments"]) == (call.function.name, call.function.arguments)  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(calls[i]["arguments"]), PARAMETERS[calls[i]["name"]])
 
 
 def test_llm_cli_schema(served: RealServer, client: openai.OpenAI, tmp_path: Path) -> None:

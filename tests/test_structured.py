@@ -193,3 +193,33 @@ def test_an_engine_without_the_capability_refuses() -> None:
     with pytest.raises(UnsupportedOption, match="structured"):
         check_constraint(NoStructured(), request)  # type: ignore[arg-type]
     check_constraint(NoStructured(), GenerateRequest(prompt="x"))  # type: ignore[arg-type]
+
+
+class _Owner:  # what the byte vocabulary's compiled tokenizer is cached on
+    pass
+
+
+_BYTES = _Owner()
+
+
+def test_the_mask_sets_exactly_the_forbidden_logits_to_minus_infinity() -> None:
+    """On a byte vocabulary (token i = byte i, 256 = end of generation) the allowed tokens of
+    each step of the regex '[ab]c' are known by hand: the mask leaves their logits as they were
+    and every other one -inf, past the vocabulary too (a longer buffer), at every step."""
+    import numpy as np
+
+    from stdengine.structured import Matcher, Vocabulary, tokenizer_for
+
+    vocab = Vocabulary([bytes([i]) for i in range(256)] + [b"<eos>"], [256], [256], list)
+    n = len(vocab.pieces)
+    matcher = Matcher(tokenizer_for(_BYTES, lambda: vocab), Constraint.regex("[ab]c"), n)
+    raw = np.arange(n + 3, dtype=np.float32) - 100.0  # distinct values, a few negative
+    for token, allowed in ((ord("b"), {ord("a"), ord("b")}), (ord("c"), {ord("c")}), (None, {256})):
+        logits = raw.copy()
+        matcher.apply(logits)
+        want = np.full_like(raw, -np.inf)
+        want[sorted(allowed)] = raw[sorted(allowed)]
+        np.testing.assert_array_equal(logits, want)
+        if token is not None:
+            matcher.consume(token)
+    assert matcher.done

@@ -6,6 +6,8 @@
     infer bench -e openai --url http://127.0.0.1:8080 --concurrency 4 --requests 32 -p 128 -n 64
     infer bench compare base.jsonl candidate.jsonl --plot cmp.png
     infer bench vs-llamacpp --reps 3     # the reference engine against llama.cpp (compare_llamacpp)
+    infer bench tune -m smollm2-135m-instruct --budget 5m   # tune, check, write a recipe
+    infer bench --recipe none ...        # no recipe (by default the best one that applies is used)
 
 Results go to stdout in the -o format (and to stderr in the -oe format); progress, warnings and
 errors go to stderr. spec/bench-record.md defines every field and metric. The flags are
@@ -16,7 +18,10 @@ arguments over untouched.
 from __future__ import annotations
 
 import io
+import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -45,6 +50,11 @@ def main(argv: list[str] | None = None) -> None:
         from stdengine.bench.compare_llamacpp import main as vs_main
 
         sys.exit(vs_main(argv[1:], prog="infer bench vs-llamacpp"))
+    if argv and argv[0] == "tune":
+        from stdengine.cli.common import run_cli as run_verb
+
+        run_verb(tune, argv[1:], prog_name="infer bench tune")
+    argv, recipe = take_recipe(argv)
     try:
         params = parse_args(argv)
     except ParamError as e:
@@ -54,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, end="", file=sys.stderr)
         sys.exit(1)
     try:
-        status = run_cli(params)
+        status = run_cli(params, recipe)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)
@@ -90,7 +100,22 @@ def server_mode(params: BenchParams) -> bool:
     return all("logits" not in registry.engine_class(name).capabilities for name in params.engines)
 
 
-def run_cli(params: BenchParams) -> int:
+def take_recipe(argv: list[str]) -> tuple[list[str], str | None]:
+    """`--recipe PATH|NAME|none` (else INFER_RECIPE) out of llama-bench's flags."""
+    rest: list[str] = []
+    recipe = os.environ.get("INFER_RECIPE") or None
+    it = iter(argv)
+    for arg in it:
+        if arg == "--recipe":
+            recipe = next(it, "")
+        elif arg.startswith("--recipe="):
+            recipe = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return rest, recipe
+
+
+def run_cli(params: BenchParams, recipe: str | None = None) -> int:
     from stdengine.bench.printers import make_printer
 
     if server_mode(params):
@@ -123,13 +148,13 @@ def run_cli(params: BenchParams) -> int:
             from stdengine.bench.progress import BarProgress
 
             with BarProgress(runs) as bar:
-                status = run(params, on_record, events, progress=bar, on_start=on_start)
+                status = run(params, on_record, events, progress=bar, on_start=on_start, recipe=recipe)
         elif params.progress:
             from stdengine.bench.progress import LineProgress
 
-            status = run(params, on_record, events, progress=LineProgress(), on_start=on_start)
+            status = run(params, on_record, events, progress=LineProgress(), on_start=on_start, recipe=recipe)
         else:
-            status = run(params, on_record, events, on_start=on_start)
+            status = run(params, on_record, events, on_start=on_start, recipe=recipe)
     finally:
         if started:
             for p in printers:
@@ -148,6 +173,292 @@ def bench(args: tuple[str, ...]) -> None:
     compare BASE CAND` compares two results files; `infer bench vs-llamacpp` runs the reference
     engine against llama.cpp on this machine. `infer-bench` is the same command."""
     main(list(args))
+
+
+# --- infer bench tune -----------------------------------------------------------------------
+
+
+class _LineView:
+    """Progress as lines on stderr (not a terminal, or -v)."""
+
+    def trying(self, option: str, config: dict[str, Any], round_: int, rounds: int) -> None:
+        shown = config.get(option, "") if option != "final" else "default vs tuned"
+        print(f"infer-bench tune: {option}={shown} (round {round_}/{rounds})", file=sys.stderr, flush=True)
+
+    def result(self, option: str, best: dict[str, Any], best_ts: dict[str, float | None]) -> None:
+        print(f"infer-bench tune: best after {option}: {_setting(best)} {_speeds(best_ts)}", file=sys.stderr)
+
+    def note(self, text: str) -> None:
+        print(f"infer-bench tune: {text}", file=sys.stderr, flush=True)
+
+
+class _RichView(_LineView):
+    """A live view on a terminal: what is being tried, and the best setting so far."""
+
+    def __init__(self, budget_s: float) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = Console(stderr=True)
+        self.live = Live(console=self.console, transient=False, refresh_per_second=4)
+        self.budget_s = budget_s
+        self.current = ""
+        self.best = "(defaults, not measured yet)"
+        self.t0 = time.monotonic()
+
+    def __enter__(self) -> _RichView:
+        self.live.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.live.stop()
+
+    def _render(self) -> Any:
+        from rich.table import Table
+
+        t = Table.grid(padding=(0, 1))
+        t.add_row("[bold]trying[/]", self.current)
+        t.add_row("[bold]best so far[/]", self.best)
+        t.add_row("[bold]elapsed[/]", f"{time.monotonic() - self.t0:.0f} s of {self.budget_s:.0f} s")
+        return t
+
+    def trying(self, option: str, config: dict[str, Any], round_: int, rounds: int) -> None:
+        shown = f"{option}={config.get(option)}" if option != "final" else "final: default vs tuned"
+        self.current = f"{shown}   (round {round_}/{rounds})"
+        self.live.update(self._render())
+
+    def result(self, option: str, best: dict[str, Any], best_ts: dict[str, float | None]) -> None:
+        self.best = f"{_setting(best)}  {_speeds(best_ts)}"
+        self.live.update(self._render())
+
+    def note(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+
+def _setting(config: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in config.items())
+
+
+def _speeds(ts: dict[str, float | None]) -> str:
+    return " ".join(f"{k} {v:.1f} t/s" for k, v in ts.items() if v is not None)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-m", "--model", default=None, help="model (alias, path); default: the default model")
+@click.option("-e", "--engine", default="reference", show_default=True, help="engine to tune")
+@click.option(
+    "--budget", default="10m", show_default=True, help="time for the search and the final comparison"
+)
+@click.option(
+    "-r", "--reps", default=3, show_default=True, type=click.IntRange(1), help="repetitions per setting"
+)
+@click.option(
+    "-p", "--n-prompt", default=512, show_default=True, type=click.IntRange(1), help="prompt test (pp)"
+)
+@click.option(
+    "-n", "--n-gen", default=128, show_default=True, type=click.IntRange(1), help="generation test (tg)"
+)
+@click.option(
+    "--search-gen", default=32, show_default=True, type=click.IntRange(1), help="tg tokens while searching"
+)
+@click.option(
+    "--min-gain", default=0.03, show_default=True, type=float, help="smallest gain that changes a value"
+)
+@click.option(
+    "-E", "engine_args", multiple=True, metavar="KEY=VALUE", help="engine setting, kept in the recipe"
+)
+@click.option("--name", default=None, help="the recipe's name (default: MODEL.ENGINE.MACHINE)")
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="write the recipe here"
+)
+@click.option("--no-conformance", is_flag=True, help="skip the conformance core (the recipe says not_run)")
+@click.option("-v", "--verbose", is_flag=True, help="engine logs on stderr, and tracebacks")
+def tune(
+    model: str | None,
+    engine: str,
+    budget: str,
+    reps: int,
+    n_prompt: int,
+    n_gen: int,
+    search_gen: int,
+    min_gain: float,
+    engine_args: tuple[str, ...],
+    name: str | None,
+    out: Path | None,
+    no_conformance: bool,
+    verbose: bool,
+) -> None:
+    """Search the options ENGINE honours for MODEL on this machine, check the best setting with the
+    conformance core, and write it as a recipe (by default into $INFER_HOME/recipes, where runs
+    find it). The table on stdout compares the defaults and the tuned setting, measured in
+    alternation in the same run (spec/recipes.md)."""
+    from stdengine import DEFAULT_MODEL, recipes, registry
+    from stdengine.bench import tune as t
+    from stdengine.config import parse_engine_args
+    from stdengine.errors import EngineUnavailable, UnsupportedOption
+    from stdengine.events import Emitter
+    from stdengine.store import resolve_model
+
+    budget_s = t.parse_budget(budget)
+    cls = registry.engine_class(engine)
+    ok, reason = cls.availability()
+    if not ok:
+        raise EngineUnavailable(f"engine '{engine}' cannot load here: {reason}")
+    if "logits" not in cls.capabilities:
+        raise UnsupportedOption(
+            f"engine '{engine}' cannot decode in-process, so its load options cannot be tuned here",
+            hint="a remote server is tuned on its own machine; its recipe may still set request options",
+        )
+    events = Emitter(verbosity=1 if verbose else 0, stream=None if verbose else io.StringIO())
+    model_ref = model or DEFAULT_MODEL
+    model_path = str(resolve_model(model_ref, events=events)) if cls.needs_model_file else model
+    machine = recipes.this_machine()
+    gpu = bool(machine.gpu)
+    default_all = t.defaults(cls)
+    options = t.tunable(cls, gpu)
+    default = {k: default_all[k] for k in options}
+    cpus = machine.logical_cpus or 1
+    spaces = {o: t.space(o, cpus, n_prompt, gpu) for o in options}
+    args = parse_engine_args(engine_args)
+    measurer = t.Measurer(cls, model_path, events, args, n_prompt)
+
+    view: Any = _LineView() if verbose or not sys.stderr.isatty() else _RichView(budget_s)
+    tuner = t.Tuner(
+        measurer,
+        options,
+        default,
+        spaces,
+        budget_s=budget_s,
+        reps=reps,
+        search_gen=search_gen,
+        n_gen=n_gen,
+        min_gain=min_gain,
+        view=view,
+    )
+    if isinstance(view, _RichView):
+        with view:
+            outcome = t.tune(tuner, default, n_prompt)
+    else:
+        outcome = t.tune(tuner, default, n_prompt)
+
+    rss = t.peak_rss_bytes()  # of the tuning, before the conformance check's own memory
+    verdict = "not_run"
+    if not no_conformance:
+        print("infer-bench tune: checking the tuned setting with the conformance core ...", file=sys.stderr)
+        verdict = t.check_conformance(cls, model_ref, model_path, outcome.tuned, events)
+    recipe = _make_recipe(cls, model_ref, model_path, outcome, verdict, args, reps, name, rss)
+    _print_table(recipe, outcome, model_ref, cls.name)
+    if verdict == "fail":
+        from stdengine.errors import InferError
+
+        raise InferError(
+            "the tuned setting fails the conformance core; no recipe written",
+            hint=f"run `infer conformance -e {cls.name} -m {model_ref} {recipes.flags_text(recipe)}` to see why",
+        )
+    path = out or recipes.user_dir() / f"{recipe.name}.toml"
+    recipes.save(recipe, path)
+    print(f"recipe: {path}", file=sys.stderr)
+
+
+def _make_recipe(
+    cls: Any,
+    model_ref: str,
+    model_path: str | None,
+    outcome: Any,
+    verdict: str,
+    engine_args: dict[str, str],
+    reps: int,
+    name: str | None,
+    rss: int,
+) -> Any:
+    import hashlib
+    import shlex
+
+    from stdengine import recipes
+    from stdengine.bench.record import model_fields
+    from stdengine.conformance.runner import SUITE_VERSION
+
+    machine = recipes.this_machine()
+    mid = recipes.model_id(model_ref)
+    if mid.sha256 is None and model_path:
+        mid = recipes.model_id(model_path)
+    sig = hashlib.sha256(
+        f"{machine.cpu}|{machine.cores}|{machine.logical_cpus}|{machine.gpu}".encode()
+    ).hexdigest()
+    stem = (model_ref if "/" not in model_ref else Path(model_ref).stem).replace(" ", "_")
+    version = cls.version()
+    parts = version.split(".")
+    span = (
+        f">={parts[0]}.{parts[1]},<{parts[0]}.{int(parts[1]) + 1}"
+        if len(parts) >= 2 and parts[1].isdigit()
+        else None
+    )
+    opts: dict[str, Any] = dict(outcome.tuned)
+    if engine_args:
+        opts["engine_args"] = engine_args
+    return recipes.Recipe.model_validate(
+        {
+            "name": name or f"{stem}.{cls.name}.{sig[:8]}",
+            "description": f"{cls.name} on {machine.cpu} ({machine.logical_cpus} CPUs), tuned by infer bench tune",
+            "date": recipes.utc_now(),
+            "command": "infer bench " + " ".join(shlex.quote(a) for a in sys.argv[2:] if a)
+            if len(sys.argv) > 2
+            else "infer bench tune",
+            "applies_to": {
+                "engine": cls.name,
+                "engine_version": span,
+                "model_sha256": mid.sha256,
+                "architecture": mid.architecture,
+                "file_type": mid.file_type,
+                "model_name": mid.name or model_ref,
+                "machine": machine.model_dump(),
+            },
+            "options": opts,
+            "measured": {
+                "tuned": outcome.table["tuned"],
+                "default": outcome.table["default"],
+                "reps": max(outcome.final_rounds, 1),
+                "peak_rss_bytes": rss,
+                "model_size": model_fields(model_path)["model_size"] if model_path else None,
+                "conformance": verdict,
+                "conformance_suite": SUITE_VERSION if verdict != "not_run" else None,
+            },
+        }
+    )
+
+
+def _print_table(recipe: Any, outcome: Any, model_ref: str, engine: str) -> None:
+    """The result as Markdown on stdout: default vs tuned, and what was chosen."""
+    lines = [
+        f"model {model_ref}, engine {engine}: {outcome.evaluations} settings measured in "
+        f"{outcome.search_s:.0f} s (search ended: {outcome.stopped}); conformance core: "
+        f"{recipe.measured.conformance}; final comparison: {outcome.final_rounds} A/B round(s), medians"
+        + (
+            f"; generation samples cut at {outcome.capped_s:.0f} s (t/s over the tokens decoded by then)"
+            if outcome.capped_s
+            else ""
+        ),
+        "",
+        "| test | default t/s | tuned t/s | tuned/default | setting for this test |",
+        "|---|---:|---:|---:|---|",
+    ]
+    from stdengine.bench.tune import AFFECTS
+
+    for test, d in outcome.table["default"].items():
+        tuned = outcome.table["tuned"][test]
+        # the options that decide this test; when the tuned values equal the defaults the two
+        # columns measured one setting twice, and their difference is the machine's noise
+        kind = "pp" if test.startswith("pp") else "tg"
+        same = all(
+            outcome.tuned[k] == outcome.default[k] for k in outcome.tuned if AFFECTS[k] in (kind, "both")
+        )
+        setting = "same as default (difference = noise)" if same else "tuned"
+        ratio = tuned / d if d else float("nan")
+        lines.append(f"| {test} | {d:.2f} | {tuned:.2f} | {ratio:.3f} | {setting} |")
+    lines += ["", "| option | default | tuned |", "|---|---|---|"]
+    for k, v in outcome.tuned.items():
+        lines.append(f"| {k} | {outcome.default[k]} | {v}{' (reverted)' if k in outcome.reverted else ''} |")
+    click.echo("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def chat(**kwargs: Any) -> None:
     In the conversation: /exit or Ctrl-D leaves, /reset starts over, Ctrl-C stops an answer.
     """
     constraint = constraint_from_cli(kwargs)
-    resolved = resolve_cli(kwargs)
+    resolved = resolve_cli(kwargs, recipes=True)
     options = resolved.options
     events = make_emitter(options)
     engine = load(resolved, events).engine

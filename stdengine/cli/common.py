@@ -77,6 +77,13 @@ def canonical_options(*names: str) -> Callable[[F], F]:
             help="config file (TOML or JSON); default ./infer.toml, then the user config dir",
         )(f)
         f = click.option(
+            "--recipe",
+            "recipe",
+            metavar="PATH|NAME",
+            help="use this recipe (spec/recipes.md) whatever machine it was made on; `none`: no "
+            "recipe [env: INFER_RECIPE]",
+        )(f)
+        f = click.option(
             "-v", "--verbose", is_flag=True, default=False, help="debug logging, and tracebacks on errors"
         )(f)
         return f
@@ -90,8 +97,12 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return canon, kwargs
 
 
-def resolve_cli(kwargs: dict[str, Any], engine_defaults: dict[str, Any] | None = None) -> Any:
-    """Flags (as click parsed them) -> Resolved options. Consumes the canonical keys of kwargs."""
+def resolve_cli(
+    kwargs: dict[str, Any], engine_defaults: dict[str, Any] | None = None, recipes: bool = False
+) -> Any:
+    """Flags (as click parsed them) -> Resolved options. Consumes the canonical keys of kwargs.
+    `recipes`: the verb picks the best recipe by itself (run, chat, serve, config show); any
+    verb uses the one --recipe or INFER_RECIPE names."""
     from stdengine.config import parse_engine_args, resolve
 
     canon, rest = split_kwargs(kwargs)
@@ -99,7 +110,14 @@ def resolve_cli(kwargs: dict[str, Any], engine_defaults: dict[str, Any] | None =
         canon["engine_args"] = parse_engine_args(canon["engine_args"])
     if rest.get("verbose"):
         canon["verbosity"] = max(1, canon.get("verbosity") or 0)
-    return resolve(canon, config=rest.get("config_path"), engine_defaults=engine_defaults)
+    ref = rest.get("recipe") or os.environ.get("INFER_RECIPE") or None
+    return resolve(
+        canon,
+        config=rest.get("config_path"),
+        engine_defaults=engine_defaults,
+        recipes=recipes or ref is not None,
+        recipe=ref,
+    )
 
 
 def make_emitter(options: Options, engine: str | None = None, model: str | None = None) -> Any:
@@ -126,7 +144,18 @@ def load(resolved: Any, events: Any) -> Any:
     config file) are the ones the engine must honour or refuse. Returns registry.Loaded."""
     from stdengine import registry
 
+    if resolved.recipe is not None:
+        report_recipe(resolved.recipe, events)
     return registry.load(resolved.options, events, resolved.explicitly_set())
+
+
+def report_recipe(chosen: Any, events: Any) -> None:
+    """The `recipe.applied` event (warn level when the recipe was made for another run)."""
+    fields = chosen.event_fields()
+    if chosen.warnings:
+        events.warn("recipe.applied", **fields)
+    else:
+        events.info("recipe.applied", **fields)
 
 
 def _verbose(argv: list[str]) -> bool:

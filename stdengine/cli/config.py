@@ -14,8 +14,9 @@ from stdengine.cli.common import canonical_options, resolve_cli
 def config() -> None:
     """Show the effective configuration.
 
-    Precedence: flag > INFER_* environment variable > config file (--config PATH, else
-    ./infer.toml, else the user config dir) > default.
+    Precedence: flag > INFER_* environment variable > recipe (--recipe, else the best one for
+    the engine, model and machine) > config file (--config PATH, else ./infer.toml, else the
+    user config dir) > default.
     """
 
 
@@ -43,22 +44,24 @@ def show(as_json: bool, **kwargs: Any) -> None:
     default is "the engine decides" shows what the chosen engine will use (the default model,
     the physical cores for threads), with the source `default`.
     """
-    resolved = resolve_cli(kwargs)
+    resolved = resolve_cli(kwargs, recipes=True)
     values = resolved.options.model_dump()
     values.update(decided_defaults(resolved.options))
+    chosen = resolved.recipe
     if as_json:
         out = {name: {"value": values[name], "source": resolved.sources[name]} for name in values}
-        click.echo(
-            json.dumps(
-                {"config_file": str(resolved.config_path) if resolved.config_path else None, "options": out},
-                indent=2,
-            )
-        )
+        doc = {
+            "config_file": str(resolved.config_path) if resolved.config_path else None,
+            "recipe": chosen.event_fields() if chosen else None,
+            "options": out,
+        }
+        click.echo(json.dumps(doc, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"config file: {resolved.config_path or '(none)'}")
+    recipe = f"{chosen.recipe.name} ({chosen.path})" if chosen else "(none)"
+    table = Table(title=f"config file: {resolved.config_path or '(none)'}; recipe: {recipe}")
     table.add_column("option")
     table.add_column("value")
     table.add_column("source")
@@ -66,4 +69,7 @@ def show(as_json: bool, **kwargs: Any) -> None:
         src = resolved.sources[name]
         style = "" if src == "default" else "bold"
         table.add_row(name, json.dumps(value) if not isinstance(value, str) else value, src, style=style)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for warning in chosen.warnings if chosen else []:
+        console.print(f"warning: {warning}", markup=False, style="yellow")

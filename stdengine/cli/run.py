@@ -125,7 +125,7 @@ def run(raw: bool, as_json: bool, **kwargs: Any) -> None:
       infer run --temp 0 --json-schema '{"type": "object"}' -p "Describe Paris as JSON"
     """
     constraint = constraint_from_cli(kwargs)
-    resolved = resolve_cli(kwargs)
+    resolved = resolve_cli(kwargs, recipes=True)
     options: Options = resolved.options
     events = make_emitter(options)
     events.debug("run.start", command="run", argv=sys.argv[1:])

@@ -68,7 +68,7 @@ def serve(queue_size: int | None, max_body: int | None, **kwargs: Any) -> None:
     _require_server_extra()  # first: nothing under stdengine.server imports without it
     from stdengine.server.app import DEFAULT_MAX_BODY, DEFAULT_QUEUE, build_state, close_state, run_server
 
-    resolved = resolve_cli(kwargs)
+    resolved = resolve_cli(kwargs, recipes=True)
     options: Options = resolved.options
     events = make_emitter(options)
     events.debug("config.resolved", options=options.model_dump(), sources=resolved.sources)

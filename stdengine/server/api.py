@@ -71,6 +71,9 @@ class _Completion(_Strict):
     n: int | None = Field(None, ge=1)
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the caller's own tracking; not used
+    # llama-server's and vLLM's extensions that benchmarks send to fix an answer's length
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
 
 
 # The sampling fields are made from the options' table, so the type checker does not see them:
@@ -237,6 +240,19 @@ def refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
         raise InvalidRequest("top_logprobs needs logprobs: true")
 
 
+def eog_controls(req: ChatRequest | CompletionRequest, engine_name: str, honoured: bool) -> tuple[bool, int]:
+    """(ignore_eos, min_tokens) of the request; an UnsupportedOption when the engine cannot
+    honour what is asked (engines with Engine.eog_controls can)."""
+    ignore_eos, min_tokens = bool(req.ignore_eos), req.min_tokens or 0
+    if (ignore_eos or min_tokens) and not honoured:
+        asked = [f for f, v in (("ignore_eos", ignore_eos), ("min_tokens", min_tokens)) if v]
+        raise UnsupportedOption(
+            f"engine '{engine_name}' cannot honour {', '.join(asked)}",
+            hint="remove " + ("it" if len(asked) == 1 else "them") + " from the request",
+        )
+    return ignore_eos, min_tokens
+
+
 def logprobs_wanted(req: ChatRequest | CompletionRequest) -> int | None:
     """How many top log-probabilities per token the request asks for; None: no log-probabilities."""
     if isinstance(req, ChatRequest):
@@ -343,7 +359,9 @@ def chat_messages(req: ChatRequest, tool_instructions: str | None = None) -> lis
                 raise InvalidRequest("messages: only an assistant message has tool_calls")
             for call in m.tool_calls:
                 names[call.id] = call.function.name
-            content = "\n".join([content] * bool(content) + [call_text(c) for c in m.tool_calls])
+            texts = [call_text(c) for c in m.tool_calls]
+            calls = texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"  # several: an array
+            content = "\n".join([content] * bool(content) + [calls])
         elif m.content is None:
             raise InvalidRequest(f"messages: a {m.role} message needs content")
         # "developer" is OpenAI's newer name for the system role; templates know "system".

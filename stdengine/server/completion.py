@@ -53,6 +53,7 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
     api.refuse_unsupported(req)
     api.refuse_missing(req, engine.name, engine.capabilities)
     sampling = api.sampling_for(req, state.defaults, engine.name, engine.honoured_options())
+    ignore_eos, min_tokens = api.eog_controls(req, engine.name, engine.eog_controls)
     plan = (
         tools.tool_plan(req, engine.name, engine.capabilities) if isinstance(req, api.ChatRequest) else None
     )
@@ -82,6 +83,8 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
         sampling=sampling,
         logprobs=n_logprobs,
         constraint=constraint,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
     )
     return await answer(request, state, gen_request, reply, req.stream, prompt.score)
 
@@ -132,6 +135,7 @@ class Run:
         self.watch = watch
         self.log = log
         self.t0 = t0  # when the request started waiting for its slot: ttft counts from there
+        self.t_token: float | None = None  # when the last token came (inter-token latency)
 
     async def next(self) -> Event:
         """The next event; after the DoneEvent the worker has left its slot. Raises the
@@ -142,8 +146,13 @@ class Run:
             return item
         if isinstance(item, TokenEvent):
             state.metrics.count_decode(state.slots.busy)
+            now = time.perf_counter()
+            if item.id >= 0:  # a generated token (-1: text held back until the end)
+                m = state.metrics
+                m.observe(m.ttft if self.t_token is None else m.itl, now - (self.t_token or self.t0))
+                self.t_token = now
             if item.text and "ttft_ms" not in log:
-                log["ttft_ms"] = round((time.perf_counter() - self.t0) * 1e3, 1)
+                log["ttft_ms"] = round((now - self.t0) * 1e3, 1)
             return item
         if isinstance(item, DoneEvent):
             state.metrics.count_decode(state.slots.busy)  # the prompt's decode
@@ -186,7 +195,9 @@ async def answer(
     try:
         ctx = await watch.guard(state.slots.acquire())
         log["slot"] = state.slots.slot_id(ctx)
-        log["queued_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        queued = time.perf_counter() - t0
+        log["queued_ms"] = round(queued * 1e3, 1)
+        state.metrics.observe(state.metrics.queue, queued)
         gen = Generation(state.slots, ctx, gen_request, score)
         run = Run(state, gen, watch, log, t0)
         gen.start()
@@ -238,33 +249,25 @@ async def stream_body(request: Request, run: Run, item: Event, reply: api.Reply)
             yield _sse(reply.chunk(role=True))
         elif reply.echo is not None and not isinstance(item, PromptLogprobs):
             yield _sse(reply.chunk(reply.echo))
-        # with tools, the answer is held until it is known not to be a call (auto: it does not
-        # start with "{"); a call is sent whole at the end, as tool_calls deltas
-        held: list[str] | None = [] if reply.tools is not None else None
+        # with tools, what is sent of the answer is the CallStream's to say (a text, or calls)
+        calls_stream = tools.CallStream(reply.tools) if reply.tools is not None else None
         while True:
             if isinstance(item, PromptLogprobs):
                 assert reply.logprobs is not None and reply.echo is not None
                 yield _sse(reply.chunk(reply.echo, logprobs=reply.logprobs.prompt(item)))
-            elif isinstance(item, TokenEvent) and held is not None:
-                held.append(item.text)
-                start = "".join(held).lstrip()[:1]
-                if start and start != "{":
-                    yield _sse(reply.chunk("".join(held)))
-                    held = None
+            elif isinstance(item, TokenEvent) and calls_stream is not None:
+                for chunk in calls_stream.feed(item.text):
+                    yield _sse(reply.chunk(**chunk))
             elif isinstance(item, TokenEvent):
                 lp = reply.logprobs.tokens([item]) if reply.logprobs is not None else None
                 if item.text or (lp is not None and item.token is not None):
                     yield _sse(reply.chunk(item.text, logprobs=lp))
             else:
                 calls = None
-                if held is not None and reply.tools is not None:
-                    text = "".join(held)
-                    calls = reply.tools.parse(text)
-                    if calls:
-                        for delta in tools.call_deltas(calls):
-                            yield _sse(reply.chunk(tool_calls=delta))
-                    elif text:
-                        yield _sse(reply.chunk(text))
+                if calls_stream is not None:
+                    last, calls = calls_stream.end()
+                    for chunk in last:
+                        yield _sse(reply.chunk(**chunk))
                 yield _sse(reply.chunk(done=item, finish="tool_calls" if calls else None))
                 if reply.include_usage:
                     yield _sse(reply.usage_chunk(item))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stdengine.adapter import DoneEvent, Engine
+from stdengine.batching import BatchStats
 
 PREFIX = "stdengine:"
 
@@ -24,6 +25,15 @@ class Metrics:
     busy_slots_sum: int = 0  # busy slots summed over decodes, for n_busy_slots_per_decode
     # tokens each context's KV cache holds after its last request (engines keep it for reuse)
     kv_tokens: dict[int, int] = field(default_factory=dict)
+    # latencies the server sees, in seconds: (sum, count) each
+    queue: list[float] = field(default_factory=lambda: [0.0, 0])
+    ttft: list[float] = field(default_factory=lambda: [0.0, 0])
+    itl: list[float] = field(default_factory=lambda: [0.0, 0])
+
+    @staticmethod
+    def observe(summary: list[float], seconds: float) -> None:
+        summary[0] += seconds
+        summary[1] += 1
 
     def count_decode(self, busy_slots: int) -> None:
         """One decode step (the prompt, or one generated token) while `busy_slots` were busy."""
@@ -38,11 +48,18 @@ class Metrics:
         self.tokens_predicted_seconds_total += t.predicted_ms / 1e3
         self.kv_tokens[id(ctx)] = done.usage.prompt_tokens + done.usage.completion_tokens
 
-    def render(self, *, n_ctx_total: int, processing: int, deferred: int) -> str:
+    def render(
+        self, *, n_ctx_total: int, processing: int, deferred: int, batch: BatchStats | None = None
+    ) -> str:
+        """batch: the batcher's steps when the slots step together; they are the decodes then."""
+
         def rate(n: float, s: float) -> float:
             return n / s if s > 0 else 0.0
 
         kv_tokens = sum(self.kv_tokens.values())
+        n_decode, busy_sum = (
+            (batch.steps, batch.rows) if batch else (self.n_decode_total, self.busy_slots_sum)
+        )
         rows: list[tuple[str, str, float, str]] = [
             ("prompt_tokens_total", "counter", self.prompt_tokens_total, "Prompt tokens evaluated."),
             (
@@ -61,14 +78,14 @@ class Metrics:
             (
                 "n_decode_total",
                 "counter",
-                self.n_decode_total,
-                "Decode steps (one per prompt, one per generated token).",
+                n_decode,
+                "Decode steps (batched: one per step of the slots together).",
             ),
             (
                 "n_busy_slots_per_decode",
                 "counter",
-                rate(self.busy_slots_sum, self.n_decode_total),
-                "Busy slots per decode step, on average.",
+                rate(busy_sum, n_decode),
+                "Busy slots per decode step, on average (batched: sequences per step).",
             ),
             (
                 "prompt_tokens_seconds",
@@ -92,11 +109,31 @@ class Metrics:
             ("requests_processing", "gauge", processing, "Requests holding a slot now."),
             ("requests_deferred", "gauge", deferred, "Requests waiting in the queue for a slot."),
         ]
+        if batch is not None:
+            rows += [
+                (
+                    "batch_tokens_per_decode",
+                    "gauge",
+                    rate(batch.tokens, batch.steps),
+                    "Tokens per batched step, on average.",
+                ),
+                ("batch_size_max", "gauge", batch.max_rows, "Most sequences in one batched step."),
+            ]
         out = []
         for name, kind, value, help_text in rows:
             out.append(f"# HELP {PREFIX}{name} {help_text}")
             out.append(f"# TYPE {PREFIX}{name} {kind}")
             out.append(f"{PREFIX}{name} {_number(value)}")
+        summaries = [
+            ("queue_seconds", self.queue, "Time requests waited for a slot."),
+            ("time_to_first_token_seconds", self.ttft, "Time from a request's arrival to its first token."),
+            ("inter_token_latency_seconds", self.itl, "Time between a request's consecutive tokens."),
+        ]
+        for name, (total, count), help_text in summaries:
+            out.append(f"# HELP {PREFIX}{name} {help_text}")
+            out.append(f"# TYPE {PREFIX}{name} summary")
+            out.append(f"{PREFIX}{name}_sum {_number(total)}")
+            out.append(f"{PREFIX}{name}_count {_number(count)}")
         return "\n".join(out) + "\n"
 
 

@@ -17,8 +17,10 @@ from starlette.requests import Request
 
 from stdengine import __version__
 from stdengine.adapter import Engine, SamplingParams
+from stdengine.batching import Batcher
 from stdengine.errors import ModelNotFound, NotSupported
 from stdengine.events import Emitter
+from stdengine.local_engine import LocalEngine
 from stdengine.server.metrics import Metrics
 from stdengine.server.middleware import DEFAULT_MAX_BODY
 from stdengine.server.slots import SlotPool
@@ -42,6 +44,7 @@ class ServerState:
     max_body: int = DEFAULT_MAX_BODY
     started: float = field(default_factory=time.time)
     metrics: Metrics = field(default_factory=Metrics)
+    batcher: Batcher | None = None  # the slots' contexts step together (continuous batching)
 
     @property
     def fingerprint(self) -> str:
@@ -99,14 +102,25 @@ def build_state(
     queue_size: int = DEFAULT_QUEUE,
     verbose: bool = False,
     max_body: int = DEFAULT_MAX_BODY,
+    batching: bool | None = None,
 ) -> ServerState:
-    """Make the slots (N contexts on the one loaded model, when the engine can) and the state."""
+    """Make the slots (N contexts on the one loaded model, when the engine can) and the state.
+    batching: the contexts share one Batcher (stdengine.batching); None = when the engine
+    declares `batch_decode` (an engine without it keeps one independent context per thread)."""
     contexts: list[Engine] = [engine]
     while len(contexts) < parallel:
         ctx = engine.new_context()
         if ctx is None:  # one context only: requests take turns on it (the caller says so)
             break
         contexts.append(ctx)
+    batcher = None
+    if batching is None:
+        batching = "batch_decode" in engine.capabilities
+    local = [c for c in contexts if isinstance(c, LocalEngine)]  # the engines that evaluate here
+    if batching and len(contexts) > 1 and len(local) == len(contexts):
+        batcher = Batcher()
+        for c in local:
+            batcher.attach(c)
     names = {model_ref}
     if model_path:
         names |= {model_path, Path(model_path).name, Path(model_path).stem}
@@ -121,6 +135,7 @@ def build_state(
         api_key=api_key,
         verbose=verbose,
         max_body=max_body,
+        batcher=batcher,
     )
 
 

@@ -101,6 +101,10 @@ def constraint_for(
 
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}  # a function without parameters
 
+# The most calls one answer may hold with parallel_tool_calls: a small model can otherwise repeat
+# a call until max_tokens cuts the answer off.
+MAX_PARALLEL_CALLS = 8
+
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
@@ -108,11 +112,13 @@ def new_call_id() -> str:
 
 @dataclass
 class ToolPlan:
-    """How a chat request with tools is answered: the functions the model may call and what the
-    request's tool_choice allows ("auto", "required", or one function's name)."""
+    """How a chat request with tools is answered: the functions the model may call, what the
+    request's tool_choice allows ("auto", "required", or one function's name), and whether the
+    answer may hold several calls (parallel_tool_calls)."""
 
     functions: dict[str, api.FunctionDef]
     choice: str  # "auto", "required" or "name:<function>"
+    parallel: bool = True
 
     def callable(self) -> list[api.FunctionDef]:
         if self.choice.startswith("name:"):
@@ -131,16 +137,21 @@ class ToolPlan:
             when = "You must call one of them."
         else:
             when = f"You must call {self.choice[5:]}."
+        several = (
+            "To call several at once, answer with a JSON array of such objects. " if self.parallel else ""
+        )
         return (
             "You can call these functions (each with a JSON Schema of its arguments):\n"
             + json.dumps(listing, ensure_ascii=False)
             + '\nTo call one, answer with only a JSON object {"name": <function name>, "arguments": '
             + "<an object of its arguments>}. "
+            + several
             + when
         )
 
     def call_schema(self) -> dict[str, Any]:
-        """A JSON Schema that only a call of a function the request allows matches."""
+        """A JSON Schema that only an answer of calls the request allows matches: one call, or
+        (parallel) also an array of 1 to MAX_PARALLEL_CALLS calls."""
         calls = [
             {
                 "type": "object",
@@ -153,38 +164,123 @@ class ToolPlan:
             }
             for f in self.callable()
         ]
-        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if not self.parallel:
+            return one
+        several = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
+        return {"anyOf": [one, several]}
+
+    def openers(self) -> str:
+        """The first characters of an answer that is a call."""
+        return "{[" if self.parallel else "{"
 
     def constraint(self) -> Constraint:
         if self.choice != "auto":
             return _constraint("json_schema", self.call_schema())
-        # either a call, or a text that cannot be mistaken for one (it does not start with "{")
+        # either calls, or a text that cannot be mistaken for them: its first non-blank character
+        # is not one a call starts with (so a text is never parsed as a call)
         schema = json.dumps(closed_objects(self.call_schema()), ensure_ascii=False)
-        return _constraint("lark", f"start: call | TEXT\ncall: %json {schema}\nTEXT: /[^{{][\\s\\S]*/\n")
+        not_opener = "".join("\\" + c for c in self.openers())
+        text = f"/\\s*([^{not_opener}\\s][\\s\\S]*)?/"
+        return _constraint("lark", f"start: call | TEXT\ncall: %json {schema}\nTEXT: {text}\n")
 
     def parse(self, text: str) -> list[dict[str, Any]] | None:
-        """The answer's tool calls in OpenAI's shape, or None when the answer is not a call (a
-        text, or a call cut off by max_tokens)."""
-        if not text.lstrip().startswith("{"):
+        """The answer's tool calls in OpenAI's shape (each one's `arguments` the model's own JSON
+        text), or None when the answer is not calls (a text, or calls cut off by max_tokens)."""
+        if not text.lstrip()[:1] or text.lstrip()[0] not in self.openers():
             return None
         try:
-            call = json.loads(text)
+            value = json.loads(text)
         except ValueError:
             return None
+        items = value if isinstance(value, list) and self.parallel else [value]
+        names = {f.name for f in self.callable()}
+        scanned = scan_calls(text)
         if (
-            not isinstance(call, dict)
-            or call.get("name") not in {f.name for f in self.callable()}
-            or not isinstance(call.get("arguments"), dict)
+            not items
+            or len(scanned) != len(items)
+            or any(
+                not isinstance(c, dict)
+                or c.get("name") not in names
+                or not isinstance(c.get("arguments"), dict)
+                for c in items
+            )
         ):
             return None
-        arguments = json.dumps(call["arguments"], ensure_ascii=False)
         return [
             {
                 "id": new_call_id(),
                 "type": "function",
-                "function": {"name": call["name"], "arguments": arguments},
+                "function": {"name": c["name"], "arguments": s.arguments(text)},
             }
+            for c, s in zip(items, scanned, strict=True)
         ]
+
+
+@dataclass
+class ScannedCall:
+    """A call object in (a prefix of) an answer: its name once the name's string is complete,
+    and where the JSON text of its arguments starts and (once it is closed) ends."""
+
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+
+    def arguments(self, text: str) -> str:
+        """The arguments' JSON text so far."""
+        if self.args_start is None:
+            return ""
+        return text[self.args_start : self.args_end if self.args_end is not None else len(text)]
+
+
+def scan_calls(text: str, args_key: str = "arguments") -> list[ScannedCall]:
+    """The call objects of an answer's text, complete or not: a top-level object, or the objects
+    of a top-level array. Reads the JSON as far as it goes (a stream's prefix), so a call's name
+    and the growing text of its arguments are known while it is generated."""
+    calls: list[ScannedCall] = []
+    stack: list[str] = []  # the open objects and arrays
+    call_depth = -1  # len(stack) inside the current call object; -1: outside any
+    key: str | None = None  # the call object's key whose value is being read
+    expect_key = False
+    string_start: int | None = None
+    escaped = False
+    for i, ch in enumerate(text):
+        if string_start is not None:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                if len(stack) == call_depth:
+                    value = json.loads(text[string_start : i + 1])
+                    if expect_key:
+                        key = value
+                    elif key == "name":
+                        calls[-1].name = value
+                string_start = None
+            continue
+        if ch == '"':
+            string_start = i
+        elif ch in "{[":
+            if ch == "{" and stack in ([], ["["]):
+                calls.append(ScannedCall())
+                call_depth, key, expect_key = len(stack) + 1, None, True
+            elif len(stack) == call_depth and key == args_key and not expect_key:
+                calls[-1].args_start = i
+            stack.append(ch)
+        elif ch in "}]":
+            if not stack:
+                break
+            stack.pop()
+            if len(stack) == call_depth and key == args_key and calls[-1].args_start is not None:
+                calls[-1].args_end = i + 1
+            elif len(stack) < call_depth:
+                call_depth = -1
+        elif len(stack) == call_depth and ch in ":,":
+            expect_key = ch == ","
+            if expect_key:
+                key = None
+    return calls
 
 
 def call_deltas(calls: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -196,6 +292,37 @@ def call_deltas(calls: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         out.append([{"index": i, **head}])
         out.append([{"index": i, "function": {"arguments": call["function"]["arguments"]}}])
     return out
+
+
+class CallStream:
+    """A streamed answer under a tool plan, as it is sent: each `feed` and the `end` return the
+    chunks to send (keyword arguments of api.Reply.chunk: a text, or tool_calls deltas). An
+    answer that may be a text (auto) is held until its first non-blank character says which it
+    is; calls are sent when the answer ends."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.is_call: bool | None = True if plan.choice != "auto" else None
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        self.text += piece
+        if self.is_call is None:
+            start = self.text.lstrip()[:1]
+            if not start:
+                return []
+            self.is_call = start in self.plan.openers()
+            return [] if self.is_call else [{"text": self.text}]
+        return [] if self.is_call or not piece else [{"text": piece}]
+
+    def end(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The last chunks, and the calls (None: the answer was a text)."""
+        if self.is_call is False:
+            return [], None
+        calls = self.plan.parse(self.text)
+        if calls:
+            return [{"tool_calls": d} for d in call_deltas(calls)], calls
+        return ([{"text": self.text}] if self.text else []), None
 
 
 def tool_plan(req: api.ChatRequest, engine_name: str, capabilities: frozenset[str]) -> ToolPlan | None:
@@ -220,6 +347,7 @@ def tool_plan(req: api.ChatRequest, engine_name: str, capabilities: frozenset[st
         )
     if req.logprobs:
         raise UnsupportedOption("logprobs together with tools is not supported", hint="remove logprobs")
+    parallel = req.parallel_tool_calls is not False  # OpenAI's default is true
     functions: dict[str, api.FunctionDef] = {}
     for tool in req.tools:
         if tool.function.name in functions:
@@ -231,5 +359,5 @@ def tool_plan(req: api.ChatRequest, engine_name: str, capabilities: frozenset[st
                 f"tool_choice names the function {choice.function.name!r}, which tools does not declare",
                 hint="declared: " + ", ".join(functions),
             )
-        return ToolPlan(functions, "name:" + choice.function.name)
-    return ToolPlan(functions, choice or "auto")
+        return ToolPlan(functions, "name:" + choice.function.name, parallel)
+    return ToolPlan(functions, choice or "auto", parallel)

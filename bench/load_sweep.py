@@ -1,0 +1,195 @@
+"""The serving load sweep (issue 21): the HTTP load test (bench/load.py) at several concurrencies
+against servers this command starts itself, one after the other, written to
+bench/results/load-<stamp>.md (and .jsonl, one load-test result a line).
+
+    python -m stdengine.bench.load_sweep -m smollm2-135m-instruct -m gemma-3-270m \\
+        --server after=infer --server before=infer:/path/to/old/checkout \\
+        --server llama-cpp-python=llama-cpp-python --concurrency 1,2,4,8,16 -n 128
+
+A server is LABEL=KIND[:PYTHONPATH]: KIND `infer` (`infer serve -np <largest concurrency>`, the
+reference engine) or `llama-cpp-python` (`python -m llama_cpp.server`); PYTHONPATH, when given,
+is put first on the server's import path (an older checkout of stdengine: "before"). Every
+request is a streamed completion of a fresh prompt of -p tokens, greedy, exactly -n tokens
+(min_tokens and ignore_eos); --requests-per R sends R x concurrency requests (at least 4) per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from stdengine.bench.load import run_load_test
+from stdengine.bench.params import parse_args
+from stdengine.bench.record import cpu_info, stdengine_commit, utc_now
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(kind: str, model: Path, port: int, n_seq: int, n_ctx: int, threads: int) -> list[str]:
+    if kind == "infer":
+        return [
+            *(sys.executable, "-m", "stdengine.cli.main", "serve", "-e", "reference", "-m", str(model)),
+            *("--port", str(port), "-np", str(n_seq), "-c", str(n_ctx), "-t", str(threads)),
+            *("--queue", str(4 * n_seq)),
+        ]
+    if kind == "llama-cpp-python":
+        return [
+            *(sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1"),
+            *("--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads)),
+            *("--n_threads_batch", str(threads), "--interrupt_requests", "False"),
+        ]
+    raise SystemExit(f"unknown server kind {kind!r} (infer or llama-cpp-python)")
+
+
+class Served:
+    """A server subprocess on a free port, up until closed."""
+
+    def __init__(self, cmd: list[str], pythonpath: str | None, log: Path) -> None:
+        import httpx
+
+        env = dict(os.environ)
+        if pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        port = cmd[cmd.index("--port") + 1]
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.close()
+        raise SystemExit(f"the server did not start in 180 s: {log.read_text()[-2000:]}")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
+    """Every server x model x concurrency; save(results) after each run, so that an interrupted
+    sweep keeps what it measured."""
+    from stdengine.store import resolve_model
+
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    n_ctx = args.n_prompt + args.n_gen + 64
+    out: list[dict[str, Any]] = []
+    for model in args.model:
+        path = resolve_model(model)
+        for spec in args.server:
+            label, _, rest = spec.partition("=")
+            kind, _, pythonpath = rest.partition(":")
+            cmd = server_command(kind, path, _free_port(), max(concurrencies), n_ctx, args.threads)
+            served = Served(cmd, pythonpath or None, Path(tempfile.mkdtemp()) / "server.log")
+            try:
+                for c in concurrencies:
+                    argv = [
+                        "-e",
+                        "openai",
+                        "--url",
+                        served.url,
+                        "-p",
+                        str(args.n_prompt),
+                        "-n",
+                        str(args.n_gen),
+                    ]
+                    argv += ["--concurrency", str(c), "--requests", str(max(4, args.requests_per * c))]
+                    result = run_load_test(parse_args(argv))
+                    result.update(server=label, kind=kind, model_alias=model)
+                    out.append(result)
+                    save(out)
+                    print(one_line(result), file=sys.stderr, flush=True)
+            finally:
+                served.close()
+    return out
+
+
+def one_line(r: dict[str, Any]) -> str:
+    return (
+        f"{r['model_alias']} {r['server']} c={r['concurrency']}: {r['output_throughput']:.1f} tok/s, "
+        f"TTFT median {r['ttft_ms']['median']:.0f} ms p99 {r['ttft_ms']['p99']:.0f} ms, ITL median "
+        f"{r['itl_ms']['median']:.1f} ms p99 {r['itl_ms']['p99']:.1f} ms, errors {r['errors']}, short {r['short']}"
+    )
+
+
+def render(results: list[dict[str, Any]], command: str, note: str) -> str:
+    lines = [
+        "# Serving load sweep",
+        "",
+        f"- date: {utc_now()}; stdengine commit {stdengine_commit()}; CPU: {cpu_info()}",
+        f"- command: `{command}`",
+    ]
+    if note:
+        lines.append(f"- note: {note}")
+    lines += [
+        "- each run: streamed completions of fresh random prompts, greedy, exactly -n tokens each;"
+        " aggregate tok/s = generated tokens / wall time of the run; TTFT and ITL as the client sees"
+        " them (spec/bench-record.md §6.2)",
+        "",
+        "| model | server | concurrency | requests | tok/s (aggregate) | TTFT median (ms) | TTFT p99 (ms) |"
+        " ITL median (ms) | ITL p99 (ms) | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['model_alias']} | {r['server']} | {r['concurrency']} | {r['requests']} | "
+            f"{r['output_throughput']:.1f} | {r['ttft_ms']['median']:.0f} | {r['ttft_ms']['p99']:.0f} | "
+            f"{r['itl_ms']['median']:.1f} | {r['itl_ms']['p99']:.1f} | {r['errors']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m stdengine.bench.load_sweep", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument("-m", "--model", action="append", required=True, help="catalogue alias or GGUF path")
+    ap.add_argument("--server", action="append", required=True, help="LABEL=KIND[:PYTHONPATH]")
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("-p", "--n-prompt", type=int, default=32)
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("--requests-per", type=int, default=2, help="requests per run = this x concurrency")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--note", default="", help="a line for the results file (e.g. the machine was busy)")
+    ap.add_argument("--out", help="results file stem (default: bench/results/load-<UTC stamp>)")
+    args = ap.parse_args(argv)
+    stem = Path(args.out) if args.out else RESULTS / time.strftime("load-%Y%m%d-%H%M", time.gmtime())
+    command = "python -m stdengine.bench.load_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    def save(results: list[dict[str, Any]]) -> None:
+        stem.with_suffix(".md").write_text(render(results, command, args.note), encoding="utf-8")
+        with open(stem.with_suffix(".jsonl"), "w", encoding="utf-8") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+    sweep(args, save)
+    print(stem.with_suffix(".md"))
+
+
+if __name__ == "__main__":
+    main()

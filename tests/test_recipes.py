@@ -1,0 +1,475 @@
+"""Recipes (spec/recipes.md): the format and its schema, which recipe a run picks, the precedence
+flag > env > recipe > file > default, `infer config show`'s source, `infer recipes`, infer-bench
+applying a recipe, and `infer bench tune` on a toy engine whose speed is simulated (no timing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jsonschema
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf_factory import write_llama_gguf
+from stdengine.bench import tune as tune_mod
+
+from stdengine import recipes, registry
+from stdengine.adapter import Engine, EngineInfo
+from stdengine.cli import bench as bench_cli
+from stdengine.cli.main import cli
+from stdengine.config import resolve
+from stdengine.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SCHEMA = Path(__file__).resolve().parent.parent / "spec" / "schema" / "recipe.schema.json"
+
+
+class ToyEngine(Engine):
+    """Decodes instantly; its simulated clock runs as if more threads and a ubatch of 128 were
+    faster, so tune has a known best (threads 2, threads_batch 2, ubatch 128)."""
+
+    name = "toyrecipe"
+    capabilities = frozenset({"logits", "tokenize"})
+    option_map: ClassVar[dict[str, str]] = {
+        "ctx_size": "",
+        "threads": "",
+        "threads_batch": "",
+        "batch_size": "",
+        "ubatch_size": "",
+        "temp": "",
+    }
+    accepted_values: ClassVar[dict[str, tuple[Any, ...]]] = {"flash_attn": (False,), "n_gpu_layers": (0,)}
+    now: ClassVar[int] = 0
+    loaded: ClassVar[list[Any]] = []
+
+    def __init__(self, options: Any) -> None:
+        self.options = options
+
+    @classmethod
+    def version(cls) -> str:
+        return "1.4.2"
+
+    @classmethod
+    def load(cls, options: Any, events: Any) -> ToyEngine:
+        if options.ubatch_size == 32:  # a setting that fails: tune leaves it out
+            raise RuntimeError("ubatch 32 is not supported by the toy")
+        cls.loaded.append(options)
+        return cls(options)
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(name=self.name, version="1.4.2", model={"n_vocab": 32})
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return [1] if add_special else []
+
+    def detokenize(self, tokens: Any) -> str:
+        return ""
+
+    def decode(self, tokens: Any, all_logits: bool = False) -> np.ndarray:
+        o = self.options
+        if len(tokens) > 1:  # a prompt chunk: threads_batch and ubatch matter
+            per = 1000 / (o.threads_batch or 1) * (1.0 if o.ubatch_size == 128 else 1.5)
+        else:
+            per = 4000 / (o.threads or 1)
+        ToyEngine.now += int(per * len(tokens))
+        return np.zeros(32, dtype=np.float32)
+
+    def reset(self) -> None:
+        pass
+
+    def generate(self, request: Any) -> Any:
+        raise NotImplementedError
+
+    def n_ctx(self) -> int:
+        return int(self.options.ctx_size)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An empty INFER_HOME and project folder, and the toy engine registered."""
+    monkeypatch.setenv("INFER_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("INFER_RECIPE", raising=False)
+    for name in ("INFER_THREADS", "INFER_ENGINE", "INFER_MODEL", "INFER_TEMP", "INFER_ENGINE_ARGS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    registry.register("toyrecipe", ToyEngine)
+    ToyEngine.loaded.clear()
+    yield tmp_path
+    registry.unregister("toyrecipe")
+
+
+@pytest.fixture
+def model(tmp_path) -> str:
+    return str(write_llama_gguf(tmp_path / "tiny.gguf", n_layer=2).path)
+
+
+def make(name: str, options: dict[str, Any], *, engine: str = "toyrecipe", **applies: Any) -> recipes.Recipe:
+    return recipes.Recipe.model_validate(
+        {
+            "name": name,
+            "date": applies.pop("date", "2026-11-30T12:00:00Z"),
+            "applies_to": {"engine": engine, **applies},
+            "options": options,
+        }
+    )
+
+
+def install(recipe: recipes.Recipe, folder: Path | None = None) -> Path:
+    return recipes.save(recipe, (folder or recipes.user_dir()) / f"{recipe.name}.toml")
+
+
+# --- the format ------------------------------------------------------------------------------
+
+
+def test_round_trip_through_toml_and_the_schema(tmp_path):
+    rec = recipes.Recipe.model_validate(
+        {
+            "name": "smol.reference.abc",
+            "description": 'quotes " and \\ and\nnewlines',
+            "date": "2026-11-30T12:00:00Z",
+            "command": "infer bench tune -m smol",
+            "applies_to": {
+                "engine": "reference",
+                "engine_version": ">=0.1,<0.2",
+                "model_sha256": "ab" * 32,
+                "architecture": "llama",
+                "file_type": "Q4_1",
+                "machine": recipes.this_machine().model_dump(),
+            },
+            "options": {
+                "threads": 2,
+                "ubatch_size": 128,
+                "flash_attn": False,
+                "stop": ["\n\n"],
+                "engine_args": {"k": "v w"},
+            },
+            "measured": {
+                "tuned": {"pp512": 301.5, "tg128": 40.25},
+                "default": {"pp512": 290.0},
+                "conformance": "pass",
+            },
+        }
+    )
+    path = recipes.save(rec, tmp_path / "r.toml")
+    text = path.read_text()
+    data = tomllib.loads(text)  # an independent reader
+    assert data["options"]["engine_args"] == {"k": "v w"}
+    assert data["measured"]["tuned"] == {"pp512": 301.5, "tg128": 40.25}
+    assert recipes.load(path) == rec
+    jsonschema.validate(data, json.loads(SCHEMA.read_text()))
+
+
+def test_schema_file_is_generated_from_the_model():
+    assert json.loads(SCHEMA.read_text()) == recipes.Recipe.model_json_schema()
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"threads": 0}, "options.threads"),
+        ({"thread": 2}, "options.thread"),
+        ({"model": "x"}, "options.model"),
+    ],
+)
+def test_an_invalid_recipe_names_the_key(tmp_path, options, needle):
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        'name = "bad"\ndate = "d"\n[applies_to]\nengine = "reference"\n[options]\n'
+        + "\n".join(f"{k} = {json.dumps(v)}" for k, v in options.items())
+    )
+    with pytest.raises(ConfigError) as e:
+        recipes.load(path)
+    assert needle in e.value.message
+
+
+# --- matching --------------------------------------------------------------------------------
+
+
+def test_a_recipe_for_another_machine_is_ignored_unless_named(home, model):
+    other = recipes.Machine(cpu="Some Other CPU", cores=64)
+    install(make("elsewhere", {"threads": 7}, machine=other.model_dump()))
+    assert recipes.select(None, "toyrecipe", model) is None
+    chosen = recipes.select("elsewhere", "toyrecipe", model)
+    assert chosen is not None and chosen.explicit
+    assert any("another CPU" in w for w in chosen.warnings)
+
+
+def test_machine_signature_rules():
+    here = recipes.this_machine()
+    assert recipes.machine_mismatch(None, here) is None
+    assert recipes.machine_mismatch(here, here) is None
+    assert "lacks" in (recipes.machine_mismatch(recipes.Machine(isa=["no_such_isa"]), here) or "")
+    assert recipes.machine_mismatch(recipes.Machine(isa=here.isa[:1]), here) is None
+    assert "cores" in (recipes.machine_mismatch(recipes.Machine(cores=(here.cores or 1) + 1), here) or "")
+    assert "GPU" in (
+        recipes.machine_mismatch(recipes.Machine(gpu="H200"), here.model_copy(update={"gpu": ""})) or ""
+    )
+    more_ram = recipes.Machine(memory_bytes=(here.memory_bytes or 1) * 2)
+    assert "RAM" in (recipes.machine_mismatch(more_ram, here) or "")
+
+
+def test_the_most_specific_recipe_wins(home, model):
+    mid = recipes.model_id(model)
+    assert mid.architecture == "llama" and mid.sha256 is not None
+    install(make("any-model", {"threads": 1}, machine=recipes.this_machine().model_dump()))
+    install(make("by-arch", {"threads": 2}, architecture="llama"))
+    assert recipes.select(None, "toyrecipe", model).recipe.name == "by-arch"  # type: ignore[union-attr]
+    install(make("by-file", {"threads": 3}, model_sha256=mid.sha256))
+    assert recipes.select(None, "toyrecipe", model).recipe.name == "by-file"  # type: ignore[union-attr]
+    install(make("other-arch", {"threads": 4}, architecture="gemma3", model_sha256=None))
+    install(make("other-file", {"threads": 5}, model_sha256="0" * 64, date="2027-01-01T00:00:00Z"))
+    assert recipes.select(None, "toyrecipe", model).recipe.name == "by-file"  # type: ignore[union-attr]
+    assert recipes.select(None, "llamacpp", model) is None  # made for another engine
+
+
+def test_engine_version_range_and_project_folder_first(home, model):
+    install(make("old", {"threads": 1}, engine_version="<1.0"))
+    assert recipes.select(None, "toyrecipe", model) is None
+    install(make("user", {"threads": 2}, engine_version=">=1.4,<1.5"))
+    assert recipes.select(None, "toyrecipe", model).recipe.name == "user"  # type: ignore[union-attr]
+    install(
+        make("project", {"threads": 3}, engine_version=">=1.4,<1.5", date="2020-01-01T00:00:00Z"),
+        recipes.PROJECT_DIR,
+    )
+    assert recipes.select(None, "toyrecipe", model).recipe.name == "project"  # type: ignore[union-attr]
+    assert recipes.select("none", "toyrecipe", model) is None
+
+
+def test_a_broken_recipe_file_is_reported_not_fatal(home, model):
+    recipes.user_dir().mkdir(parents=True)
+    (recipes.user_dir() / "broken.toml").write_text("name = ")
+    install(make("good", {"threads": 2}))
+    chosen = recipes.select(None, "toyrecipe", model)
+    assert chosen is not None and chosen.recipe.name == "good"
+    assert any("broken.toml" in w for w in chosen.warnings)
+
+
+# --- precedence ------------------------------------------------------------------------------
+
+
+def test_precedence_flag_env_recipe_file_default(home, model):
+    install(make("r", {"threads": 1, "threads_batch": 2, "ubatch_size": 128, "temp": 0.1}))
+    (home / "infer.toml").write_text(
+        f'engine = "toyrecipe"\nmodel = "{model}"\nthreads = 3\nbatch_size = 64\n'
+    )
+    r = resolve({}, env={}, recipes=True)
+    assert r.sources["threads"] == "recipe:r" and r.options.threads == 1  # recipe over file
+    assert r.sources["batch_size"] == "file infer.toml" and r.options.batch_size == 64
+    assert r.sources["top_k"] == "default"
+    r = resolve({}, env={"INFER_THREADS": "4"}, recipes=True)
+    assert r.sources["threads"] == "env INFER_THREADS" and r.options.threads == 4
+    assert r.recipe is not None and r.recipe.overridden == ["threads"]
+    r = resolve({"threads": 5}, env={"INFER_THREADS": "4"}, recipes=True)
+    assert r.sources["threads"] == "flag" and r.options.threads == 5
+    assert r.recipe is not None and r.recipe.applied == {"threads_batch": 2, "ubatch_size": 128, "temp": 0.1}
+    r = resolve({}, env={}, recipes=False)  # verbs that do not use recipes
+    assert r.recipe is None and r.options.threads == 3
+
+
+def test_options_an_engine_cannot_honour_are_left_out(home, model):
+    # the openai engine honours request options only: threads is ignored, temp applies
+    install(make("remote", {"threads": 2, "temp": 0.2, "top_p": 0.5}, engine="openai"))
+    r = resolve({"engine": "openai", "url": "http://127.0.0.1:9"}, env={}, recipes=True)
+    assert r.recipe is not None and r.recipe.ignored == ["threads"]
+    assert r.options.temp == 0.2 and r.sources["temp"] == "recipe:remote"
+    assert r.options.threads is None
+
+
+def test_engine_args_merge_key_by_key(home, model):
+    install(make("args", {"engine_args": {"a": "recipe", "b": "recipe"}}))
+    (home / "infer.toml").write_text('engine = "toyrecipe"\n[engine_args]\nb = "file"\nc = "file"\n')
+    r = resolve({"engine_args": {"a": "flag"}}, env={}, recipes=True)
+    assert r.options.engine_args == {"a": "flag", "b": "recipe", "c": "file"}
+
+
+def test_config_show_reports_the_recipe_as_source(home, model):
+    install(make("shown", {"ubatch_size": 128}))
+    res = CliRunner().invoke(cli, ["config", "show", "--json", "-e", "toyrecipe", "-m", model])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["options"]["ubatch_size"] == {"value": 128, "source": "recipe:shown"}
+    assert doc["recipe"]["name"] == "shown" and doc["recipe"]["explicit"] is False
+    res = CliRunner().invoke(
+        cli, ["config", "show", "--json", "-e", "toyrecipe", "-m", model, "--recipe", "none"]
+    )
+    assert json.loads(res.output)["options"]["ubatch_size"]["source"] == "default"
+
+
+# --- infer recipes ---------------------------------------------------------------------------
+
+
+def test_recipes_cli_list_show_export_apply(home, model, tmp_path):
+    rec = make("shared", {"threads": 2, "flash_attn": False, "engine_args": {"k": "v"}})
+    src = recipes.save(rec, tmp_path / "download" / "shared.toml")
+    runner = CliRunner()
+    res = runner.invoke(cli, ["recipes", "apply", str(src)])
+    assert res.exit_code == 0, res.output
+    assert (recipes.user_dir() / "shared.toml").is_file()
+    res = runner.invoke(cli, ["recipes", "list", "--json", "-e", "toyrecipe", "-m", model])
+    rows = [json.loads(line) for line in res.output.splitlines()]
+    assert rows[0]["name"] == "shared" and rows[0]["chosen"] and rows[0]["applies"] == "yes"
+    res = runner.invoke(cli, ["recipes", "export", "shared", "--as", "flags"])
+    assert res.output.strip() == "-t 2 --no-flash-attn -E k=v"
+    res = runner.invoke(cli, ["recipes", "export", "shared", "--as", "config"])
+    assert tomllib.loads(res.output) == {"threads": 2, "flash_attn": False, "engine_args": {"k": "v"}}
+    res = runner.invoke(cli, ["recipes", "show", "shared"])
+    assert 'name = "shared"' in res.output
+    # a recipe is found by its name even in a file named otherwise
+    (recipes.user_dir() / "shared.toml").rename(recipes.user_dir() / "renamed.toml")
+    assert recipes.find_named("shared") == recipes.user_dir() / "renamed.toml"
+    with pytest.raises(ConfigError, match="recipe not found: nope"):
+        recipes.find_named("nope")
+
+
+# --- infer-bench and tune ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    ToyEngine.now = 0
+    monkeypatch.setattr(tune_mod, "clock_ns", lambda: ToyEngine.now)
+    monkeypatch.setattr(tune_mod, "monotonic", lambda: ToyEngine.now / 1e9)
+
+
+def test_bench_applies_a_recipe_to_what_the_command_line_left(home, model, capsys):
+    install(make("b", {"ubatch_size": 128, "threads": 1, "threads_batch": 2}))
+    with pytest.raises(SystemExit):
+        bench_cli.main(
+            ["-m", model, "-e", "toyrecipe", "-p", "8", "-n", "0", "-r", "1", "-b", "64", "-o", "jsonl"]
+        )
+    out = capsys.readouterr()
+    rec = json.loads(out.out.splitlines()[0])
+    assert rec["recipe"] == "b" and rec["n_ubatch"] == 128 and rec["n_threads"] == 1 and rec["n_batch"] == 64
+    assert ToyEngine.loaded[-1].threads_batch == 2
+    with pytest.raises(SystemExit):
+        bench_cli.main(
+            [
+                "-m",
+                model,
+                "-e",
+                "toyrecipe",
+                "-p",
+                "8",
+                "-n",
+                "0",
+                "-r",
+                "1",
+                "-o",
+                "jsonl",
+                "--recipe",
+                "none",
+            ]
+        )
+    rec = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert rec["recipe"] == "" and rec["n_ubatch"] == 512
+
+
+def test_tune_finds_the_toy_optimum_and_writes_a_recipe(home, model, fake_clock, capsys):
+    out = home / "tuned.toml"
+    with pytest.raises(SystemExit) as e:
+        bench_cli.main(
+            ["tune", "-m", model, "-e", "toyrecipe", "--budget", "1h", "-p", "256", "-n", "16", "-r", "2",
+             "--no-conformance", "--out", str(out)]
+        )  # fmt: skip
+    assert e.value.code == 0
+    rec = recipes.load(out)
+    opts = rec.set_options()
+    cpus = recipes.this_machine().logical_cpus or 1
+    assert opts["ubatch_size"] == 128
+    assert opts["threads"] == cpus and opts["threads_batch"] == cpus
+    assert rec.applies_to.engine == "toyrecipe" and rec.applies_to.engine_version == ">=1.4,<1.5"
+    assert rec.applies_to.architecture == "llama" and rec.applies_to.machine == recipes.this_machine()
+    assert rec.measured.conformance == "not_run"
+    assert (
+        set(rec.measured.tuned) == {"pp256", "tg16"}
+        and rec.measured.tuned["pp256"] > rec.measured.default["pp256"]
+    )
+    captured = capsys.readouterr()
+    table = captured.out
+    assert "| pp256 |" in table and "| tg16 |" in table
+    assert "ubatch 32 is not supported" in captured.err
+    # the recipe is picked up by a run that names it
+    r = resolve({"engine": "toyrecipe", "model": model}, env={}, recipes=True, recipe=str(out))
+    assert r.sources["ubatch_size"] == f"recipe:{rec.name}"
+
+
+def test_tune_respects_the_budget(home, model, fake_clock):
+    # the toy's simulated time makes each setting cost ~0.0003 s: a tiny budget stops the search
+    m = tune_mod.Measurer(ToyEngine, model, _quiet(), {}, 256)
+    start = {"threads": 1, "threads_batch": 1, "ubatch_size": 512}
+    spaces = {"threads": [1, 2, 3, 4], "threads_batch": [1, 2, 3, 4], "ubatch_size": [64, 128, 256, 512]}
+    tuner = tune_mod.Tuner(m, list(spaces), start, spaces, budget_s=0.0005, reps=2, n_gen=16)
+    best, stopped = tuner.search()
+    assert stopped == "budget"
+    assert tuner.evaluations < 8
+
+
+def test_revert_losers_keeps_only_what_helped():
+    default = {"threads": 2, "threads_batch": 2, "ubatch_size": 512}
+    tuned = {"threads": 1, "threads_batch": 1, "ubatch_size": 128}
+    table = {"default": {"pp512": 100.0, "tg128": 10.0}, "tuned": {"pp512": 120.0, "tg128": 9.0}}
+    final, reverted = tune_mod.revert_losers(default, tuned, table, 512, 128)
+    assert final == {"threads": 2, "threads_batch": 1, "ubatch_size": 128} and reverted == ["threads"]
+
+
+def _quiet() -> Any:
+    import io
+
+    from stdengine.events import Emitter
+
+    return Emitter(stream=io.StringIO())
+
+
+def test_loading_reports_the_recipe_event(home, model):
+    import io
+
+    from stdengine.cli.common import load, resolve_cli
+    from stdengine.events import Emitter
+
+    install(make("evt", {"ubatch_size": 128, "mlock": True}))
+    stream = io.StringIO()
+    events = Emitter(log_format="json", stream=stream)
+    resolved = resolve_cli({"engine": "toyrecipe", "model": model}, recipes=True)
+    engine = load(resolved, events).engine
+    assert engine.options.ubatch_size == 128  # the engine got the recipe's value
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    evt = next(e for e in lines if e["event"] == "recipe.applied")
+    assert evt["level"] == "info" and evt["name"] == "evt"
+    assert evt["applied"] == {"ubatch_size": 128} and evt["ignored"] == ["mlock"]
+    # named explicitly though made for another machine: used, with a warning
+    install(make("far", {"ubatch_size": 64}, machine={"cpu": "Another CPU"}))
+    resolved = resolve_cli({"engine": "toyrecipe", "model": model, "recipe": "far"})
+    load(resolved, events)
+    evt = next(
+        e
+        for e in reversed([json.loads(x) for x in stream.getvalue().splitlines()])
+        if e["event"] == "recipe.applied"
+    )
+    assert evt["level"] == "warn" and evt["name"] == "far" and "another CPU" in evt["warnings"][0]
+
+
+def test_a_crawling_generation_is_cut_at_the_cap(home, model, fake_clock):
+    # the toy decodes a token in 4000 simulated ns at one thread: a 10 us cap stops it early,
+    # and the rate is that of the tokens decoded by then
+    m = tune_mod.Measurer(ToyEngine, model, _quiet(), {}, 16)
+    config = {"threads": 1, "threads_batch": 1, "ubatch_size": 128}
+    _, tg = m.run(config, False, 128, tg_cap_s=1e-5)
+    tg_s, done = m.last_tg
+    assert 1 <= done < 128
+    assert tg == pytest.approx(1e9 / 4000)
+
+
+def test_the_final_comparison_keeps_to_the_budget(home, model, fake_clock):
+    m = tune_mod.Measurer(ToyEngine, model, _quiet(), {}, 64)
+    config = {"threads": 1, "threads_batch": 1, "ubatch_size": 128}
+    tuner = tune_mod.Tuner(m, [], config, {}, budget_s=1e-6, reps=3, n_gen=16)
+    table = tuner.compare(config, config, 64)
+    assert tuner.final_rounds == 1  # one A/B round at least, then the budget stops it
+    assert set(table["tuned"]) == {"pp64", "tg16"}
