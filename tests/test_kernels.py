@@ -26,7 +26,8 @@ except Exception as e:  # the C core is not built, or the package is not install
     pytest.skip(f"reference engine C core unavailable: {e}", allow_module_level=True)
 
 T = gguf.GGMLQuantizationType
-WEIGHT_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+WEIGHT_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, *K_QUANTS]
 QUANT_TYPES = [t for t in WEIGHT_TYPES if t not in (T.F32, T.F16, T.BF16)]
 GG_CAN_QUANTIZE = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}
 # Byte offsets of each block's fp16 fields (d, and m/dmin), per ggml's layouts.
@@ -36,6 +37,8 @@ F16_FIELDS = {
     T.Q5_0: [0],
     T.Q5_1: [0, 2],
     T.Q8_0: [0],
+    T.Q2_K: [80, 82],
+    T.Q3_K: [108],
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
@@ -49,6 +52,8 @@ ACT = {
     T.Q5_0: T.Q8_0,
     T.Q5_1: T.Q8_1,
     T.Q8_0: T.Q8_0,
+    T.Q2_K: T.Q8_K,
+    T.Q3_K: T.Q8_K,
     T.Q4_K: T.Q8_K,
     T.Q5_K: T.Q8_K,
     T.Q6_K: T.Q8_K,
@@ -89,7 +94,7 @@ def random_raw(t, rows: int, k: int, rng) -> np.ndarray:
         vals = (
             rng.uniform(0.5, 2.0, size=raw.shape[:2])
             * rng.choice([-1, 1], size=raw.shape[:2])
-            * (1 / 64 if t in (T.Q4_K, T.Q5_K, T.Q6_K) else 1 / 16)
+            * (1 / 64 if t in K_QUANTS else 1 / 16)
         )
         raw[:, :, off : off + 2] = vals.astype(np.float16).view(np.uint8).reshape(rows, k // bs, 2)
     return raw.reshape(rows, -1)
