@@ -177,15 +177,19 @@ void se_get_scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *m);
  * hmask[l]. The 16 six-bit scales of Q3_K, as the signed scale (stored - 32): scale i takes its
  * low 4 bits from byte i (i < 8) or the high nibble of byte i - 8, and its top 2 bits from bits
  * 2(i/4)..2(i/4)+1 of byte 8 + i%4; done here on 32-bit words, four scales at a time. */
-static inline void se_q3_K_scales(const uint8_t *s, int8_t out[16]) {
-    uint32_t a, b, c, w[4];
+static inline void se_q3_K_scale_words(const uint8_t *s, uint32_t w[4]) { /* the stored scales (0..63) */
+    uint32_t a, b, c;
     memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
     const uint32_t lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
     w[0] = (a & lo4) | (c & lo2) << 4;
     w[1] = (b & lo4) | (c >> 2 & lo2) << 4;
     w[2] = (a >> 4 & lo4) | (c >> 4 & lo2) << 4;
     w[3] = (b >> 4 & lo4) | (c >> 6 & lo2) << 4;
+}
+static inline void se_q3_K_scales(const uint8_t *s, int8_t out[16]) {
+    uint32_t w[4];
     uint8_t u[16];
+    se_q3_K_scale_words(s, w);
     memcpy(u, w, 16);
     for (int i = 0; i < 16; i++) out[i] = (int8_t)(u[i] - 32);
 }

@@ -229,8 +229,11 @@ INLINE void unpack_k16(int type, const uint8_t *x, k16_block *b) {
         b->q[k] = _mm256_or_si256(b->q[k], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit),
                                                             _mm256_set1_epi8(4)));
     }
-    se_q3_K_scales(y->scales, b->sc);
-    memcpy(b->cw, b->sc, 16);
+    uint32_t w[4];
+    se_q3_K_scale_words(y->scales, w);
+    const __m128i sc = _mm_sub_epi8(_mm_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3]), _mm_set1_epi8(32));
+    _mm_storeu_si128((__m128i *)b->sc, sc);
+    _mm_storeu_si128((__m128i *)b->cw, sc);
     b->d = h2f((const uint8_t *)&y->d);
     b->dc = se_types[SE_Q3_K].q_offset * b->d;
 }

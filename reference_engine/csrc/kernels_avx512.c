@@ -177,7 +177,10 @@ INLINE void unpack_k16(int type, const uint8_t *x, k16_block *b) {
         return;
     }
     const se_blk_q3_K *y = (const se_blk_q3_K *)x;
-    se_q3_K_scales(y->scales, b->sc);
+    uint32_t w[4];
+    se_q3_K_scale_words(y->scales, w);
+    _mm_storeu_si128((__m128i *)b->sc, _mm_sub_epi8(_mm_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3]),
+                                                    _mm_set1_epi8(32)));
     b->d = h2f((const uint8_t *)&y->d), b->dmin = 0;
 }
 
