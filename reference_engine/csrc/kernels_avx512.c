@@ -357,7 +357,8 @@ INLINE void q45_K_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
 INLINE void k16_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
     const se_type_traits *t = &se_types[type];
     const __m512i zero = _mm512_setzero_si512(), lane = _mm512_loadu_si512(LANE16);
-    const __m512i off_shift = _mm512_set1_epi32(t->q_offset ? __builtin_ctz((unsigned)t->q_offset) : 0); /* 4, 32 */
+    /* offset * bsum as a shift: the offsets are powers of two (Q3_K 4, Q6_K 32) */
+    const __m512i off_shift = _mm512_set1_epi32(t->q_offset ? __builtin_ctz((unsigned)t->q_offset) : 0);
     __m512 acc[4];
     for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
 
