@@ -121,14 +121,16 @@ def matmul(t: int | str, w, k: int, x: np.ndarray, r0: int = 0, r1: int | None =
 
 def random_weights(t: int | str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """rows x k weights of type t as raw bytes, for timing: random quants with modest fp16 scales
-    where a block starts with them (q6_K ends with d); float types all 0.01."""
+    (d, and dmin or m, where a block has them: at its start, or its end for q2_K, q3_K and q6_K);
+    float types all 0.01."""
     tr = traits(t)
     if tr.blck == 1:
         return (
             np.full((rows, k), 0.01, dtype={4: np.float32, 2: np.float16}[tr.size]).view(np.uint8).reshape(-1)
         )
     raw = rng.integers(0, 256, size=(rows, k // tr.blck, tr.size), dtype=np.uint8)
-    for off in [tr.size - 2] if type_id(t) == ggml_type("q6_K").id else [0, 2]:
+    at_end = {ggml_type("q2_K").id: [-4, -2], ggml_type("q3_K").id: [-2], ggml_type("q6_K").id: [-2]}
+    for off in [tr.size + o for o in at_end[type_id(t)]] if type_id(t) in at_end else [0, 2]:
         raw[:, :, off : off + 2] = (
             np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(rows, -1, 2)
         )

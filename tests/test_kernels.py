@@ -26,7 +26,8 @@ except Exception as e:  # the C core is not built, or the package is not install
     pytest.skip(f"reference engine C core unavailable: {e}", allow_module_level=True)
 
 T = gguf.GGMLQuantizationType
-WEIGHT_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+WEIGHT_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, *K_QUANTS]
 QUANT_TYPES = [t for t in WEIGHT_TYPES if t not in (T.F32, T.F16, T.BF16)]
 GG_CAN_QUANTIZE = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0}
 # Byte offsets of each block's fp16 fields (d, and m/dmin), per ggml's layouts.
@@ -36,6 +37,8 @@ F16_FIELDS = {
     T.Q5_0: [0],
     T.Q5_1: [0, 2],
     T.Q8_0: [0],
+    T.Q2_K: [80, 82],
+    T.Q3_K: [108],
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
@@ -49,6 +52,8 @@ ACT = {
     T.Q5_0: T.Q8_0,
     T.Q5_1: T.Q8_1,
     T.Q8_0: T.Q8_0,
+    T.Q2_K: T.Q8_K,
+    T.Q3_K: T.Q8_K,
     T.Q4_K: T.Q8_K,
     T.Q5_K: T.Q8_K,
     T.Q6_K: T.Q8_K,
@@ -89,7 +94,7 @@ def random_raw(t, rows: int, k: int, rng) -> np.ndarray:
         vals = (
             rng.uniform(0.5, 2.0, size=raw.shape[:2])
             * rng.choice([-1, 1], size=raw.shape[:2])
-            * (1 / 64 if t in (T.Q4_K, T.Q5_K, T.Q6_K) else 1 / 16)
+            * (1 / 64 if t in K_QUANTS else 1 / 16)
         )
         raw[:, :, off : off + 2] = vals.astype(np.float16).view(np.uint8).reshape(rows, k // bs, 2)
     return raw.reshape(rows, -1)
@@ -430,6 +435,50 @@ def test_smollm2_tensors(smollm2_path):
 @pytest.mark.models
 def test_gemma3_tensors(gemma3_path):
     assert set(_check_model_tensors(gemma3_path, ISAS)) >= {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def kquant_models(smollm2_path, tmp_path_factory):
+    """SmolLM2 requantized by llama.cpp's quantizer to Q3_K and Q2_K (bench/kquant_models.py: its
+    ffn_down, the one matrix with rows of a multiple of 256, takes the type; the rest Q4_0)."""
+    pytest.importorskip("llama_cpp")
+    from stdengine.bench.kquant_models import make
+
+    return make(smollm2_path, tmp_path_factory.mktemp("kquants"), ["q3_K", "q2_K"])
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("kind", ["q3_K", "q2_K"])
+def test_kquant_model_matches_llamacpp(kquant_models, kind):
+    """On a llama.cpp-made Q3_K / Q2_K model the engine is as close to the exact float64 reference
+    as llama.cpp is (the conformance suite's logits.kl bound, with the full KL), and its logits are
+    bit-identical as one batch (the GEMM), in ubatches of 7 (tiles) and token by token."""
+    import llama_cpp
+    from stdengine.conformance.exact import ExactModel
+    from stdengine.reference.core import Context
+    from stdengine.reference.model import Model
+    from test_reference_forward import DATA, kl_div
+
+    path = kquant_models[kind]
+    assert {t.tensor_type for t in gguf.GGUFReader(str(path)).tensors} == {T.F32, T.Q4_0, T[kind.upper()]}
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_batch=256, logits_all=True, n_threads=2, verbose=False)
+    tokens = llm.tokenize((DATA / "forward_text.txt").read_text().encode(), add_bos=True, special=True)[:160]
+    llm.eval(tokens)
+    theirs = np.array(llm.scores[: len(tokens)], dtype=np.float32)
+    del llm
+    m = Model.load(path)
+    ours = []
+    for n_ubatch, n_threads in ((256, 2), (7, 2), (1, 1)):
+        ctx = Context(m, n_ctx=256, n_threads=n_threads, n_batch=256, n_ubatch=n_ubatch)
+        ours.append(ctx.decode(tokens, all_logits=True).copy())
+        ctx.close()
+    m.close()
+    for other in ours[1:]:
+        np.testing.assert_array_equal(other, ours[0])
+    exact = ExactModel(path).logits(tokens)
+    kl_ours, kl_theirs = kl_div(exact, ours[0]).mean(), kl_div(exact, theirs).mean()
+    print(f"{kind}: mean KL from the exact reference: reference {kl_ours:.5f}, llama.cpp {kl_theirs:.5f}")
+    assert kl_ours <= max(1.5 * kl_theirs, kl_theirs + 0.002)
 
 
 def test_tests_leave_the_forced_path():

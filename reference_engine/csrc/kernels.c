@@ -23,6 +23,8 @@ _Static_assert(sizeof(se_blk_q5_0) == 22, "q5_0 block");
 _Static_assert(sizeof(se_blk_q5_1) == 24, "q5_1 block");
 _Static_assert(sizeof(se_blk_q8_0) == 34, "q8_0 block");
 _Static_assert(sizeof(se_blk_q8_1) == 36, "q8_1 block");
+_Static_assert(sizeof(se_blk_q2_K) == 84, "q2_K block");
+_Static_assert(sizeof(se_blk_q3_K) == 110, "q3_K block");
 _Static_assert(sizeof(se_blk_q4_K) == 144, "q4_K block");
 _Static_assert(sizeof(se_blk_q5_K) == 176, "q5_K block");
 _Static_assert(sizeof(se_blk_q6_K) == 210, "q6_K block");
@@ -332,6 +334,44 @@ static void unpack_q6_K(const se_blk_q6_K *b, int8_t q[256]) {
     }
 }
 
+/* Q2_K and Q3_K (kernels.h gives where each bit lies): q[256] in 0..3, and Q3_K's in -4..3. */
+static void unpack_q2_K(const uint8_t *qs, uint8_t q[256]) {
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) q[128 * h + 32 * j + l] = (qs[32 * h + l] >> (2 * j)) & 3;
+}
+static void unpack_q3_K(const se_blk_q3_K *b, int8_t q[256]) {
+    uint8_t lo[256];
+    unpack_q2_K(b->qs, lo);
+    for (int e = 0; e < 256; e++) {
+        const int hi = (b->hmask[e % 32] >> (e / 32)) & 1; /* bit 4h + j of hmask[l] */
+        q[e] = (int8_t)((lo[e] | hi << 2) - se_types[SE_Q3_K].q_offset);
+    }
+}
+
+static void q2_K_to_float(const void *src, float *y, int64_t n) {
+    const se_blk_q2_K *b = src;
+    for (int64_t i = 0; i < n / SE_QK_K; i++, y += SE_QK_K) {
+        uint8_t q[256];
+        const float d = F16(b[i].d), dmin = F16(b[i].dmin);
+        unpack_q2_K(b[i].qs, q);
+        for (int e = 0; e < 256; e++) {
+            const uint8_t sc = b[i].scales[e / 16];
+            y[e] = d * (float)(sc & 15) * q[e] - dmin * (float)(sc >> 4);
+        }
+    }
+}
+static void q3_K_to_float(const void *src, float *y, int64_t n) {
+    const se_blk_q3_K *b = src;
+    for (int64_t i = 0; i < n / SE_QK_K; i++, y += SE_QK_K) {
+        int8_t q[256], sc[16];
+        const float d = F16(b[i].d);
+        unpack_q3_K(&b[i], q);
+        se_q3_K_scales(b[i].scales, sc);
+        for (int e = 0; e < 256; e++) y[e] = d * (float)sc[e / 16] * q[e];
+    }
+}
+
 static void q45_K_to_float(const uint8_t *scales, uint16_t d16, uint16_t dmin16, const uint8_t q[256],
                            float *y) {
     float d = F16(d16), dmin = F16(dmin16);
@@ -430,6 +470,41 @@ static float dot_q5_K(int64_t n, const void *w, const void *a) {
     }
     return sum;
 }
+/* Q2_K: sum over sub-blocks of 16: d*sc*sum(q*a) - dmin*m*sum(a), sum(a) a bsum. */
+static float dot_q2_K(int64_t n, const void *w, const void *a) {
+    const se_blk_q2_K *x = w; const se_blk_q8_K *y = a;
+    float sum = 0;
+    for (int64_t i = 0; i < n / SE_QK_K; i++) {
+        uint8_t q[256];
+        unpack_q2_K(x[i].qs, q);
+        int sumi = 0, summ = 0;
+        for (int j = 0; j < 16; j++) {
+            int s = 0;
+            for (int l = 0; l < 16; l++) s += q[16 * j + l] * y[i].qs[16 * j + l];
+            sumi += (x[i].scales[j] & 15) * s;
+            summ += (x[i].scales[j] >> 4) * y[i].bsums[j];
+        }
+        sum += y[i].d * (F16(x[i].d) * (float)sumi - F16(x[i].dmin) * (float)summ);
+    }
+    return sum;
+}
+static float dot_q3_K(int64_t n, const void *w, const void *a) {
+    const se_blk_q3_K *x = w; const se_blk_q8_K *y = a;
+    float sum = 0;
+    for (int64_t i = 0; i < n / SE_QK_K; i++) {
+        int8_t q[256], sc[16];
+        unpack_q3_K(&x[i], q);
+        se_q3_K_scales(x[i].scales, sc);
+        int sumi = 0;
+        for (int j = 0; j < 16; j++) {
+            int s = 0;
+            for (int l = 0; l < 16; l++) s += q[16 * j + l] * y[i].qs[16 * j + l];
+            sumi += sc[j] * s;
+        }
+        sum += F16(x[i].d) * y[i].d * (float)sumi;
+    }
+    return sum;
+}
 static float dot_q6_K(int64_t n, const void *w, const void *a) {
     const se_blk_q6_K *x = w; const se_blk_q8_K *y = a;
     float sum = 0;
@@ -464,6 +539,8 @@ static const struct {
     [SE_Q5_1] = { q5_1_to_float, NULL, dot_q5_1 },
     [SE_Q8_0] = { q8_0_to_float, q8_0_from_float, dot_q8_0 },
     [SE_Q8_1] = { q8_1_to_float, q8_1_from_float, NULL },
+    [SE_Q2_K] = { q2_K_to_float, NULL, dot_q2_K },
+    [SE_Q3_K] = { q3_K_to_float, NULL, dot_q3_K },
     [SE_Q4_K] = { q4_K_to_float, NULL, dot_q4_K },
     [SE_Q5_K] = { q5_K_to_float, NULL, dot_q5_K },
     [SE_Q6_K] = { q6_K_to_float, NULL, dot_q6_K },

@@ -14,7 +14,7 @@
 /* ggml's type ids, so GGUF tensor types map one to one. */
 enum se_type {
     SE_F32 = 0, SE_F16 = 1, SE_Q4_0 = 2, SE_Q4_1 = 3, SE_Q5_0 = 6, SE_Q5_1 = 7,
-    SE_Q8_0 = 8, SE_Q8_1 = 9, SE_Q4_K = 12, SE_Q5_K = 13, SE_Q6_K = 14, SE_Q8_K = 15,
+    SE_Q8_0 = 8, SE_Q8_1 = 9, SE_Q2_K = 10, SE_Q3_K = 11, SE_Q4_K = 12, SE_Q5_K = 13, SE_Q6_K = 14, SE_Q8_K = 15,
     SE_BF16 = 30, SE_TYPE_COUNT = 31
 };
 
@@ -36,7 +36,8 @@ typedef struct {
     int has_min;               /* x = d*q + m (q4_1, q5_1) or d*sc*q - dmin*m (q4_K, q5_K) */
     int q_offset;              /* quants read as unsigned integers are q + q_offset (below) */
     int qs_offset;             /* byte offset of the quants (their low bits) in a block */
-    int qh_offset;             /* byte offset of their high bits (q5_0, q5_1, q5_K, q6_K); 0: none */
+    int qh_offset;             /* byte offset of their high bits (q5_0, q5_1, q5_K, q6_K); 0: none
+                                * (q3_K's high bits, hmask, lead its block: its unpackers read them) */
 } se_type_traits;
 
 /* The SIMD paths, slowest first. */
@@ -69,6 +70,8 @@ int se_gemm_min_tokens(void);
 int se_set_isa(const char *isa);
 
 #ifdef SE_KERNELS_INTERNAL
+#include <string.h>
+
 /* Shared by kernels*.c only.
  *
  * Adding a type: its block struct and its row of se_types below (its layout and act_type), its
@@ -88,6 +91,11 @@ typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } se_blk_q5_0; /* 22
 typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; } se_blk_q5_1; /* 24 B */
 typedef struct { uint16_t d; int8_t qs[32]; } se_blk_q8_0;               /* 34 B */
 typedef struct { uint16_t d, s; int8_t qs[32]; } se_blk_q8_1;            /* 36 B, s = d*sum(qs) */
+/* Q2_K: 16 sub-blocks of 16, scales[i] = scale (low nibble) | min << 4; q = 2 bits. */
+typedef struct { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; } se_blk_q2_K; /* 84 B */
+/* Q3_K: 16 sub-blocks of 16 with 6-bit scales (stored + 32) packed in scales[12]; q = 2 low bits
+ * in qs and a high bit in hmask, the weight's quant is (low | high << 2) - 4. */
+typedef struct { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; } se_blk_q3_K; /* 110 B */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } se_blk_q4_K; /* 144 B */
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } se_blk_q5_K;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } se_blk_q6_K; /* 210 B */
@@ -116,6 +124,10 @@ static const se_type_traits se_types[SE_TYPE_COUNT] = {
                   .sub_blck = SE_QK, .q_offset = 128, .qs_offset = offsetof(se_blk_q8_0, qs) },
     [SE_Q8_1] = { .name = "q8_1", .blck = SE_QK, .size = sizeof(se_blk_q8_1), .act_type = SE_Q8_1,
                   .sub_blck = SE_QK, .qs_offset = offsetof(se_blk_q8_1, qs) },
+    [SE_Q2_K] = { .name = "q2_K", .blck = SE_QK_K, .size = sizeof(se_blk_q2_K), .act_type = SE_Q8_K,
+                  .sub_blck = 16, .has_min = 1, .qs_offset = offsetof(se_blk_q2_K, qs) },
+    [SE_Q3_K] = { .name = "q3_K", .blck = SE_QK_K, .size = sizeof(se_blk_q3_K), .act_type = SE_Q8_K,
+                  .sub_blck = 16, .q_offset = 4, .qs_offset = offsetof(se_blk_q3_K, qs) },
     [SE_Q4_K] = { .name = "q4_K", .blck = SE_QK_K, .size = sizeof(se_blk_q4_K), .act_type = SE_Q8_K,
                   .sub_blck = 32, .has_min = 1, .qs_offset = offsetof(se_blk_q4_K, qs) },
     [SE_Q5_K] = { .name = "q5_K", .blck = SE_QK_K, .size = sizeof(se_blk_q5_K), .act_type = SE_Q8_K,
@@ -159,6 +171,28 @@ extern const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT];
 float se_fp16_to_fp32(uint16_t h);
 uint16_t se_fp32_to_fp16(float f);
 void se_get_scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *m);
+
+/* Q2_K and Q3_K quants, shared by every path: element e = 128h + 32j + l (h < 2, j < 4, l < 32)
+ * has its low 2 bits at bits 2j..2j+1 of qs[32h + l] and (Q3_K) its high bit at bit 4h + j of
+ * hmask[l]. The 16 six-bit scales of Q3_K, as the signed scale (stored - 32): scale i takes its
+ * low 4 bits from byte i (i < 8) or the high nibble of byte i - 8, and its top 2 bits from bits
+ * 2(i/4)..2(i/4)+1 of byte 8 + i%4; done here on 32-bit words, four scales at a time. */
+static inline void se_q3_K_scale_words(const uint8_t *s, uint32_t w[4]) { /* the stored scales (0..63) */
+    uint32_t a, b, c;
+    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
+    const uint32_t lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
+    w[0] = (a & lo4) | (c & lo2) << 4;
+    w[1] = (b & lo4) | (c >> 2 & lo2) << 4;
+    w[2] = (a >> 4 & lo4) | (c >> 4 & lo2) << 4;
+    w[3] = (b >> 4 & lo4) | (c >> 6 & lo2) << 4;
+}
+static inline void se_q3_K_scales(const uint8_t *s, int8_t out[16]) {
+    uint32_t w[4];
+    uint8_t u[16];
+    se_q3_K_scale_words(s, w);
+    memcpy(u, w, 16);
+    for (int i = 0; i < 16; i++) out[i] = (int8_t)(u[i] - 32);
+}
 
 /* A tile shape (nr rows x nc tokens) as one number, for the ISA files' shape switches. Each ISA
  * family lists the shapes se_matmul asks of its table entries (tg_rows x 1, pp_rows x 1..4 and

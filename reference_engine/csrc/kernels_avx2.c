@@ -176,42 +176,89 @@ INLINE void q45_K_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
     for (int c = 0; c < nc; c++) out[c] = hsum8(acc[c]) - hsum8(accm[c]);
 }
 
-/* Q6_K: quants taken unsigned (0..63), the -32 applied through the bsums. A ymm of 32 quants
- * covers two scales: s16 lanes 0-7 take the first, 8-15 the second. */
-INLINE void q6_K_dotx(int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+/* The K-quants with 16 scales of 16 quants (Q2_K, Q3_K, Q6_K), one super-block: its quants as
+ * unsigned bytes in element order (a ymm of 32 covers two scales: s16 lanes 0-7 take the first,
+ * 8-15 the second), its 16 scales, and what is taken back through the activations' bsums: the
+ * offset of the types stored as q + offset (Q3_K 4, Q6_K 32: offset * d * sum(sc * bsum)) or
+ * Q2_K's mins (dmin * sum(m * bsum)). */
+typedef struct {
+    __m256i q[8];
+    int8_t sc[16], cw[16]; /* the scales; the bsums' weights (the scales again, or the mins) */
+    float d, dc;           /* the factor of the scaled sums; of the bsum term */
+} k16_block;
+
+INLINE void unpack_k16(int type, const uint8_t *x, k16_block *b) {
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    if (type == SE_Q6_K) {
+        const se_blk_q6_K *y = (const se_blk_q6_K *)x;
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(y->ql + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(y->ql + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(y->qh + 32 * h));
+            b->q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+            b->q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+            b->q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+            b->q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+        }
+        memcpy(b->sc, y->scales, 16);
+        memcpy(b->cw, y->scales, 16);
+        b->d = h2f((const uint8_t *)&y->d);
+        b->dc = se_types[SE_Q6_K].q_offset * b->d;
+        return;
+    }
+    /* Q2_K and Q3_K: element 128h + 32j + l takes bits 2j, 2j+1 of qs[32h + l] (kernels.h) */
+    const uint8_t *qs = x + se_types[type].qs_offset;
+    for (int h = 0; h < 2; h++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+        for (int j = 0; j < 4; j++) b->q[4 * h + j] = _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * j)), m3);
+    }
+    if (type == SE_Q2_K) {
+        const se_blk_q2_K *y = (const se_blk_q2_K *)x;
+        for (int j = 0; j < 16; j++) b->sc[j] = (int8_t)(y->scales[j] & 15), b->cw[j] = (int8_t)(y->scales[j] >> 4);
+        b->d = h2f((const uint8_t *)&y->d);
+        b->dc = h2f((const uint8_t *)&y->dmin);
+        return;
+    }
+    const se_blk_q3_K *y = (const se_blk_q3_K *)x; /* the high bit of element 32k + l: bit k of hmask[l] */
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)y->hmask);
+    for (int k = 0; k < 8; k++) {
+        const __m256i bit = _mm256_set1_epi8((char)(1 << k));
+        b->q[k] = _mm256_or_si256(b->q[k], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit),
+                                                            _mm256_set1_epi8(4)));
+    }
+    uint32_t w[4];
+    se_q3_K_scale_words(y->scales, w);
+    const __m128i sc = _mm_sub_epi8(_mm_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3]), _mm_set1_epi8(32));
+    _mm_storeu_si128((__m128i *)b->sc, sc);
+    _mm_storeu_si128((__m128i *)b->cw, sc);
+    b->d = h2f((const uint8_t *)&y->d);
+    b->dc = se_types[SE_Q3_K].q_offset * b->d;
+}
+
+INLINE void k16_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    const int ws = se_types[type].size;
     __m256 acc[4], acco[4];
     for (int c = 0; c < nc; c++) { acc[c] = _mm256_setzero_ps(); acco[c] = _mm256_setzero_ps(); }
 
     for (int64_t i = 0; i < n / 256; i++) {
-        const se_blk_q6_K *x = (const se_blk_q6_K *)w + i;
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
-        const float d = h2f((const uint8_t *)&x->d);
-        __m256i q[8], sv[8];
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * h + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * h));
-            q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
-            q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
-            q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
-            q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
-        }
-        for (int j = 0; j < 8; j++)
-            sv[j] = _mm256_set_m128i(_mm_set1_epi16(x->scales[2 * j + 1]), _mm_set1_epi16(x->scales[2 * j]));
+        k16_block b;
+        unpack_k16(type, w + i * ws, &b);
+        const __m256i cw16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b.cw));
+        __m256i sv[8];
+        for (int j = 0; j < 8; j++) sv[j] = _mm256_set_m128i(_mm_set1_epi16(b.sc[2 * j + 1]), _mm_set1_epi16(b.sc[2 * j]));
         for (int c = 0; c < nc; c++) {
             const se_blk_q8_K *y = (const se_blk_q8_K *)(a + c * as) + i;
             __m256i sumi = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
-                __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(y->qs + 32 * j)));
+                __m256i p = _mm256_maddubs_epi16(b.q[j], _mm256_loadu_si256((const __m256i *)(y->qs + 32 * j)));
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sv[j]));
             }
-            __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), sc16);
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * y->d), acc[c]);
-            acco[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32 * d * y->d), acco[c]);
+            __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), cw16);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(b.d * y->d), acc[c]);
+            acco[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(b.dc * y->d), acco[c]);
         }
     }
     for (int c = 0; c < nc; c++) out[c] = hsum8(acc[c]) - hsum8(acco[c]);
@@ -256,7 +303,7 @@ INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
 /* One weight row x nc activation rows, for the types whose kernels take a single row. */
 INLINE void one_row_tile(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
     if (type == SE_Q4_K || type == SE_Q5_K) q45_K_dotx(type, n, w, a, as, nc, out);
-    else if (type == SE_Q6_K) q6_K_dotx(n, w, a, as, nc, out);
+    else if (type == SE_Q2_K || type == SE_Q3_K || type == SE_Q6_K) k16_dotx(type, n, w, a, as, nc, out);
     else float_dotx(type, n, w, a, as, nc, out);
 }
 
@@ -376,7 +423,7 @@ INLINE void legacy_shapes(int type, int64_t n, const uint8_t *w, size_t wr, int 
     se_bad_tile_shape("avx2", type, nr, nc);
 }
 
-/* Float types, Q4_K/Q5_K and Q6_K: one row (tg_rows 1, pp_rows 1). */
+/* Float types and the K-quants: one row (tg_rows 1, pp_rows 1). */
 INLINE void one_row_shapes(int type, int64_t n, const uint8_t *w, int nr, const uint8_t *a, size_t as, int nc,
                            float *out) {
     switch (SE_SHAPE(nr, nc)) {
@@ -413,6 +460,12 @@ static void tile_f16(int64_t n, const void *w, size_t wr, int nr, const void *a,
 static void tile_bf16(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
     (void)wr, one_row_shapes(SE_BF16, n, w, nr, a, as, nc, out);
 }
+static void tile_q2_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_Q2_K, n, w, nr, a, as, nc, out);
+}
+static void tile_q3_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, one_row_shapes(SE_Q3_K, n, w, nr, a, as, nc, out);
+}
 static void tile_q4_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
     (void)wr, one_row_shapes(SE_Q4_K, n, w, nr, a, as, nc, out);
 }
@@ -432,6 +485,8 @@ static float dot_q8_0(int64_t n, const void *w, const void *a) { float o; legacy
 static float dot_f32(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_F32, n, w, a, 0, 1, &o); return o; }
 static float dot_f16(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_F16, n, w, a, 0, 1, &o); return o; }
 static float dot_bf16(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_BF16, n, w, a, 0, 1, &o); return o; }
+static float dot_q2_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q2_K, n, w, a, 0, 1, &o); return o; }
+static float dot_q3_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q3_K, n, w, a, 0, 1, &o); return o; }
 static float dot_q4_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q4_K, n, w, a, 0, 1, &o); return o; }
 static float dot_q5_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q5_K, n, w, a, 0, 1, &o); return o; }
 static float dot_q6_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q6_K, n, w, a, 0, 1, &o); return o; }
@@ -442,6 +497,8 @@ const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
     [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 1 },
     [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 1 },
     [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 1, .from_float = q8_0_from_float },
+    [SE_Q2_K] = { .dot = dot_q2_K, .tile = tile_q2_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q3_K] = { .dot = dot_q3_K, .tile = tile_q3_K, .tg_rows = 1, .pp_rows = 1 },
     [SE_Q4_K] = { .dot = dot_q4_K, .tile = tile_q4_K, .tg_rows = 1, .pp_rows = 1 },
     [SE_Q5_K] = { .dot = dot_q5_K, .tile = tile_q5_K, .tg_rows = 1, .pp_rows = 1 },
     [SE_Q6_K] = { .dot = dot_q6_K, .tile = tile_q6_K, .tg_rows = 1, .pp_rows = 1 },

@@ -11,10 +11,10 @@
  * The summation order. Every quantized kernel here (tiles, the dots made from them, the GEMM)
  * adds a row's products in one order, so that an output's bits depend on its weight row and
  * activation row alone: never on the tile, the batch, the thread's row range or the path.
- *   - A scale block b (32 quants; 16 for Q6_K) gives an exact integer isum_b (offset corrections
+ *   - A scale block b (32 quants; 16 for Q2_K, Q3_K, Q6_K) gives an exact integer isum_b (offset corrections
  *     included), its scale D_b = wd_b * ad_b (one float multiply of the weight's and the
  *     activation's scale) and, for the types with a min, M_b and S_b.
- *   - Block b goes to float lane p of 16, where LANE32[p] (LANE16[p] for Q6_K) == b % 16; a
+ *   - Block b goes to float lane p of 16, where LANE32[p] (LANE16[p] for those) == b % 16; a
  *     lane takes its blocks in increasing order: lane = fma(isum_b, D_b, lane), then
  *     lane = fma(M_b, S_b, lane).
  *   - The 16 lanes are added in hsum16's tree.
@@ -127,6 +127,61 @@ INLINE void unpack_q6_K(const se_blk_q6_K *x, __m512i q[4]) {
         q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_slli_epi16(qh2, 4), m30));
         q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(qh2, m30));
     }
+}
+
+/* The 256 quants of a Q2_K or Q3_K super-block as unsigned bytes in element order (Q3_K's are
+ * 0..7, the weight is q - 4): vector 2h + k holds elements 128h + 64k.., whose low bits are bits
+ * 4k..4k+1 (first 32) and 4k+2..4k+3 (last 32) of qs[32h + l]; Q3_K's high bit of element 32m + l
+ * is bit m of hmask[l] (kernels.h). */
+INLINE void unpack_q23_K(int type, const uint8_t *x, __m512i q[4]) {
+    const uint8_t *qs = x + se_types[type].qs_offset;
+    for (int h = 0; h < 2; h++) {
+        const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * h)));
+        for (int k = 0; k < 2; k++) {
+            const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * k)), _mm256_set1_epi16((short)(4 * k + 2)), 1);
+            q[2 * h + k] = _mm512_and_si512(_mm512_srlv_epi16(z, shift), _mm512_set1_epi8(3));
+        }
+    }
+    if (type == SE_Q3_K) {
+        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)((const se_blk_q3_K *)x)->hmask));
+        for (int k = 0; k < 4; k++) {
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * k))), _mm256_set1_epi8((char)(2 << (2 * k))), 1);
+            q[k] = _mm512_mask_add_epi8(q[k], _mm512_test_epi8_mask(hm, bit), q[k], _mm512_set1_epi8(4));
+        }
+    }
+}
+
+/* A super-block of the K-quants with 16 scales of 16 quants (Q2_K, Q3_K, Q6_K): its quants as
+ * unsigned bytes in element order, its scales (block order), Q2_K's mins, d and dmin. The types
+ * without a min store q + se_types' q_offset, taken back through the activations' bsums. */
+typedef struct {
+    __m512i q[4];
+    int8_t sc[16];
+    uint8_t mn[16];
+    float d, dmin;
+} k16_block;
+
+INLINE void unpack_k16(int type, const uint8_t *x, k16_block *b) {
+    if (type == SE_Q6_K) {
+        const se_blk_q6_K *y = (const se_blk_q6_K *)x;
+        unpack_q6_K(y, b->q);
+        memcpy(b->sc, y->scales, 16);
+        b->d = h2f((const uint8_t *)&y->d), b->dmin = 0;
+        return;
+    }
+    unpack_q23_K(type, x, b->q);
+    if (type == SE_Q2_K) {
+        const se_blk_q2_K *y = (const se_blk_q2_K *)x;
+        for (int j = 0; j < 16; j++) b->sc[j] = (int8_t)(y->scales[j] & 15), b->mn[j] = y->scales[j] >> 4;
+        b->d = h2f((const uint8_t *)&y->d), b->dmin = h2f((const uint8_t *)&y->dmin);
+        return;
+    }
+    const se_blk_q3_K *y = (const se_blk_q3_K *)x;
+    uint32_t w[4];
+    se_q3_K_scale_words(y->scales, w);
+    _mm_storeu_si128((__m128i *)b->sc, _mm_sub_epi8(_mm_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3]),
+                                                    _mm_set1_epi8(32)));
+    b->d = h2f((const uint8_t *)&y->d), b->dmin = 0;
 }
 
 /* ---------------------------------------------------------------- the summation order's helpers */
@@ -296,29 +351,35 @@ INLINE void q45_K_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
     hsum_tiles(acc, nc, out);
 }
 
-/* Q6_K, one row x nc tokens: per super-block (16 blocks of 16), quants taken unsigned (0..63),
- * the -32 applied through the bsums; scales d*sc are exact products. */
-INLINE void q6_K_dotx(int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+/* Q2_K, Q3_K and Q6_K, one row x nc tokens: per super-block (16 blocks of 16), 4 vpdpbusd; the
+ * scales d*sc are exact products. Q3_K and Q6_K take their stored offset back through the bsums
+ * (exact integers: isum = sum(q*a) - offset*bsum); Q2_K's mins -dmin*m meet S = d_a * bsum. */
+INLINE void k16_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
+    const se_type_traits *t = &se_types[type];
     const __m512i zero = _mm512_setzero_si512(), lane = _mm512_loadu_si512(LANE16);
+    /* offset * bsum as a shift: the offsets are powers of two (Q3_K 4, Q6_K 32) */
+    const __m512i off_shift = _mm512_set1_epi32(t->q_offset ? __builtin_ctz((unsigned)t->q_offset) : 0);
     __m512 acc[4];
     for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
 
     for (int64_t i = 0; i < n / 256; i++) {
-        const se_blk_q6_K *x = (const se_blk_q6_K *)w + i;
-        __m512i q[4];
-        unpack_q6_K(x, q);
-        const __m512i sc = _mm512_permutexvar_epi32(lane, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x->scales)));
-        const __m512 wd = _mm512_mul_ps(_mm512_set1_ps(h2f((const uint8_t *)&x->d)), _mm512_cvtepi32_ps(sc));
+        k16_block b;
+        unpack_k16(type, w + i * t->size, &b);
+        const __m512i sc = _mm512_permutexvar_epi32(lane, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b.sc)));
+        const __m512 wd = _mm512_mul_ps(_mm512_set1_ps(b.d), _mm512_cvtepi32_ps(sc));
+        const __m512 wm = t->has_min ? _mm512_mul_ps(_mm512_set1_ps(-b.dmin), _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
+                                                         lane, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b.mn)))))
+                                     : _mm512_setzero_ps();
         for (int c = 0; c < nc; c++) {
             const se_blk_q8_K *y = (const se_blk_q8_K *)(a + c * as) + i;
             __m512i p[4];
-            for (int k = 0; k < 4; k++) p[k] = _mm512_dpbusd_epi32(zero, q[k], _mm512_loadu_si512(y->qs + 64 * k));
-            const __m512i bias = _mm512_sub_epi32(
-                zero, _mm512_slli_epi32(_mm512_permutexvar_epi32(
-                                            lane, _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)y->bsums))),
-                                        5)); /* -32 * bsum */
-            const __m512i isum = _mm512_add_epi32(blocks16_16(p), bias);
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd, _mm512_set1_ps(y->d)), acc[c]);
+            for (int k = 0; k < 4; k++) p[k] = _mm512_dpbusd_epi32(zero, b.q[k], _mm512_loadu_si512(y->qs + 64 * k));
+            const __m512i bs = _mm512_permutexvar_epi32(lane, _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)y->bsums)));
+            __m512i isum = blocks16_16(p);
+            if (t->q_offset) isum = _mm512_add_epi32(isum, _mm512_sub_epi32(zero, _mm512_sllv_epi32(bs, off_shift)));
+            const __m512 ad = _mm512_set1_ps(y->d);
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd, ad), acc[c]);
+            if (t->has_min) acc[c] = _mm512_fmadd_ps(wm, _mm512_mul_ps(ad, _mm512_cvtepi32_ps(bs)), acc[c]);
         }
     }
     hsum_tiles(acc, nc, out);
@@ -423,7 +484,7 @@ static void q8_K_from_float(const float *x, void *dst, int64_t n) {
 
 /* ---------------------------------------------------------------- prompt GEMM on int8 panels
  * For a batch of tokens, every 16 weight rows are unpacked once into a panel: per block of BLK
- * quants (32; 16 for Q6_K, whose scales change every 16), BLK/4 vectors whose lane r holds 4
+ * quants (32; 16 for Q2_K, Q3_K and Q6_K, whose scales change every 16), BLK/4 vectors whose lane r holds 4
  * consecutive quants of row r as unsigned bytes, then the 16 rows' float scales d and mins m.
  * One vpdpbusd multiplies 4 quants of 16 rows by 4 activations of one token (broadcast), so a
  * block costs BLK/4 vpdpbusd and 3 or 4 float operations per token for 16 rows, and no
@@ -440,7 +501,7 @@ typedef struct { float d; union { float s; int32_t bias; }; } side_t;
 
 /* How a weight type maps onto panels (from its row of se_types). */
 typedef struct {
-    int blk;    /* quants per panel block: the elements per scale, 32 or 16 (Q6_K) */
+    int blk;    /* quants per panel block: the elements per scale, 32 or 16 */
     int group;  /* quants unpacked at once per row: two legacy blocks, or one super-block */
     int offset; /* stored quants are weight + offset (0 for the types with a min) */
     int min;    /* has a min: blocks add m*s */
@@ -471,12 +532,11 @@ INLINE int unpack_group(int type, const uint8_t *row, int64_t g, int64_t n, uint
         }
         return 256;
     }
-    if (type == SE_Q6_K) {
-        const se_blk_q6_K *x = (const se_blk_q6_K *)row + g;
-        __m512i v[4];
-        unpack_q6_K(x, v);
-        for (int j = 0; j < 4; j++) _mm512_storeu_si512(q + 64 * j, v[j]);
-        for (int j = 0; j < 16; j++) d[j] = h2f((const uint8_t *)&x->d) * (float)x->scales[j], m[j] = 0;
+    if (t->blck == SE_QK_K) { /* Q2_K, Q3_K, Q6_K */
+        k16_block b;
+        unpack_k16(type, row + g * t->size, &b);
+        for (int j = 0; j < 4; j++) _mm512_storeu_si512(q + 64 * j, b.q[j]);
+        for (int j = 0; j < 16; j++) d[j] = b.d * (float)b.sc[j], m[j] = t->has_min ? -b.dmin * (float)b.mn[j] : 0;
         return 256;
     }
     /* legacy: two blocks; d first, then (the _1 types) m, in every layout (se_blk_q4_0 ... q5_1) */
@@ -564,8 +624,10 @@ static void build_side(panel_shape sh, int64_t nb, const uint8_t *a, size_t arow
                 const se_blk_q8_K *k8 = (const se_blk_q8_K *)blk;
                 const int j = (int)(b % per);
                 st[b].d = k8->d;
-                if (sh.min) st[b].s = k8->d * (float)(k8->bsums[2 * j] + k8->bsums[2 * j + 1]);
-                else st[b].bias = -sh.offset * k8->bsums[j];
+                /* the activations' sum over the block: one bsum of 16, or two */
+                const int bsum = sh.blk == 16 ? k8->bsums[j] : k8->bsums[2 * j] + k8->bsums[2 * j + 1];
+                if (sh.min) st[b].s = k8->d * (float)bsum;
+                else st[b].bias = -sh.offset * bsum;
             } else {
                 st[b].d = h2f(blk); /* Q8_0 and Q8_1 start with d; Q8_1's s follows */
                 if (sh.min) {
@@ -683,6 +745,14 @@ static int gemm_q8_0(int64_t k, const void *W, size_t wrow, const void *act, siz
                      int64_t ldy, int64_t r0, int64_t r1) {
     return gemm(SE_Q8_0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
+static int gemm_q2_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+    return gemm(SE_Q2_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int gemm_q3_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                     int64_t ldy, int64_t r0, int64_t r1) {
+    return gemm(SE_Q3_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
 static int gemm_q4_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
     return gemm(SE_Q4_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
@@ -723,8 +793,8 @@ INLINE void multi_row_shapes(int type, int64_t n, const uint8_t *w, size_t wr, i
 
 /* The K-quants, whose kernels take a single row: tg_rows 1, pp_rows 1. */
 INLINE void k_quant_tile(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
-    if (type == SE_Q6_K) q6_K_dotx(n, w, a, as, nc, out);
-    else q45_K_dotx(type, n, w, a, as, nc, out);
+    if (type == SE_Q4_K || type == SE_Q5_K) q45_K_dotx(type, n, w, a, as, nc, out);
+    else k16_dotx(type, n, w, a, as, nc, out);
 }
 INLINE void k_quant_shapes(int type, int64_t n, const uint8_t *w, int nr, const uint8_t *a, size_t as, int nc,
                            float *out) {
@@ -762,6 +832,12 @@ static void tile_bf16(int64_t n, const void *w, size_t wr, int nr, const void *a
     multi_row_shapes(SE_BF16, n, w, wr, nr, a, as, nc, out);
 }
 /* The one-row tiles have no row stride: they take a single row. */
+static void tile_q2_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, k_quant_shapes(SE_Q2_K, n, w, nr, a, as, nc, out);
+}
+static void tile_q3_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
+    (void)wr, k_quant_shapes(SE_Q3_K, n, w, nr, a, as, nc, out);
+}
 static void tile_q4_K(int64_t n, const void *w, size_t wr, int nr, const void *a, size_t as, int nc, float *out) {
     (void)wr, k_quant_shapes(SE_Q4_K, n, w, nr, a, as, nc, out);
 }
@@ -781,6 +857,8 @@ static float dot_q8_0(int64_t n, const void *w, const void *a) { float o; multi_
 static float dot_f32(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_F32, n, w, 0, 1, a, 0, 1, &o); return o; }
 static float dot_f16(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_F16, n, w, 0, 1, a, 0, 1, &o); return o; }
 static float dot_bf16(int64_t n, const void *w, const void *a) { float o; multi_row_tile(SE_BF16, n, w, 0, 1, a, 0, 1, &o); return o; }
+static float dot_q2_K(int64_t n, const void *w, const void *a) { float o; k_quant_tile(SE_Q2_K, n, w, a, 0, 1, &o); return o; }
+static float dot_q3_K(int64_t n, const void *w, const void *a) { float o; k_quant_tile(SE_Q3_K, n, w, a, 0, 1, &o); return o; }
 static float dot_q4_K(int64_t n, const void *w, const void *a) { float o; k_quant_tile(SE_Q4_K, n, w, a, 0, 1, &o); return o; }
 static float dot_q5_K(int64_t n, const void *w, const void *a) { float o; k_quant_tile(SE_Q5_K, n, w, a, 0, 1, &o); return o; }
 static float dot_q6_K(int64_t n, const void *w, const void *a) { float o; k_quant_tile(SE_Q6_K, n, w, a, 0, 1, &o); return o; }
@@ -792,6 +870,8 @@ const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {
     [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q5_1 },
     [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q8_0,
                   .from_float = q8_0_from_float },
+    [SE_Q2_K] = { .dot = dot_q2_K, .tile = tile_q2_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q2_K },
+    [SE_Q3_K] = { .dot = dot_q3_K, .tile = tile_q3_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q3_K },
     [SE_Q4_K] = { .dot = dot_q4_K, .tile = tile_q4_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q4_K },
     [SE_Q5_K] = { .dot = dot_q5_K, .tile = tile_q5_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q5_K },
     [SE_Q6_K] = { .dot = dot_q6_K, .tile = tile_q6_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q6_K },
