@@ -19,6 +19,11 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "engines": ("stdengine.cli.engines", "engines", "List the installed engines and what they can do."),
     "config": ("stdengine.cli.config", "config", "Show the effective configuration and its sources."),
     "conformance": ("stdengine.cli.conformance", "conformance", "Check an engine against the standard."),
+    "quantize": (
+        "stdengine.cli.quantize",
+        "quantize",
+        "Quantize a GGUF model to a smaller type (Q4_K_M ...).",
+    ),
     "bench": (
         "stdengine.cli.bench",
         "bench",
