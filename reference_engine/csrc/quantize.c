@@ -46,18 +46,14 @@ static inline int round_clamp(float v, int lo, int hi) {
     return (int)((v + 12582912.0f) - 12582912.0f);
 }
 
-/* Importance of each of n elements: the block's mean square plus x^2, so larger weights are kept
- * more exactly; with an imatrix, the column's mean squared activation times sqrt of that. */
-static void importance(int n, const float *x, const float *im, float *w) {
-    float s2 = 0;
-    for (int i = 0; i < n; i++) s2 += x[i] * x[i];
-    s2 /= (float)n;
+/* Importance of each of n elements. A weight error e_i changes a matmul's output by e_i·a_i, so
+ * the output's mean squared error is sum_i e_i^2·E[a_i^2]: with an imatrix (E[a_i^2] per column)
+ * that is the weight; without one every column counts the same (plain squared error, which also
+ * gave the lowest KL divergence of the weightings tried: spec/quantize.md). */
+static void importance(int n, const float *im, float *w) {
     float sum = 0;
-    for (int i = 0; i < n; i++) {
-        w[i] = im ? im[i] * sqrtf(s2 + x[i] * x[i]) : s2 + x[i] * x[i];
-        sum += w[i];
-    }
-    if (!(sum > 0)) /* an all-zero block, or an imatrix that never saw these columns */
+    for (int i = 0; i < n; i++) sum += (w[i] = im ? im[i] : 1.0f);
+    if (!(sum > 0)) /* an imatrix that never saw these columns */
         for (int i = 0; i < n; i++) w[i] = 1.0f;
 }
 
@@ -432,8 +428,7 @@ static void *run_rows(void *arg) {
         for (int64_t k = 0; k < nb; k++) {
             const float *x = j->x + r * j->n + k * bl;
             float *y = j->dec ? j->dec + r * j->n + k * bl : ybuf;
-            /* importance over the whole super-block for K-quants, the block otherwise */
-            importance(bl, x, j->im ? j->im + k * bl : NULL, w);
+            importance(bl, j->im ? j->im + k * bl : NULL, w);
             j->t->fn(x, w, j->dst + (r * nb + k) * j->t->size, y);
         }
     }

@@ -1,9 +1,8 @@
 /* Weight quantizers: float rows -> ggml blocks, for `infer quantize` (spec/quantize.md).
  *
  * Each type's quantizer fits, block by block, the integers and scales (and mins) that minimise the
- * weighted squared error sum_i w_i (x_i - x̂_i)^2, where w_i is an importance per element: the
- * block's mean square plus x_i^2 (larger weights matter more), times the imatrix entry of the
- * element's column when one is given. It also reports x̂, the values the written blocks decode to
+ * weighted squared error sum_i w_i (x_i - x̂_i)^2, where w_i is the imatrix entry of the element's
+ * column (the mean squared activation it meets), or 1 without an imatrix. It also reports x̂, the values the written blocks decode to
  * (computed in the order gguf.quants dequantizes, so tests compare them bit for bit).
  *
  * Separate from the kernels' trait table (kernels.h): these are slow, careful searches run once per
