@@ -72,8 +72,8 @@ def main() -> None:
     args = ap.parse_args()
 
     import llama_cpp
-
     from stdengine.reference.quantize import quantize_model
+
     from stdengine.store import resolve_model
 
     args.work.mkdir(parents=True, exist_ok=True)

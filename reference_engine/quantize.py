@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from stdengine.reference._lib import lib
 
 from stdengine.errors import BadModelFile, UsageError
 from stdengine.gguf_file import ggml_type, scan_gguf
-from stdengine.reference._lib import lib
 
 # The types the quantizers write (ggml names), coarsest last.
 TYPES = ("q8_0", "q6_K", "q5_K", "q5_1", "q5_0", "q4_K", "q4_1", "q4_0", "q3_K", "q2_K")
@@ -356,9 +356,13 @@ def to_float(raw: np.ndarray, type_name: str, n: int) -> np.ndarray:
 
     if core.type_traits(ggml_type(type_name).id) is not None:
         return kernels.dequantize(type_name, raw, n)
-    import gguf.quants
+    import gguf
 
-    return gguf.quants.dequantize(raw, ggml_type(type_name).id).reshape(-1)[:n].astype(np.float32)
+    return (
+        gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type(type_name).id))
+        .reshape(-1)[:n]
+        .astype(np.float32)
+    )
 
 
 def _encode(x: np.ndarray, t: str, im: np.ndarray | None, threads: int | None) -> np.ndarray:
@@ -496,7 +500,7 @@ def quantize_model(
                                 f"the imatrix entry {t.name} has {im.size} values for rows of {t.shape[0]}"
                             )
                         data = _encode(x, new, im, threads)
-                    out.write(memoryview(data))
+                    out.write(data.tobytes() if not data.flags.c_contiguous else data.data)
                     out.write(b"\0" * (pad(data.size) - data.size))
                     if on_progress:
                         on_progress(t.name, t.n_elements)

@@ -19,9 +19,9 @@ import gguf
 import numpy as np
 import pytest
 from gguf_factory import write_llama_gguf
+from stdengine.reference import quantize as q
 
 from stdengine.gguf_file import scan_gguf
-from stdengine.reference import quantize as q
 
 TYPES = q.TYPES
 
