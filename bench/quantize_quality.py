@@ -61,6 +61,24 @@ def compare(ref: np.ndarray, lp: np.ndarray, tokens: list[int]) -> dict[str, flo
     return {"kl": float(kl.mean()), "ppl": float(np.exp(nll.mean()))}
 
 
+def write_table(jsonl: Path) -> str:
+    """The Markdown table of a results file (also of a run stopped part way), next to it."""
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    lines = [
+        "| model | type | KL ours | KL llama.cpp | ratio | ppl ours | ppl llama.cpp | MiB ours | MiB llama.cpp |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        o, t = r["ours"], r["llama.cpp"]
+        lines.append(
+            f"| {r['model']} | {r['type']} | {o['kl']:.5f} | {t['kl']:.5f} | {r['kl_ratio']:.3f} | "
+            f"{o['ppl']:.3f} | {t['ppl']:.3f} | {o['bytes'] / 2**20:.1f} | {t['bytes'] / 2**20:.1f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    jsonl.with_suffix(".md").write_text(text)
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"])
@@ -69,7 +87,11 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/stdengine-quantize-quality"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--text", type=Path, default=HELD_OUT)
+    ap.add_argument("--table", type=Path, help="only write the Markdown table of this results .jsonl")
     args = ap.parse_args()
+    if args.table:
+        print(write_table(args.table))
+        return
 
     import llama_cpp
     from stdengine.reference.quantize import quantize_model
@@ -80,7 +102,6 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M")
     out = Path(__file__).parent / "results" / f"quantize-quality-{stamp}.jsonl"
     text = args.text.read_text()[4000:]  # past the preamble: running prose
-    rows = []
     for model in args.models:
         src = args.work / f"{model}-f32.gguf"
         if not src.exists():
@@ -105,7 +126,6 @@ def main() -> None:
                 | {"bytes": theirs.stat().st_size, "s": t2 - t1},
             }
             row["kl_ratio"] = row["ours"]["kl"] / max(row["llama.cpp"]["kl"], 1e-12)
-            rows.append(row)
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(
@@ -116,19 +136,7 @@ def main() -> None:
             ours.unlink()
             theirs.unlink()
         print(f"{model}: source ppl {compare(ref, ref, tokens)['ppl']:.3f}", flush=True)
-    md = out.with_suffix(".md")
-    lines = [
-        "| model | type | KL ours | KL llama.cpp | ratio | ppl ours | ppl llama.cpp | MiB ours | MiB llama.cpp |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        o, t = r["ours"], r["llama.cpp"]
-        lines.append(
-            f"| {r['model']} | {r['type']} | {o['kl']:.5f} | {t['kl']:.5f} | {r['kl_ratio']:.3f} | "
-            f"{o['ppl']:.3f} | {t['ppl']:.3f} | {o['bytes'] / 2**20:.1f} | {t['bytes'] / 2**20:.1f} |"
-        )
-    md.write_text("\n".join(lines) + "\n")
-    print(md.read_text())
+    print(write_table(out))
 
 
 if __name__ == "__main__":
