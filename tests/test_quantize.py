@@ -109,30 +109,48 @@ def f32_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # rows of 256 (K-quants fit) with 16 layers (the _M mixes' layer rules show), and rows of 96
     # (every K type falls back to a 32-element type, as for SmolLM2 and Gemma-3)
     wide, narrow = d / "wide-f32.gguf", d / "narrow-f32.gguf"
-    write_llama_gguf(wide, weight_type="F32", n_layer=16, n_embd=256, n_ff=512, n_head=4, n_head_kv=1)
+    write_llama_gguf(wide, weight_type="F32", n_layer=16, n_embd=256, n_ff=256, n_head=4, n_head_kv=1)
     write_llama_gguf(narrow, weight_type="F32", n_layer=3, n_embd=96, n_ff=192, n_head=4, n_head_kv=2)
     return {"wide": wide, "narrow": narrow}
 
 
 @pytest.mark.parametrize("ft", list(LLAMA_FTYPES))
-def test_recipes_match_llamacpp_and_llamacpp_loads_the_output(
-    ft: str, f32_models: dict[str, Path], tmp_path: Path
-) -> None:
+def test_recipes_match_llamacpp(ft: str, f32_models: dict[str, Path], tmp_path: Path) -> None:
+    for kind, src in f32_models.items():
+        theirs = tmp_path / f"{kind}-llama.gguf"
+        _llama_quantize(src, theirs, LLAMA_FTYPES[ft])
+        h = scan_gguf(src)
+        ours = q.plan([(t.name, t.shape, t.type_name) for t in h.tensors], ft, h.metadata)
+        assert ours == _types(theirs), (kind, ft)
+
+
+# Every type the tool writes appears in at least one of these files (mixes and row fallbacks).
+END_TO_END = [("wide", "Q2_K"), ("wide", "Q4_K_M"), ("wide", "Q5_K_M"), ("narrow", "Q3_K_M"),
+              ("narrow", "Q4_1"), ("narrow", "Q5_K_S"), ("narrow", "Q8_0")]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,ft", END_TO_END)
+def test_llamacpp_loads_the_output(kind: str, ft: str, f32_models: dict[str, Path], tmp_path: Path) -> None:
     import llama_cpp
 
-    for kind, src in f32_models.items():
-        ours, theirs = tmp_path / f"{kind}-ours.gguf", tmp_path / f"{kind}-llama.gguf"
-        q.quantize_model(src, ours, ft, threads=1)
-        _llama_quantize(src, theirs, LLAMA_FTYPES[ft])
-        assert _types(ours) == _types(theirs), (kind, ft)
-        h = scan_gguf(ours)
-        assert h.metadata["general.file_type"] == LLAMA_FTYPES[ft]
-        assert "infer quantize" in h.metadata["stdengine.quantize.tool"]
-        assert h.metadata["tokenizer.ggml.model"] == scan_gguf(src).metadata["tokenizer.ggml.model"]
-        llm = llama_cpp.Llama(str(ours), n_ctx=32, verbose=False, logits_all=True)
-        llm.eval([1, 5, 9, 13])
-        assert np.all(np.isfinite(np.asarray(llm.scores[:4])))
-        llm.close()
+    src, ours = f32_models[kind], tmp_path / "ours.gguf"
+    q.quantize_model(src, ours, ft)
+    h = scan_gguf(ours)
+    assert h.metadata["general.file_type"] == LLAMA_FTYPES[ft]
+    assert "infer quantize" in h.metadata["stdengine.quantize.tool"]
+    assert h.metadata["tokenizer.ggml.model"] == scan_gguf(src).metadata["tokenizer.ggml.model"]
+    llm = llama_cpp.Llama(str(ours), n_ctx=32, verbose=False, logits_all=True)
+    llm.eval([1, 5, 9, 13])
+    assert np.all(np.isfinite(np.asarray(llm.scores[:4])))
+    llm.close()
+
+
+def test_end_to_end_files_cover_every_type(f32_models: dict[str, Path]) -> None:
+    seen = set()
+    for kind, ft in END_TO_END:
+        h = scan_gguf(f32_models[kind])
+        seen |= set(q.plan([(t.name, t.shape, t.type_name) for t in h.tensors], ft, h.metadata).values())
+    assert set(q.TYPES) <= seen
 
 
 def test_every_tensor_decodes_close_to_the_source(f32_models: dict[str, Path], tmp_path: Path) -> None:
