@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,10 @@ def quantize(
         if bar is not None:
             bar.update(bar.task_ids[0], advance=n, description=name)
 
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # so a killed run removes its temporary file too
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         summary = q.quantize_model(
             src,
@@ -101,6 +106,7 @@ def quantize(
             on_progress=on_progress,
         )
     finally:
+        signal.signal(signal.SIGTERM, old_term)
         if bar is not None:
             bar.stop()
     if not quiet:
