@@ -236,3 +236,19 @@ def test_cli_errors_leave_no_output(f32_models: dict[str, Path], tmp_path: Path)
     r = _run(str(f32_models["narrow"]), str(out), "--type", "Q4_0", "--imatrix", str(tmp_path / "wrong.dat"))
     assert r.returncode == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.dat", "wrong.dat"]
+
+
+def test_models_info_lists_each_tensors_type(f32_models: dict[str, Path], tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "o.gguf"
+    q.quantize_model(f32_models["wide"], out, "Q4_K_M")
+    r = subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", "models", "info", "--json", "--tensors", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    listed = {t["name"]: t["type"] for t in json.loads(r.stdout)["tensors"]}
+    assert listed == _types(out) and "q6_K" in listed.values() and "q4_K" in listed.values()
