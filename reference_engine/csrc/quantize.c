@@ -127,6 +127,7 @@ static void asym_fit(int n, const float *x, const float *w, int qmax, int nonpos
     }
     uint8_t t[QKK];
     float best = INFINITY;
+    *d = 0, *m = lo; /* kept if every candidate's error is NaN (non-finite input) */
     const int ns = n_steps(qmax);
     for (int k = -ns; k <= ns; k++) {
         float is = ((float)qmax + 0.1f * (float)k) / (hi - lo), dd, mm;
@@ -183,40 +184,44 @@ static void q8_0_block(const float *x, const float *w, uint8_t *b, float *y) {
     memcpy(b + 2, L, QK);
 }
 
-static void q4_0_block(const float *x, const float *w, uint8_t *b, float *y) {
+/* A symmetric block's d, and its quants as unsigned integers L - qmin (q4_0, q5_0). */
+static void sym_head(const float *x, const float *w, int qmin, int qmax, uint8_t *b, int *q, float *y) {
     int8_t L[QK];
+    put_fp16(b, block_sym(x, w, qmin, qmax, L, y));
+    for (int i = 0; i < QK; i++) q[i] = L[i] - qmin;
+}
+
+/* A block with an offset: d and m, then its quants (q4_1, q5_1). */
+static void asym_head(const float *x, const float *w, int qmax, uint8_t *b, int *q, float *y) {
+    uint8_t L[QK];
+    float d, m;
+    block_asym(x, w, qmax, L, &d, &m, y);
+    put_fp16(b, d), put_fp16(b + 2, m);
+    for (int i = 0; i < QK; i++) q[i] = L[i];
+}
+
+static void q4_0_block(const float *x, const float *w, uint8_t *b, float *y) {
     int q[QK];
-    put_fp16(b, block_sym(x, w, -8, 7, L, y));
-    for (int i = 0; i < QK; i++) q[i] = L[i] + 8;
+    sym_head(x, w, -8, 7, b, q, y);
     pack_nibbles32(q, b + 2);
 }
 
 static void q5_0_block(const float *x, const float *w, uint8_t *b, float *y) {
-    int8_t L[QK];
     int q[QK];
-    put_fp16(b, block_sym(x, w, -16, 15, L, y));
-    for (int i = 0; i < QK; i++) q[i] = L[i] + 16;
+    sym_head(x, w, -16, 15, b, q, y);
     pack_qh32(q, b + 2);
     pack_nibbles32(q, b + 6);
 }
 
 static void q4_1_block(const float *x, const float *w, uint8_t *b, float *y) {
-    uint8_t L[QK];
     int q[QK];
-    float d, m;
-    block_asym(x, w, 15, L, &d, &m, y);
-    put_fp16(b, d), put_fp16(b + 2, m);
-    for (int i = 0; i < QK; i++) q[i] = L[i];
+    asym_head(x, w, 15, b, q, y);
     pack_nibbles32(q, b + 4);
 }
 
 static void q5_1_block(const float *x, const float *w, uint8_t *b, float *y) {
-    uint8_t L[QK];
     int q[QK];
-    float d, m;
-    block_asym(x, w, 31, L, &d, &m, y);
-    put_fp16(b, d), put_fp16(b + 2, m);
-    for (int i = 0; i < QK; i++) q[i] = L[i];
+    asym_head(x, w, 31, b, q, y);
     pack_qh32(q, b + 4);
     pack_nibbles32(q, b + 8);
 }
