@@ -20,6 +20,11 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "config": ("stdengine.cli.config", "config", "Show the effective configuration and its sources."),
     "recipes": ("stdengine.cli.recipes", "recipes", "List, show, install and export tuned recipes."),
     "conformance": ("stdengine.cli.conformance", "conformance", "Check an engine against the standard."),
+    "quantize": (
+        "stdengine.cli.quantize",
+        "quantize",
+        "Quantize a GGUF model to a smaller type (Q4_K_M ...).",
+    ),
     "bench": (
         "stdengine.cli.bench",
         "bench",

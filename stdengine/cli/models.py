@@ -69,8 +69,9 @@ def list_cmd(as_json: bool) -> None:
 @models.command("info", short_help="Describe a GGUF model and the memory a run needs.")
 @click.argument("model", metavar="NAME|PATH")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.option("--tensors", is_flag=True, help="also list every tensor: name, type, shape, bytes")
 @canonical_options("ctx_size")
-def info(model: str, as_json: bool, **kwargs: Any) -> None:
+def info(model: str, as_json: bool, tensors: bool, **kwargs: Any) -> None:
     """Describe a GGUF model: architecture, sizes, tokenizer, tensor types, and the memory a run
     needs at --ctx-size (default 4096; 0 = the model's training context).
 
@@ -89,10 +90,33 @@ def info(model: str, as_json: bool, **kwargs: Any) -> None:
     resolved = resolve_cli(kwargs)
     path = resolve_model(model, pull=False)
     mi = model_info(path, ctx_size=resolved.options.ctx_size)
+    listing = _tensor_list(path) if tensors else None
     if as_json:
-        click.echo(json.dumps(mi.to_dict(), indent=2))
+        click.echo(json.dumps(mi.to_dict() | ({"tensors": listing} if listing is not None else {}), indent=2))
         return
     _print_info(mi)
+    if listing is not None:
+        from rich.console import Console
+        from rich.table import Table
+
+        from stdengine.modelinfo import human_bytes
+
+        table = Table(title="tensors (ggml order: row length first)")
+        for col in ("name", "type", "shape", "size"):
+            table.add_column(col, justify="right" if col == "size" else "left")
+        for t in listing:
+            table.add_row(t["name"], t["type"], " x ".join(map(str, t["shape"])), human_bytes(t["bytes"]))
+        Console().print(table)
+
+
+def _tensor_list(path: Any) -> list[dict[str, Any]]:
+    """Each tensor's name, type, shape and size, in the file's order (a quantized file's mix)."""
+    from stdengine.gguf_file import scan_gguf
+
+    return [
+        {"name": t.name, "type": t.type_name, "shape": list(t.shape), "bytes": t.n_bytes}
+        for t in scan_gguf(path).tensors
+    ]
 
 
 def _print_info(mi: Any) -> None:

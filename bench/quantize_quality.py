@@ -1,0 +1,143 @@
+"""Quality of `infer quantize` beside llama.cpp's own quantizer, on the same F32 input.
+
+For each file type: quantize the F32 source with our tool and with llama.cpp's
+(llama_cpp.llama_model_quantize with llama_model_quantize_default_params), then run the source
+and both outputs through llama.cpp over one held-out text and report the mean KL divergence of
+each output's next-token distribution from the source's, and the perplexity of the text.
+llama.cpp evaluates all three, so the comparison measures the quantizers, not the engines.
+
+The sources are the catalogue models dequantized to F32 by `infer quantize --type F32`; they were
+quantized once already (SmolLM2 Q4_1, Gemma-3 Q4_K_M), so "the source" means that dequantized
+model, not the original bf16 weights.
+
+    python bench/quantize_quality.py [--models smollm2-135m-instruct gemma-3-270m] [--types Q4_K_M ...]
+
+Writes bench/results/quantize-quality-<stamp>.jsonl (one line per model and type, as each is
+done) and a Markdown table next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+# file type -> llama.cpp's llama_ftype id (the same names, as in reference_engine/quantize.py)
+TYPES = {
+    "Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q5_K_S": 16, "Q5_1": 9, "Q5_0": 8, "Q4_K_M": 15,
+    "Q4_K_S": 14, "Q4_1": 3, "Q4_0": 2, "Q3_K_M": 12, "Q3_K_S": 11, "Q2_K": 10,
+}  # fmt: skip
+HELD_OUT = Path("/usr/share/common-licenses/GPL-3")  # English prose no step of this bench tunes on
+
+
+def llama_quantize(src: Path, dst: Path, ftype: int, threads: int) -> None:
+    import llama_cpp
+
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype, p.nthread = ftype, threads
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to ftype {ftype}")
+
+
+def log_probs(path: Path, tokens: list[int]) -> np.ndarray:
+    """(n-1, vocab) float64 log-softmax of the logits predicting tokens[1:], through llama.cpp."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=len(tokens), n_batch=len(tokens), logits_all=True, verbose=False)
+    llm.eval(tokens)
+    z = np.array(llm.scores[: len(tokens) - 1], dtype=np.float64)
+    llm.close()
+    z -= z.max(axis=1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+
+def compare(ref: np.ndarray, lp: np.ndarray, tokens: list[int]) -> dict[str, float]:
+    kl = (np.exp(ref) * (ref - lp)).sum(axis=1)
+    nll = -lp[np.arange(len(tokens) - 1), tokens[1:]]
+    return {"kl": float(kl.mean()), "ppl": float(np.exp(nll.mean()))}
+
+
+def write_table(jsonl: Path) -> str:
+    """The Markdown table of a results file (also of a run stopped part way), next to it."""
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    lines = [
+        "| model | type | KL ours | KL llama.cpp | ratio | ppl ours | ppl llama.cpp | MiB ours | MiB llama.cpp |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        o, t = r["ours"], r["llama.cpp"]
+        lines.append(
+            f"| {r['model']} | {r['type']} | {o['kl']:.5f} | {t['kl']:.5f} | {r['kl_ratio']:.3f} | "
+            f"{o['ppl']:.3f} | {t['ppl']:.3f} | {o['bytes'] / 2**20:.1f} | {t['bytes'] / 2**20:.1f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    jsonl.with_suffix(".md").write_text(text)
+    return text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"])
+    ap.add_argument("--types", nargs="+", default=list(TYPES))
+    ap.add_argument("--tokens", type=int, default=384, help="tokens of held-out text")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/stdengine-quantize-quality"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--text", type=Path, default=HELD_OUT)
+    ap.add_argument("--table", type=Path, help="only write the Markdown table of this results .jsonl")
+    args = ap.parse_args()
+    if args.table:
+        print(write_table(args.table))
+        return
+
+    import llama_cpp
+    from stdengine.reference.quantize import quantize_model
+
+    from stdengine.store import resolve_model
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M")
+    out = Path(__file__).parent / "results" / f"quantize-quality-{stamp}.jsonl"
+    text = args.text.read_text()[4000:]  # past the preamble: running prose
+    for model in args.models:
+        src = args.work / f"{model}-f32.gguf"
+        if not src.exists():
+            quantize_model(resolve_model(model, pull=False), src, "F32")
+        vocab = llama_cpp.Llama(str(src), vocab_only=True, verbose=False)
+        tokens = vocab.tokenize(text.encode(), add_bos=True)[: args.tokens]
+        ref = log_probs(src, tokens)
+        for ft in args.types:
+            ours, theirs = args.work / f"{model}-{ft}-ours.gguf", args.work / f"{model}-{ft}-llama.gguf"
+            t0 = time.perf_counter()
+            quantize_model(src, ours, ft, threads=args.threads)
+            t1 = time.perf_counter()
+            llama_quantize(src, theirs, TYPES[ft], args.threads)
+            t2 = time.perf_counter()
+            row = {
+                "model": model,
+                "type": ft,
+                "tokens": len(tokens),
+                "ours": compare(ref, log_probs(ours, tokens), tokens)
+                | {"bytes": ours.stat().st_size, "s": t1 - t0},
+                "llama.cpp": compare(ref, log_probs(theirs, tokens), tokens)
+                | {"bytes": theirs.stat().st_size, "s": t2 - t1},
+            }
+            row["kl_ratio"] = row["ours"]["kl"] / max(row["llama.cpp"]["kl"], 1e-12)
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(
+                f"{model} {ft}: KL ours {row['ours']['kl']:.5f} llama.cpp {row['llama.cpp']['kl']:.5f} "
+                f"(x{row['kl_ratio']:.3f}); ppl {row['ours']['ppl']:.3f} / {row['llama.cpp']['ppl']:.3f}",
+                flush=True,
+            )
+            ours.unlink()
+            theirs.unlink()
+        print(f"{model}: source ppl {compare(ref, ref, tokens)['ppl']:.3f}", flush=True)
+    print(write_table(out))
+
+
+if __name__ == "__main__":
+    main()

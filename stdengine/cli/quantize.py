@@ -1,0 +1,119 @@
+"""`infer quantize IN.gguf OUT.gguf --type T`: make a GGUF model smaller (spec/quantize.md)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+# The names --type accepts (reference_engine/quantize.py's FILE_TYPES, listed here so that
+# `infer quantize --help` does not load the C core).
+TYPE_NAMES = (
+    "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_K", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_K",
+    "Q4_1", "Q4_0", "Q3_K_M", "Q3_K_S", "Q3_K", "Q2_K", "F16", "F32",
+)  # fmt: skip
+
+
+@click.command()
+@click.argument("src", metavar="IN.gguf", type=click.Path(path_type=Path))
+@click.argument("dst", metavar="OUT.gguf", type=click.Path(path_type=Path))
+@click.option(
+    "--type", "file_type", required=True, type=click.Choice(TYPE_NAMES, case_sensitive=False),
+    help="the file type: one tensor type, or one of llama.cpp's mixes (Q4_K_M ...)",
+)  # fmt: skip
+@click.option("--pure", is_flag=True, help="every quantizable tensor gets the type (no per-tensor mix)")
+@click.option(
+    "--imatrix", "imatrix_path", type=click.Path(path_type=Path),
+    help="an importance matrix (llama.cpp's imatrix GGUF or .dat) to weight the quantization error",
+)  # fmt: skip
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="threads (default: every core)")
+@click.option("--quiet", "-q", is_flag=True, help="no progress bar or summary on stderr")
+def quantize(
+    src: Path,
+    dst: Path,
+    file_type: str,
+    pure: bool,
+    imatrix_path: Path | None,
+    threads: int | None,
+    quiet: bool,
+) -> None:
+    """Quantize a GGUF model to another type and write it as OUT.gguf.
+
+    IN may be F32, F16, BF16 or any type the reference engine can read (requantizing an already
+    quantized model warns: the errors add up). Norms and other 1-D tensors are kept as they are.
+    OUT is written to a temporary file next to it and renamed when complete, so a failed or
+    interrupted run leaves no OUT. Prints OUT's path on stdout.
+    """
+    from stdengine.reference import quantize as q
+
+    from stdengine.errors import UsageError
+    from stdengine.modelinfo import human_bytes
+
+    if src.exists() and dst.exists() and src.resolve() == dst.resolve():
+        raise UsageError("OUT must not be IN", hint="write the quantized model to another file")
+    imatrix = q.read_imatrix(imatrix_path) if imatrix_path else None
+    err = sys.stderr
+    bar: Any = None
+
+    def on_start(types: dict[str, str], total: int, n_elements: int) -> None:
+        nonlocal bar
+        if quiet:
+            return
+        counts: dict[str, int] = {}
+        for t in types.values():
+            counts[t] = counts.get(t, 0) + 1
+        mix = ", ".join(f"{n} {t}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        err.write(
+            f"quantize: {src} ({human_bytes(src.stat().st_size)}) -> {dst} as {file_type.upper()}: "
+            f"about {human_bytes(total)} ({mix} tensors)\n"
+        )
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+            bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            bar.start()
+            bar.add_task("quantizing", total=n_elements)
+
+    def on_progress(name: str, n: int) -> None:
+        if bar is not None:
+            bar.update(bar.task_ids[0], advance=n, description=name)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # so a killed run removes its temporary file too
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        summary = q.quantize_model(
+            src,
+            dst,
+            file_type,
+            pure=pure,
+            imatrix=imatrix,
+            imatrix_name=imatrix_path.name if imatrix_path else None,
+            threads=threads,
+            on_start=on_start,
+            on_progress=on_progress,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        if bar is not None:
+            bar.stop()
+    if not quiet:
+        for w in summary["warnings"]:
+            err.write(f"quantize: warning: {w}\n")
+        err.write(
+            f"quantize: wrote {human_bytes(summary['bytes'])} "
+            f"({summary['bytes'] / max(summary['source_bytes'], 1):.0%} of the source)\n"
+        )
+    click.echo(str(dst))

@@ -1,0 +1,254 @@
+"""`infer quantize` and the C quantizers (spec/quantize.md).
+
+Independent sources: gguf.quants decodes every block we write (bit for bit what the quantizer
+says it meant), llama.cpp's own quantizer picks each tensor's type (our recipes must agree),
+llama.cpp loads every output, and numpy gives the error of plain round-to-nearest quantizers
+that ours must beat.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf_factory import write_llama_gguf
+from stdengine.reference import quantize as q
+
+from stdengine.gguf_file import scan_gguf
+
+TYPES = q.TYPES
+
+
+def _blocks(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    """Gaussian rows with the blocks a quantizer can get wrong: all zero, constant, one outlier,
+    all positive, all negative, tiny (fp16 subnormal scales), huge."""
+    x = (rng.standard_normal((rows, n)) * 0.02).astype(np.float32)
+    x[0] = 0
+    x[1] = 0.5
+    x[2, 5] = 3.0
+    x[3] = np.abs(x[3])
+    x[4] = -np.abs(x[4])
+    x[5] *= 1e-6
+    x[6] *= 1e3
+    return x
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_blocks_decode_with_gguf_to_what_the_quantizer_meant(t: str) -> None:
+    x = _blocks(np.random.default_rng(1), 8, 512)
+    for im in (None, np.random.default_rng(2).uniform(0, 4, 512).astype(np.float32)):
+        raw, dec = q.quantize(t, x, imatrix=im, decoded=True)
+        got = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.upper()]).reshape(x.shape)
+        assert np.array_equal(got.view(np.uint32), dec.view(np.uint32)), t
+        assert np.all(got[0] == 0)  # a zero block stays zero
+
+
+# Relative RMS error of plain round-to-nearest with the block's max-abs scale, by bits per weight
+# (numpy, below): ours searches for better scales, so it must do at least as well.
+def _naive_rel_rmse(x: np.ndarray, qmax: int, block: int) -> float:
+    b = x.reshape(-1, block)
+    d = np.abs(b).max(axis=1, keepdims=True) / qmax
+    y = np.round(b / np.where(d > 0, d, 1)).clip(-qmax, qmax) * d
+    return float(np.sqrt(np.mean((y - b) ** 2) / np.mean(b**2)))
+
+
+@pytest.mark.parametrize(
+    "t,qmax,block",
+    [("q8_0", 127, 32), ("q5_0", 15, 32), ("q4_0", 7, 32), ("q6_K", 31, 16), ("q3_K", 3, 16)],
+)
+def test_error_beats_round_to_nearest(t: str, qmax: int, block: int) -> None:
+    x = (np.random.default_rng(3).standard_normal((16, 1024)) * 0.02).astype(np.float32)
+    _, dec = q.quantize(t, x, decoded=True)
+    ours = float(np.sqrt(np.mean((dec - x) ** 2) / np.mean(x**2)))
+    assert ours < _naive_rel_rmse(x, qmax, block)
+
+
+def test_threads_do_not_change_the_bytes() -> None:
+    x = _blocks(np.random.default_rng(4), 37, 256)
+    for t in TYPES:
+        assert np.array_equal(q.quantize(t, x, threads=1), q.quantize(t, x, threads=3)), t
+
+
+def test_bad_rows_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        q.quantize("q4_K", np.zeros((2, 96), np.float32))
+    with pytest.raises(ValueError, match="cannot quantize"):
+        q.quantize("iq2_xxs", np.zeros((2, 256), np.float32))
+    with pytest.raises(ValueError, match="importance"):
+        q.quantize("q4_0", np.zeros((2, 64), np.float32), imatrix=np.ones(32, np.float32))
+
+
+# ---- whole models -----------------------------------------------------------------------------
+
+LLAMA_FTYPES = {"Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q5_K_S": 16, "Q5_1": 9, "Q5_0": 8, "Q4_K_M": 15,
+                "Q4_K_S": 14, "Q4_1": 3, "Q4_0": 2, "Q3_K_M": 12, "Q3_K_S": 11, "Q2_K": 10}  # fmt: skip
+
+
+def _llama_quantize(src: Path, dst: Path, ftype: int) -> None:
+    import llama_cpp
+
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype, p.nthread = ftype, 1
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p)) == 0
+
+
+def _types(path: Path) -> dict[str, str]:
+    return {t.name: t.type_name for t in scan_gguf(path).tensors}
+
+
+@pytest.fixture(scope="module")
+def f32_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("quantize")
+    # rows of 256 (K-quants fit) with 16 layers (the _M mixes' layer rules show), and rows of 96
+    # (every K type falls back to a 32-element type, as for SmolLM2 and Gemma-3)
+    wide, narrow = d / "wide-f32.gguf", d / "narrow-f32.gguf"
+    write_llama_gguf(wide, weight_type="F32", n_layer=16, n_embd=256, n_ff=256, n_head=4, n_head_kv=1)
+    write_llama_gguf(narrow, weight_type="F32", n_layer=3, n_embd=96, n_ff=192, n_head=4, n_head_kv=2)
+    return {"wide": wide, "narrow": narrow}
+
+
+@pytest.mark.parametrize("ft", list(LLAMA_FTYPES))
+def test_recipes_match_llamacpp(ft: str, f32_models: dict[str, Path], tmp_path: Path) -> None:
+    for kind, src in f32_models.items():
+        theirs = tmp_path / f"{kind}-llama.gguf"
+        _llama_quantize(src, theirs, LLAMA_FTYPES[ft])
+        h = scan_gguf(src)
+        ours = q.plan([(t.name, t.shape, t.type_name) for t in h.tensors], ft, h.metadata)
+        assert ours == _types(theirs), (kind, ft)
+
+
+# Every type the tool writes appears in at least one of these files (mixes and row fallbacks).
+END_TO_END = [("wide", "Q2_K"), ("wide", "Q4_K_M"), ("wide", "Q5_K_M"), ("narrow", "Q3_K_M"),
+              ("narrow", "Q4_1"), ("narrow", "Q5_K_S"), ("narrow", "Q8_0")]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,ft", END_TO_END)
+def test_llamacpp_loads_the_output(kind: str, ft: str, f32_models: dict[str, Path], tmp_path: Path) -> None:
+    import llama_cpp
+
+    src, ours = f32_models[kind], tmp_path / "ours.gguf"
+    q.quantize_model(src, ours, ft)
+    h = scan_gguf(ours)
+    assert h.metadata["general.file_type"] == LLAMA_FTYPES[ft]
+    assert "infer quantize" in h.metadata["stdengine.quantize.tool"]
+    assert h.metadata["tokenizer.ggml.model"] == scan_gguf(src).metadata["tokenizer.ggml.model"]
+    llm = llama_cpp.Llama(str(ours), n_ctx=32, verbose=False, logits_all=True)
+    llm.eval([1, 5, 9, 13])
+    assert np.all(np.isfinite(np.asarray(llm.scores[:4])))
+    llm.close()
+
+
+def test_end_to_end_files_cover_every_type(f32_models: dict[str, Path]) -> None:
+    seen = set()
+    for kind, ft in END_TO_END:
+        h = scan_gguf(f32_models[kind])
+        seen |= set(q.plan([(t.name, t.shape, t.type_name) for t in h.tensors], ft, h.metadata).values())
+    assert set(q.TYPES) <= seen
+
+
+def test_every_tensor_decodes_close_to_the_source(f32_models: dict[str, Path], tmp_path: Path) -> None:
+    src = f32_models["wide"]
+    out = tmp_path / "q6k.gguf"
+    q.quantize_model(src, out, "Q6_K", threads=1)
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(out)
+    for ta, tb in zip(a.tensors, b.tensors, strict=True):
+        assert ta.name == tb.name
+        x = np.asarray(ta.data, dtype=np.float32).reshape(-1)
+        y = gguf.quants.dequantize(tb.data, tb.tensor_type).reshape(-1)
+        assert np.sqrt(np.mean((x - y) ** 2)) <= 0.02 * np.sqrt(np.mean(x**2)) + 1e-12, ta.name
+
+
+# ---- imatrix files ------------------------------------------------------------------------------
+
+
+def _dat(path: Path, entries: dict[str, tuple[int, np.ndarray]]) -> None:
+    b = struct.pack("<i", len(entries))
+    for name, (ncall, v) in entries.items():
+        b += struct.pack("<i", len(name)) + name.encode() + struct.pack("<ii", ncall, v.size)
+        b += v.astype("<f4").tobytes()
+    path.write_bytes(b + struct.pack("<i", 7) + struct.pack("<i", 4) + b"text")
+
+
+def test_imatrix_dat_and_gguf(tmp_path: Path) -> None:
+    v = np.arange(1, 9, dtype=np.float32)
+    _dat(tmp_path / "m.dat", {"blk.0.attn_q.weight": (4, v)})
+    assert np.allclose(q.read_imatrix(tmp_path / "m.dat")["blk.0.attn_q.weight"], v / 4)
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "imatrix")
+    w.add_array("imatrix.datasets", ["text"])
+    w.add_uint32("imatrix.chunk_count", 2)
+    w.add_uint32("imatrix.chunk_size", 512)
+    w.add_tensor("blk.0.attn_q.weight.in_sum2", v.reshape(1, 8))
+    w.add_tensor("blk.0.attn_q.weight.counts", np.array([[2.0]], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert np.allclose(q.read_imatrix(tmp_path / "m.gguf")["blk.0.attn_q.weight"], v / 2)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", "quantize", *args],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+        timeout=300,
+    )
+
+
+def test_cli_writes_the_file_and_reports(f32_models: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "o.gguf"
+    r = _run(str(f32_models["narrow"]), str(out), "--type", "q4_k_m", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert str(out) in r.stdout
+    assert "about" in r.stderr and "wrote" in r.stderr
+    assert _types(out)["blk.0.ffn_up.weight"] == "q5_0"  # the Q4_K fallback for rows of 96
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.gguf"]  # no temporary file left
+
+
+def test_cli_requantizing_warns(f32_models: dict[str, Path], tmp_path: Path) -> None:
+    mid, out = tmp_path / "q8.gguf", tmp_path / "q4.gguf"
+    assert _run(str(f32_models["narrow"]), str(mid), "--type", "Q8_0").returncode == 0
+    r = _run(str(mid), str(out), "--type", "Q4_0")
+    assert r.returncode == 0 and "already quantized (q8_0)" in r.stderr
+
+
+def test_cli_errors_leave_no_output(f32_models: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "o.gguf"
+    assert _run(str(tmp_path / "missing.gguf"), str(out), "--type", "Q4_0").returncode == 4
+    assert _run(str(f32_models["narrow"]), str(out), "--type", "Q9_9").returncode == 2
+    assert _run(str(f32_models["narrow"]), str(f32_models["narrow"]), "--type", "Q4_0").returncode == 2
+    (tmp_path / "bad.dat").write_bytes(b"\x05\x00")
+    r = _run(str(f32_models["narrow"]), str(out), "--type", "Q4_0", "--imatrix", str(tmp_path / "bad.dat"))
+    assert r.returncode == 4 and "imatrix" in r.stderr
+    # an imatrix whose rows do not fit the model fails half way: nothing is left behind
+    _dat(tmp_path / "wrong.dat", {"blk.0.attn_q.weight": (1, np.ones(5, np.float32))})
+    r = _run(str(f32_models["narrow"]), str(out), "--type", "Q4_0", "--imatrix", str(tmp_path / "wrong.dat"))
+    assert r.returncode == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.dat", "wrong.dat"]
+
+
+def test_models_info_lists_each_tensors_type(f32_models: dict[str, Path], tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "o.gguf"
+    q.quantize_model(f32_models["wide"], out, "Q4_K_M")
+    r = subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", "models", "info", "--json", "--tensors", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    listed = {t["name"]: t["type"] for t in json.loads(r.stdout)["tensors"]}
+    assert listed == _types(out) and "q6_K" in listed.values() and "q4_K" in listed.values()
