@@ -47,10 +47,9 @@ def quantize(
     OUT is written to a temporary file next to it and renamed when complete, so a failed or
     interrupted run leaves no OUT. Prints OUT's path on stdout.
     """
-    from stdengine.reference import quantize as q
-
     from stdengine.errors import UsageError
     from stdengine.modelinfo import human_bytes
+    from stdengine.reference import quantize as q
 
     if src.exists() and dst.exists() and src.resolve() == dst.resolve():
         raise UsageError("OUT must not be IN", hint="write the quantized model to another file")
