@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# A recipe in the user's folder or the project's (./.infer/recipes) would change the options every
+# test runs with; tests of recipes set their own folders and INFER_RECIPE.
+os.environ.setdefault("INFER_RECIPE", "none")
+
 
 def _catalogue_model(alias: str, env: str) -> Path:
     override = os.environ.get(env)
