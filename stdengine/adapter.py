@@ -39,6 +39,7 @@ CAPABILITIES: dict[str, str] = {
     "logprobs": "log-probabilities: generate() fills them when asked, score() rates a token sequence",
     "structured": "generate() honours GenerateRequest.constraint (JSON Schema, regex, grammar) by masking tokens",
     "batch_decode": "LocalEngine._evaluate_batch evaluates several contexts' tokens in shared forward passes",
+    "tool_calls": "generate() passes GenerateRequest.tool_fields to a server that makes the calls itself",
 }
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs / logprobs; the server refuses more
@@ -93,7 +94,12 @@ class GenerateRequest:
 
     ignore_eos: an end-of-generation token never ends generation (its logits are masked);
     min_tokens: neither an end-of-generation token nor a stop string ends generation before this
-    many tokens (llama-server's and vLLM's extensions; engines with `eog_controls`)."""
+    many tokens (llama-server's and vLLM's extensions; engines with `eog_controls`).
+
+    tool_fields: chat with tools, for an engine with the `tool_calls` capability (a client of a
+    server that makes calls itself): OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`,
+    passed on as they are; the answer's calls come back as text in the server's call format, a
+    JSON array of `{"name", "arguments"}` objects (stdengine.server.tools reads it)."""
 
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
@@ -106,6 +112,7 @@ class GenerateRequest:
     # chat: OpenAI's tool list for a chat template that renders tools itself (its `tools`
     # variable; stdengine.server.tools decides when), passed to apply_chat_template
     tools: list[dict[str, Any]] | None = None
+    tool_fields: dict[str, Any] | None = None
 
 
 @dataclass

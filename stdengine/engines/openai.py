@@ -15,6 +15,7 @@ spec/engines.md is the prose.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -88,6 +89,38 @@ ENGINE_ARGS = {
     "dialect": "auto (default), llama.cpp, llama-cpp-python or openai: which extra fields the server takes",
     "timeout": "seconds to wait for the server's next bytes (default 600, llama-server's own)",
 }
+
+
+class CallsAsText:
+    """A server's streamed `tool_calls` deltas as the text of the call format stdengine's server
+    reads back (stdengine.server.tools): a JSON array of `{"name": ..., "arguments": ...}`
+    objects, written as the deltas come (a call's arguments are JSON text already)."""
+
+    def __init__(self) -> None:
+        self.index: int | None = None  # the call being written
+        self.has_arguments = False
+
+    def feed(self, deltas: list[dict[str, Any]] | None) -> str:
+        out = ""
+        for delta in deltas or []:
+            function = delta.get("function") or {}
+            index = delta.get("index", 0)
+            if index != self.index:
+                out += self._close() + ("[" if self.index is None else ", ")
+                out += '{"name": ' + json.dumps(function.get("name") or "") + ', "arguments": '
+                self.index, self.has_arguments = index, False
+            if function.get("arguments"):
+                out += function["arguments"]
+                self.has_arguments = True
+        return out
+
+    def _close(self) -> str:
+        if self.index is None:
+            return ""
+        return ("" if self.has_arguments else "{}") + "}"
+
+    def end(self) -> str:
+        return self._close() + "]" if self.index is not None else ""
 
 
 class OpenAIEngine(Engine):
@@ -183,8 +216,9 @@ class OpenAIEngine(Engine):
             caps.add("tokenize")
         if engine._serves_logprobs():
             caps.add("logprobs")
-        # constraints are passed on as response_format (or GBNF grammar): the server enforces them
-        caps.add("structured")
+        # constraints are passed on as response_format (or GBNF grammar), and tools as they are:
+        # the server enforces them
+        caps.update(("structured", "tool_calls"))
         if engine.dialect != "llama.cpp" and not options.chat_template:
             # the server applies its template without showing it: nothing here renders it
             caps.discard("chat_template")
@@ -397,6 +431,13 @@ class OpenAIEngine(Engine):
             body.update(self._constraint_fields(request.constraint))
         if s.seed >= 0:
             body["seed"] = s.seed
+        if request.tool_fields is not None:
+            if request.messages is None or self.options.chat_template:
+                raise UnsupportedOption(
+                    "tools are passed on only in a chat the server renders itself",
+                    hint="leave out --chat-template to let the server show its model the tools",
+                )
+            body.update(request.tool_fields)
         if request.messages is not None and not self.options.chat_template:
             route = "/v1/chat/completions"
             body["messages"] = request.messages
@@ -497,6 +538,7 @@ class OpenAIEngine(Engine):
         import httpx
 
         stops = StopMatcher(s.stop)
+        calls = CallsAsText()
         finish: FinishReason | None = None
         matched: str | None = None
         usage: dict[str, Any] = {}
@@ -520,7 +562,9 @@ class OpenAIEngine(Engine):
                     usage = chunk.get("usage") or usage
                     timings = chunk.get("timings") or timings
                     for choice in chunk.get("choices") or []:
-                        piece = choice_text(choice)
+                        piece = choice_text(choice) + calls.feed(
+                            (choice.get("delta") or {}).get("tool_calls")
+                        )
                         entries = self._chunk_logprobs(choice) if logprobs else []
                         text = ""
                         if piece:
@@ -548,7 +592,7 @@ class OpenAIEngine(Engine):
                 hint="the server may have crashed: check its log",
             )
         else:
-            tail = stops.flush()
+            tail = stops.feed(calls.end())[0] + stops.flush()
             if tail:
                 yield TokenEvent(-1, tail)
         t2 = now_ms()

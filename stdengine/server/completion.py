@@ -27,6 +27,7 @@ from stdengine.server.envelope import LOG_KEY, as_infer_error, error_parts, log_
 from stdengine.server.middleware import check_prompt_size, read_json
 from stdengine.server.slots import ClientGone, DisconnectWatch, Generation
 from stdengine.server.state import ServerState, state_of
+from stdengine.structured import Constraint
 
 Event = PromptLogprobs | TokenEvent | DoneEvent
 
@@ -59,12 +60,19 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
         if isinstance(req, api.ChatRequest)
         else None
     )
-    # a tool plan refuses the other output constraints, so one of the two decides
-    constraint = (
-        plan.constraint() if plan is not None else tools.constraint_for(req, engine.name, engine.capabilities)
-    )
+    # an engine with `tool_calls` passes the tools to its server, which constrains the answer
+    forward = plan is not None and "tool_calls" in engine.capabilities
+    constraint: Constraint | None = None
+    if plan is not None and forward:
+        plan = tools.forwarded(plan)
+    elif plan is not None:
+        constraint = plan.constraint()  # a tool plan refuses the other output constraints
+    else:
+        constraint = tools.constraint_for(req, engine.name, engine.capabilities)
     prompt = await (
-        chat_prompt(state, req, plan) if isinstance(req, api.ChatRequest) else text_prompt(state, req)
+        chat_prompt(state, req, plan, forward)
+        if isinstance(req, api.ChatRequest)
+        else text_prompt(state, req)
     )
     request.scope[LOG_KEY]["prompt"] = prompt.shown
     reply = api.Reply(
@@ -85,14 +93,22 @@ async def complete(request: Request, kind: Literal["chat", "text"]) -> Response:
         sampling=sampling,
         logprobs=n_logprobs,
         constraint=constraint,
-        tools=plan.template_tools() if plan is not None else None,
+        tools=plan.template_tools() if plan is not None and not forward else None,
+        tool_fields=tools.tool_fields(req) if forward and isinstance(req, api.ChatRequest) else None,
         ignore_eos=ignore_eos,
         min_tokens=min_tokens,
     )
     return await answer(request, state, gen_request, reply, req.stream, prompt.score)
 
 
-async def chat_prompt(state: ServerState, req: api.ChatRequest, plan: tools.ToolPlan | None) -> Prompt:
+async def chat_prompt(
+    state: ServerState, req: api.ChatRequest, plan: tools.ToolPlan | None, forward: bool = False
+) -> Prompt:
+    """forward: the engine passes the tools on, so its server gets OpenAI's messages as they are."""
+    if forward:
+        messages = tools.upstream_messages(req)
+        check_prompt_size(state.n_ctx(), len(json.dumps(messages)))
+        return Prompt(shown=messages, messages=messages)
     if not state.engine.has_chat_template():
         raise InvalidRequest(
             "this model has no chat template, so the server cannot render a conversation",

@@ -461,3 +461,30 @@ def chat_messages(req: api.ChatRequest, plan: ToolPlan | None) -> list[dict[str,
             ]
         out.append(message)
     return out
+
+
+# --- an engine whose server makes the calls (the openai engine's `tool_calls`) -----------------
+
+
+def forwarded(plan: ToolPlan) -> ToolPlan:
+    """The plan for an engine that passes the tools on: the upstream server shows them to its
+    model and constrains the answer; its calls come back as a JSON array of our call objects."""
+    return ToolPlan(plan.functions, plan.choice, parallel=True)
+
+
+def tool_fields(req: api.ChatRequest) -> dict[str, Any]:
+    """OpenAI's tool fields of the request, as an upstream server takes them."""
+    out: dict[str, Any] = {"tools": [t.model_dump(exclude_none=True) for t in req.tools or []]}
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        out["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)
+    if req.parallel_tool_calls is not None:
+        out["parallel_tool_calls"] = req.parallel_tool_calls
+    return out
+
+
+def upstream_messages(req: api.ChatRequest) -> list[dict[str, Any]]:
+    """OpenAI's messages as the client sent them (an assistant's tool_calls and the tool results
+    included), for an upstream server that renders tools itself."""
+    api.chat_messages(req)  # the same checks as for a local template
+    return [m.model_dump(exclude_unset=True) for m in req.messages]
