@@ -97,8 +97,23 @@ def test_every_event_in_the_spec_is_emitted_and_validates(tmp_path, smollm2_path
     logs: dict[str, list[dict]] = {}
     model = str(smollm2_path)
 
+    # with a recipe (named, so it applies on any machine): recipe.applied
+    from stdengine import recipes
+
+    recipe = recipes.Recipe.model_validate(
+        {
+            "name": "events",
+            "date": "2026-11-30T12:00:00Z",
+            "applies_to": {"engine": "reference"},
+            "options": {"threads": 1},
+        }
+    )
+    recipe_path = recipes.save(recipe, tmp_path / "events.toml")
     log = tmp_path / "run.jsonl"
-    r = infer("run", "-m", model, "-n", "2", "--temp", "0", "-p", "hi", "--log-file", str(log))
+    r = infer(
+        "run", "-m", model, "-n", "2", "--temp", "0", "-p", "hi", "--log-file", str(log),
+        env={"INFER_RECIPE": str(recipe_path)},
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
     logs["run"] = read_log(log)
 
