@@ -5,7 +5,9 @@ sent only to --url, measured llama-benchy's way: a fresh random prompt per reque
 prompt cache can answer it), the depth sent first as its own untimed request so that a server with
 a prompt cache holds it, then the timed request. `--concurrency N --requests M` runs the load test
 instead (bench/load.py); the HTTP client is bench/client.py. run_server_cli is the entry the bench
-CLI calls. spec/bench-record.md defines every metric by a formula.
+CLI calls. spec/bench-record.md defines every metric by a formula. A recipe for the engine and the
+served model sets the tests' request options (its sampling), as it does for `infer run -e openai`
+(spec/recipes.md).
 """
 
 from __future__ import annotations
@@ -32,7 +34,62 @@ from stdengine.bench.record import FIXED, cpu_info, finish, utc_now
 
 from stdengine.errors import EngineFailure, UnsupportedOption, UsageError
 
-__all__ = ["Stream", "load_metrics", "percentile", "run_server_cli", "run_tests", "server_md"]
+__all__ = [
+    "Stream",
+    "load_metrics",
+    "percentile",
+    "recipe_fields",
+    "run_server_cli",
+    "run_tests",
+    "server_md",
+]
+
+
+# --- the recipe's request options ------------------------------------------------------------
+
+# Request options a test leaves alone: it fixes the length itself (max_tokens, min_tokens,
+# ignore_eos), and a stop string would cut the generation it times.
+NOT_SENT = ("n_predict", "stop")
+
+
+def recipe_fields(
+    ref: str | None, engine: str, model: str, extensions: bool, warn: Callable[[str], None]
+) -> tuple[dict[str, Any], str]:
+    """The request fields the recipe for this engine and served model sets (its sampling
+    options, by their OpenAI/llama.cpp request names), and the recipe's name ("" for none).
+    llama.cpp's extra fields (top_k, min_p, repeat_penalty, repeat_last_n) are sent only with
+    the benchmark's extensions: --no-extensions asks for plain OpenAI requests."""
+    from stdengine import recipes
+    from stdengine.engines.openai import DIALECT_EXTRAS
+    from stdengine.options import SAMPLING
+
+    chosen = recipes.select(ref, engine, model)
+    if chosen is None:
+        return {}, ""
+    for w in chosen.warnings:
+        warn(f"warning: {w}")
+    _, cls = recipes.engine_version(engine)
+    fields: dict[str, Any] = {}
+    applied: dict[str, Any] = {}
+    ignored: list[str] = []
+    for name, value in chosen.recipe.set_options().items():
+        sent = (
+            name in SAMPLING
+            and name not in NOT_SENT
+            and recipes.honoured(cls, name, value)
+            and (extensions or name not in DIALECT_EXTRAS["llama.cpp"])
+            and not (name == "seed" and value < 0)  # -1: no seed
+        )
+        if sent:
+            fields[SAMPLING[name].request[0]] = value
+            applied[name] = value
+        else:
+            ignored.append(name)
+    shown = " ".join(f"{k}={v}" for k, v in applied.items()) or "nothing to apply"
+    if ignored:
+        shown += f" (not sent: {', '.join(ignored)})"
+    warn(f"infer-bench: recipe {chosen.recipe.name} ({chosen.path}): {shown}")
+    return fields, chosen.recipe.name
 
 
 # --- llama-bench's tests over HTTP -------------------------------------------------------------
@@ -43,7 +100,10 @@ def run_tests(
     on_record: Callable[[dict[str, Any]], None],
     warn: Callable[[str], None] | None = None,
     progress: Any = None,
+    recipe: str | None = None,
 ) -> int:
+    """llama-bench's tests against the server; `recipe`: the recipe to use (a file or name;
+    "none": no recipe), else the best that applies to the engine and the served model."""
     target = Target.of(params)
     api = target.api
     warn = warn or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -51,6 +111,7 @@ def run_tests(
     with target.client() as client:
         latency = measure_latency(client, api)
         model = served_model(client, api, params)
+        fields, recipe_name = recipe_fields(recipe, engine, model, not params.no_extensions, warn)
         prompts = Prompts(client, target.root, model)
         if prompts.route is None:
             warn(
@@ -79,10 +140,11 @@ def run_tests(
                     index,
                     total,
                     progress,
+                    fields,
                 )
                 if rec is None:
                     return EngineFailure.exit_status
-                rec.update(engine=engine, url=params.url)
+                rec.update(engine=engine, url=params.url, recipe=recipe_name)
                 on_record(rec)
     return 0
 
@@ -101,11 +163,11 @@ def _one_test(
     index: int,
     total: int,
     progress: Any,
+    fields: dict[str, Any],
 ) -> dict[str, Any] | None:
     def request(prompt: str, max_tokens: int) -> Stream | None:
-        s = stream_completion(
-            client, api, completion_body(model, prompt, max_tokens, not params.no_extensions)
-        )
+        body = completion_body(model, prompt, max_tokens, not params.no_extensions)
+        s = stream_completion(client, api, {**body, **fields})  # the recipe's sampling, if any
         check_extensions(s)
         if s.error:
             warn(f"error: test {index}/{total}: {s.error}")
@@ -226,7 +288,7 @@ def server_md(records: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def run_server_cli(params: BenchParams) -> int:
+def run_server_cli(params: BenchParams, recipe: str | None = None) -> int:
     from stdengine.bench.printers import make_printer
 
     if not params.url:
@@ -261,7 +323,7 @@ def run_server_cli(params: BenchParams) -> int:
         from stdengine.bench.progress import LineProgress
 
         progress = LineProgress()
-    status = run_tests(params, on_record, progress=progress)
+    status = run_tests(params, on_record, progress=progress, recipe=recipe)
     if printer:
         printer.footer()
     elif records:

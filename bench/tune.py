@@ -4,14 +4,23 @@ check them against the conformance core, and write them as a recipe (spec/recipe
 The search is a coordinate search: starting from the engine's defaults, each option in turn is
 tried at each value of a small space (threads 1..CPUs, ubatch 64..512, ...) with the others kept
 at the best so far; a value replaces the current one only when its median beats it by more than
-`min_gain` (the noise a busy machine makes). Passes repeat until one changes nothing (the gains
-have flattened) or the budget is spent. Each option is judged by the test it affects (threads:
-generation; threads_batch and the batch sizes: the prompt; the others: both), and the
-candidates of one option are measured in interleaved rounds (A B C A B C) so that a machine
-whose speed drifts does not favour whichever ran first. Finally the defaults and the tuned
-options are measured in alternation on llama-bench's pp512 and tg128, in the same run: options
-that did not help on the test they affect go back to their defaults, so the recipe is never
-slower than the defaults beyond noise.
+`min_gain` and its samples are all faster than the current one's (beyond the noise). Passes
+repeat until one changes nothing (the gains have flattened) or the budget is spent. Each option
+is judged by the test it affects (threads: generation; threads_batch and the batch sizes: the
+prompt; the others: both), and the candidates of one option, the current setting among them,
+are measured afresh in interleaved rounds (A B C, B C A, ...) so that a machine whose speed
+drifts favours none of them: a value is only ever compared with measurements taken beside it,
+never with the current setting's from an earlier option or pass. Finally the defaults and the
+tuned options are measured in alternation on llama-bench's pp512 and tg128, in the same run:
+options that did not help on the test they affect go back to their defaults, so the recipe is
+never slower than the defaults beyond noise. Then the conformance core runs with the tuned
+options; a setting that fails it loses options (FALLBACK_ORDER) until it passes.
+
+The budget covers all of it: before each measurement the search checks that the measurement, the
+final comparison and the conformance check still fit, each estimated from what this run has
+measured (the slowest measurement so far; the slowest load and prompt and the slowest generation
+rate for the final comparison; for the conformance check, CONFORMANCE_TOKENS single-token decodes
+at the best setting's generation rate and one load).
 """
 
 from __future__ import annotations
@@ -40,6 +49,13 @@ AFFECTS = {
     "n_gpu_layers": "both",
 }
 
+# The conformance core's cost in single-token decodes of the setting it checks, besides one load
+# and prompt: its ~100 checks decode tokens one at a time or in small batches and evaluate the
+# exact float64 reference, whose cost grows with the model as the engine's decode time does. On
+# the project's 2-core EPYC (quiet, 2026-12-01) the checks took 94-100% of the time this reserved
+# (SmolLM2/llamacpp, Gemma-3/reference, Gemma-3/llamacpp; spec/recipes.md, "Budget measurements").
+CONFORMANCE_TOKENS = 4000
+
 # injectable for the tests (a fake engine's time is simulated)
 clock_ns: Callable[[], int] = time.perf_counter_ns
 monotonic: Callable[[], float] = time.monotonic
@@ -53,9 +69,9 @@ def space(name: str, cpus: int, n_prompt: int, gpu: bool) -> list[Any]:
     if name == "ubatch_size":
         return [u for u in (32, 64, 128, 256, 512) if u <= max(n_prompt, 32)]
     if name == "batch_size":
-        return [b for b in (128, 256, 512, 2048) if b <= max(n_prompt, 128)] + (
-            [2048] if n_prompt > 2048 else []
-        )
+        # every batch of the prompt's size or more runs it in one call: the same setting for the
+        # test, so only the default stands for them (two names for one setting differ by noise)
+        return [b for b in (128, 256, 512) if b < n_prompt] + [2048]
     if name == "flash_attn":
         return [False, True]
     if name == "cache_type_k":
@@ -198,9 +214,15 @@ class Outcome:
     reverted: list[str]
     evaluations: int
     search_s: float
-    stopped: str  # why the search ended: "flat" or "budget"
+    stopped: str  # why the search ended: "flat", "budget" or "passes" (three, still changing)
     final_rounds: int = 0  # A B rounds of the final comparison
     capped_s: float | None = None  # a generation sample of the final comparison was cut at this
+    conformance: str = "not_run"  # the conformance core's verdict on the tuned options
+    conformance_s: float = 0.0  # how long it took
+    conformance_estimate_s: float = 0.0  # what the budget reserved for it
+    total_s: float = 0.0  # search, final comparison and conformance check
+    peak_rss_bytes: int = 0  # of the tuning, before the conformance check's own memory
+    fell_back: list[str] = field(default_factory=list)  # options put back: the check failed with them
 
 
 class Tuner:
@@ -217,6 +239,7 @@ class Tuner:
         n_gen: int = 128,
         min_gain: float = 0.03,
         view: View | None = None,
+        conformance: bool = False,
     ) -> None:
         self.m = measurer
         self.options = options
@@ -228,6 +251,8 @@ class Tuner:
         self.n_gen = n_gen
         self.min_gain = min_gain
         self.view = view or View()
+        # (group, setting) -> its samples; a group is one option's rounds in one pass, and
+        # settings are compared only within a group (measured side by side)
         self.samples: dict[tuple[Any, ...], Samples] = {}
         self.failed: set[tuple[Any, ...]] = set()
         self.t0 = monotonic()
@@ -241,13 +266,17 @@ class Tuner:
         self.final_reps = reps  # lowered when the budget is tight
         self.final_rounds = 0
         self.final_capped = False
+        self.conformance = conformance  # reserve time for the conformance check
+        self.current: dict[str, Any] = dict(start)  # the best setting so far
 
     # -- budget --
     def elapsed(self) -> float:
         return monotonic() - self.t0
 
     def eval_estimate(self) -> float:
-        return statistics.median(self.eval_s) if self.eval_s else 0.0
+        """The next search measurement: the slowest so far (a prompt cannot be cut, so a setting
+        that slows it must not find the budget spent)."""
+        return max(self.eval_s, default=0.0)
 
     def final_eval_estimate(self) -> float:
         """One measurement of the final comparison: the slowest load and prompt seen so far, and
@@ -256,19 +285,37 @@ class Tuner:
         tg = min(self.final_cap_s, self.n_gen * max(self.tg_token_s, default=0.0))
         return other + tg
 
+    def token_s(self, config: dict[str, Any]) -> float:
+        """Seconds per generated token of a setting: its median, else the median of all."""
+        xs = [x for (_, k), s in self.samples.items() if k == _key(config) for x in s.tg]
+        if xs:
+            return 1.0 / statistics.median(xs)
+        return statistics.median(self.tg_token_s) if self.tg_token_s else 0.0
+
+    def conformance_estimate(self) -> float:
+        """The conformance check of the best setting so far: one load and prompt (the slowest
+        seen), and CONFORMANCE_TOKENS decodes at its generation rate. 0 when it is not run."""
+        if not self.conformance:
+            return 0.0
+        return max(self.other_s, default=0.0) + CONFORMANCE_TOKENS * self.token_s(self.current)
+
+    def reserve(self, rounds: int) -> float:
+        """What comes after the search: `rounds` A/B rounds of the final comparison, one more
+        for a re-comparison when an option goes back to its default, and the conformance check."""
+        return 2 * (rounds + 1) * self.final_eval_estimate() + self.conformance_estimate()
+
     def can_afford(self) -> bool:
-        """Room for one more search measurement and the final comparison (whose repetitions go
-        down to one before the search stops)."""
+        """Room for one more search measurement and what comes after the search (the final
+        comparison's repetitions go down to one before the search stops)."""
         while True:
-            final = 2 * self.final_reps * self.final_eval_estimate()
-            if self.elapsed() + self.eval_estimate() + final <= self.budget_s:
+            if self.elapsed() + self.eval_estimate() + self.reserve(self.final_reps) <= self.budget_s:
                 return True
             if self.final_reps == 1:
                 return False
             self.final_reps -= 1
 
     # -- measuring --
-    def _evaluate(self, config: dict[str, Any], tests: str) -> None:
+    def _evaluate(self, group: Any, config: dict[str, Any], tests: str) -> None:
         t = monotonic()
         try:
             pp, tg = self.m.run(
@@ -285,7 +332,7 @@ class Tuner:
         self.eval_s.append(monotonic() - t)
         self._cost()
         self.evaluations += 1
-        s = self.samples.setdefault(_key(config), Samples())
+        s = self.samples.setdefault((group, _key(config)), Samples())
         if pp is not None:
             s.pp.append(pp)
         if tg is not None:
@@ -297,9 +344,10 @@ class Tuner:
         if done:
             self.tg_token_s.append(tg_s / done)
 
-    def _score(self, config: dict[str, Any], tests: str, base: dict[str, Any]) -> float | None:
-        """Speed relative to `base` on the tests the option affects (geometric mean for both)."""
-        s, b = self.samples.get(_key(config)), self.samples.get(_key(base))
+    def _score(self, group: Any, config: dict[str, Any], tests: str, base: dict[str, Any]) -> float | None:
+        """Speed relative to `base`, measured in the same group, on the tests the option affects
+        (geometric mean for both)."""
+        s, b = self.samples.get((group, _key(config))), self.samples.get((group, _key(base)))
         if s is None or b is None or _key(config) in self.failed:
             return None
         ratios = []
@@ -310,9 +358,21 @@ class Tuner:
             ratios.append(x / y)
         return statistics.geometric_mean(ratios)
 
-    def _needed(self, config: dict[str, Any], tests: str) -> bool:
-        """Whether the config has fewer than reps samples of the tests (earlier passes count)."""
-        s = self.samples.get(_key(config))
+    def _clear(self, group: Any, config: dict[str, Any], tests: str, base: dict[str, Any]) -> bool:
+        """Whether the config beats `base` beyond this group's noise: on one of the tests, its
+        slowest sample is faster than base's fastest (the two ranges do not overlap)."""
+        s, b = self.samples.get((group, _key(config))), self.samples.get((group, _key(base)))
+        if s is None or b is None:
+            return False
+        for test in ("pp", "tg") if tests == "both" else (tests,):
+            xs, ys = (s.pp, b.pp) if test == "pp" else (s.tg, b.tg)
+            if xs and ys and min(xs) > max(ys):
+                return True
+        return False
+
+    def _needed(self, group: Any, config: dict[str, Any], tests: str) -> bool:
+        """Whether the config has fewer than reps samples of the tests in this group."""
+        s = self.samples.get((group, _key(config)))
         if _key(config) in self.failed:
             return False
         if s is None:
@@ -322,15 +382,16 @@ class Tuner:
 
     # -- the search --
     def search(self) -> tuple[dict[str, Any], str]:
-        current = dict(self.start)
+        current = self.current = dict(self.start)
         stopped = "flat"
-        for _pass in range(3):
+        for pass_ in range(3):
             changed = False
             for option in self.options:
                 values = self.spaces[option]
                 if len(values) < 2:
                     continue
                 tests = AFFECTS[option]
+                group = (pass_, option)
                 cands = [{**current, option: v} for v in values]
                 if current not in cands:
                     cands.append(dict(current))
@@ -338,33 +399,37 @@ class Tuner:
                     # rotate the order each round so no candidate always runs first
                     order = cands[r % len(cands) :] + cands[: r % len(cands)]
                     for c in order:
-                        if not self._needed(c, tests):
+                        if not self._needed(group, c, tests):
                             continue
                         if not self.can_afford():
                             return current, "budget"
                         self.view.trying(option, c, r + 1, self.reps)
-                        self._evaluate(c, tests)
-                scores = [self._score(c, tests, current) or 0.0 for c in cands]
+                        self._evaluate(group, c, tests)
+                scores = [self._score(group, c, tests, current) or 0.0 for c in cands]
                 i = max(range(len(cands)), key=lambda k: scores[k])
                 best_score, best = scores[i], cands[i]
-                if best_score > 1 + self.min_gain and best != current:
-                    current = best
+                gain = best_score > 1 + self.min_gain and self._clear(group, best, tests, current)
+                if gain and best != current:
+                    current = self.current = best
                     changed = True
-                s = self.samples.get(_key(current), Samples())
+                s = self.samples.get((group, _key(current)), Samples())
                 self.view.result(option, current, {"pp": s.median("pp"), "tg": s.median("tg")})
             if not changed:
                 break
+        else:
+            stopped = "passes"  # the third pass still changed something
         return current, stopped
 
     def compare(
         self, default: dict[str, Any], tuned: dict[str, Any], n_prompt: int
     ) -> dict[str, dict[str, float]]:
         """Defaults and tuned in alternation (A B A B) on pp n_prompt and tg n_gen: final_reps
-        rounds, fewer when the budget runs out (at least one)."""
+        rounds, fewer when the budget runs out (at least one; the time of the conformance check
+        and of a re-comparison is kept)."""
         runs: dict[str, Samples] = {"default": Samples(), "tuned": Samples()}
         self.final_rounds = 0
         for r in range(self.final_reps):
-            if r > 0 and self.elapsed() + 2 * self.final_eval_estimate() > self.budget_s:
+            if r > 0 and self.elapsed() + self.reserve(1) > self.budget_s:
                 self.view.note(f"budget spent: the final comparison ran {r} of {self.final_reps} rounds")
                 break
             for label, config in (("default", default), ("tuned", tuned)):
@@ -404,27 +469,79 @@ def revert_losers(
     return out, reverted
 
 
-def tune(tuner: Tuner, default: dict[str, Any], n_prompt: int) -> Outcome:
+# When the tuned setting fails the conformance core, its options go back to their defaults one at
+# a time in this order, those that change the arithmetic most first (a quantized K cache, another
+# attention kernel, other batch splits), until it passes.
+FALLBACK_ORDER = (
+    "cache_type_k",
+    "flash_attn",
+    "ubatch_size",
+    "batch_size",
+    "n_gpu_layers",
+    "threads_batch",
+    "threads",
+)
+
+Check = Callable[[dict[str, Any]], tuple[str, list[str]]]
+
+
+def tune(tuner: Tuner, default: dict[str, Any], n_prompt: int, check: Check | None = None) -> Outcome:
+    """The search, the final comparison and (with `check`: the conformance core of a setting,
+    its verdict "pass"/"fail" and the failed checks) the conformance check, inside the tuner's
+    budget. A setting that fails the check loses its options one at a time (FALLBACK_ORDER),
+    each time measured and checked again: this goes beyond the budget, which cannot foresee it."""
     tuned, stopped = tuner.search()
     search_s = tuner.elapsed()
-    table = tuner.compare(default, tuned, n_prompt)
-    final, reverted = revert_losers(default, tuned, table, n_prompt, tuner.n_gen)
-    if reverted:
+    reverted: list[str] = []
+    fell_back: list[str] = []
+    verdict, checks_s, estimate, rss = "not_run", 0.0, 0.0, 0
+    while True:
+        table = tuner.compare(default, tuned, n_prompt)
+        final, slower = revert_losers(default, tuned, table, n_prompt, tuner.n_gen)
+        if slower:
+            reverted += slower
+            tuner.view.note(
+                f"slower than the defaults in the final comparison, back to default: {', '.join(slower)}"
+            )
+            tuner.current = final
+            table = tuner.compare(default, final, n_prompt)  # what the recipe now says, in the same run
+        tuned = final
+        rss = rss or peak_rss_bytes()  # of the tuning, before the conformance check's own memory
+        if check is None:
+            break
+        tuner.current = tuned
+        estimate = estimate or tuner.conformance_estimate()
         tuner.view.note(
-            f"slower than the defaults in the final comparison, back to default: {', '.join(reverted)}"
+            f"checking the tuned setting with the conformance core (about {tuner.conformance_estimate():.0f} s)"
         )
-        if final != tuned:  # measure what the recipe now says, in the same run
-            table = tuner.compare(default, final, n_prompt)
+        t = monotonic()
+        verdict, failed = check(tuned)
+        checks_s += monotonic() - t
+        culprits = [k for k in FALLBACK_ORDER if k in tuned and tuned[k] != default.get(k)]
+        if verdict == "pass" or not culprits:
+            break
+        fell_back.append(culprits[0])
+        tuner.view.note(
+            f"the tuned setting fails the conformance core ({', '.join(failed[:3])}); "
+            f"{culprits[0]} goes back to its default"
+        )
+        tuned = {**tuned, culprits[0]: default[culprits[0]]}
     capped = tuner.final_cap_s if tuner.final_capped else None
-    return Outcome(
-        default, final, table, reverted, tuner.evaluations, search_s, stopped, tuner.final_rounds, capped
+    outcome = Outcome(
+        default, tuned, table, reverted, tuner.evaluations, search_s, stopped, tuner.final_rounds, capped
     )
+    outcome.peak_rss_bytes = rss
+    outcome.conformance, outcome.conformance_s, outcome.conformance_estimate_s = verdict, checks_s, estimate
+    outcome.fell_back = fell_back
+    outcome.total_s = tuner.elapsed()
+    return outcome
 
 
 def check_conformance(
     cls: Any, model_ref: str, model_path: str | None, config: dict[str, Any], events: Any
-) -> str:
-    """The conformance core (in process) with the tuned options: "pass" or "fail"."""
+) -> tuple[str, list[str]]:
+    """The conformance core (in process) with the tuned options: "pass" or "fail", and the IDs
+    of the checks that failed."""
     from stdengine.conformance.runner import find_golden, run_suite
     from stdengine.conformance.suite import Context, exit_status
 
@@ -442,7 +559,8 @@ def check_conformance(
         results = run_suite(ctx, "core")
     finally:
         engine.close()
-    return "pass" if exit_status(results) == 0 else "fail"
+    failed = [r.id for r in results if r.status == "fail" and r.level == "core"]
+    return ("pass" if exit_status(results) == 0 else "fail"), failed
 
 
 def peak_rss_bytes() -> int:

@@ -218,7 +218,9 @@ class Options(BaseModel):
 
 
 class RecipeMatch(BaseModel):
-    """Reserved for recipes (planned): which model and machine a config file is meant for."""
+    """A config file's [match] table: accepted and validated so that files written with one keep
+    loading, but it selects nothing. Settings for one model on one machine are recipes, files of
+    their own (stdengine.recipes, spec/recipes.md), chosen by model, engine and machine."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -231,7 +233,7 @@ class RecipeMatch(BaseModel):
 
 class ConfigFile(Options):
     """A config file: any canonical option at the top level, engine_args as a table, and an
-    optional [match] section that will make the file a recipe."""
+    optional [match] table that is validated but selects nothing (recipes do that)."""
 
     match: RecipeMatch | None = None
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -411,6 +413,57 @@ def test_tune_respects_the_budget(home, model, fake_clock):
     assert tuner.evaluations < 8
 
 
+def test_the_budget_holds_the_final_comparison_and_the_conformance_check(home, model, fake_clock):
+    """--budget covers the search, the final comparison and the conformance check: the search
+    stops early enough to leave the other two inside it, estimated from this run's measurements.
+    The stand-in check costs what the estimate assumes (a load and prompt, and
+    CONFORMANCE_TOKENS decodes at the checked setting's rate)."""
+    m = tune_mod.Measurer(ToyEngine, model, _quiet(), {}, 2048)
+    start = {"threads": 1, "threads_batch": 1, "ubatch_size": 512}
+    spaces = {"threads": [1, 2, 3, 4], "threads_batch": [1, 2, 3, 4], "ubatch_size": [64, 128, 256, 512]}
+    checked = []
+
+    def check(config: dict[str, Any]) -> tuple[str, list[str]]:
+        checked.append(config)
+        m.run(config, True, tune_mod.CONFORMANCE_TOKENS)
+        return "pass", []
+
+    def run(budget_s: float, conformance: bool) -> tune_mod.Outcome:
+        ToyEngine.now = 0
+        tuner = tune_mod.Tuner(
+            m, list(spaces), start, spaces, budget_s=budget_s, reps=2, n_gen=16, conformance=conformance
+        )
+        return tune_mod.tune(tuner, start, 2048, check if conformance else None)
+
+    out = run(0.03, True)
+    assert out.stopped == "budget" and out.conformance == "pass" and checked == [out.tuned]
+    assert 0 < out.conformance_s <= out.conformance_estimate_s
+    assert out.total_s <= 0.03
+    # without the check the same budget leaves the search more time
+    assert run(0.03, False).evaluations > out.evaluations
+
+
+def test_a_setting_that_fails_conformance_loses_options_until_it_passes(home, model, fake_clock):
+    """A recipe may never make an engine wrong: the toy's optimum (ubatch 128) "fails" the
+    stand-in check, so ubatch goes back to its default; the faster threads stay."""
+    m = tune_mod.Measurer(ToyEngine, model, _quiet(), {}, 256)
+    start = {"threads": 1, "threads_batch": 1, "ubatch_size": 512}
+    spaces = {"threads": [1, 2], "threads_batch": [1, 2], "ubatch_size": [128, 512]}
+    checked = []
+
+    def check(config: dict[str, Any]) -> tuple[str, list[str]]:
+        checked.append(config)
+        return ("fail", ["logits.kl:text=all"]) if config["ubatch_size"] == 128 else ("pass", [])
+
+    tuner = tune_mod.Tuner(m, list(spaces), start, spaces, budget_s=3600, reps=2, n_gen=16, conformance=True)
+    out = tune_mod.tune(tuner, start, 256, check)
+    assert [c["ubatch_size"] for c in checked] == [128, 512]
+    assert out.conformance == "pass" and out.fell_back == ["ubatch_size"]
+    assert out.tuned == {"threads": 2, "threads_batch": 2, "ubatch_size": 512}
+    # the table is that of the setting the recipe holds, measured again
+    assert out.table["tuned"]["tg16"] > out.table["default"]["tg16"]
+
+
 def test_revert_losers_keeps_only_what_helped():
     default = {"threads": 2, "threads_batch": 2, "ubatch_size": 512}
     tuned = {"threads": 1, "threads_batch": 1, "ubatch_size": 128}
@@ -473,3 +526,194 @@ def test_the_final_comparison_keeps_to_the_budget(home, model, fake_clock):
     table = tuner.compare(config, config, 64)
     assert tuner.final_rounds == 1  # one A/B round at least, then the budget stops it
     assert set(table["tuned"]) == {"pp64", "tg16"}
+
+
+class DriftToy(ToyEngine):
+    """The toy on a machine whose speed drifts: the first `slow_loads` loads run 1.5x slower
+    (a machine still busy with something else), then every setting runs at its usual speed. No
+    option changes anything but threads, so a tuner that compares a candidate with the current
+    setting's earlier (slower) samples would pick a setting that is no faster."""
+
+    name = "toydrift"
+    slow_loads: ClassVar[int] = 0
+
+    def decode(self, tokens: Any, all_logits: bool = False) -> np.ndarray:
+        per = 1000 if len(tokens) > 1 else 4000 / (self.options.threads or 1)
+        slow = 1.5 if len(ToyEngine.loaded) <= DriftToy.slow_loads else 1.0
+        ToyEngine.now += int(per * slow * len(tokens))
+        return np.zeros(32, dtype=np.float32)
+
+
+def test_a_drifting_machine_does_not_pick_a_setting_that_is_no_faster(home, model, fake_clock):
+    registry.register("toydrift", DriftToy)
+    try:
+        m = tune_mod.Measurer(DriftToy, model, _quiet(), {}, 64)
+        start = {"threads_batch": 2, "ubatch_size": 512}
+        spaces = {"threads_batch": [1, 2], "ubatch_size": [128, 256, 512]}
+        # the threads_batch rounds (2 candidates x 3 rounds) run slow, the ubatch rounds fast
+        DriftToy.slow_loads = 6
+        tuner = tune_mod.Tuner(m, list(spaces), start, spaces, budget_s=3600, reps=3, n_gen=16)
+        best, stopped = tuner.search()
+    finally:
+        registry.unregister("toydrift")
+    assert best == start and stopped == "flat"
+
+
+class _Completions(BaseHTTPRequestHandler):
+    """A stand-in OpenAI-compatible server: one model, streamed completions of max_tokens 'a's;
+    it keeps the request bodies (server.bodies)."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _json(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "toy.gguf", "object": "model"}]})
+        else:
+            self._json(404, {"error": {"message": "not found", "type": "not_found_error"}})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/completions":
+            self._json(404, {"error": {"message": "not found", "type": "not_found_error"}})
+            return
+        self.server.bodies.append(body)  # type: ignore[attr-defined]
+        n = int(body.get("max_tokens") or 1)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(n):
+            reason = json.dumps("length" if i == n - 1 else None)
+            self.wfile.write(
+                f'data: {{"choices":[{{"text":"a","index":0,"finish_reason":{reason}}}]}}\n\n'.encode()
+            )
+        usage = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
+        self.wfile.write(f'data: {{"choices":[],"usage":{json.dumps(usage)}}}\n\ndata: [DONE]\n\n'.encode())
+        self.close_connection = True
+
+
+@pytest.fixture
+def standin():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Completions)
+    server.bodies = []  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_server_mode_bench_sends_the_recipes_request_options(home, standin, capsys):
+    install(
+        make(
+            "remote",
+            {"threads": 1, "temp": 0.7, "top_k": 5, "seed": 3, "n_predict": 999, "stop": ["x"]},
+            engine="openai",
+        )
+    )
+    url = f"http://127.0.0.1:{standin.server_address[1]}"
+    with pytest.raises(SystemExit) as e:
+        bench_cli.main(["-e", "openai", "--url", url, "-p", "0", "-n", "4", "-r", "1", "-o", "jsonl"])
+    assert e.value.code == 0
+    out = capsys.readouterr()
+    rec = json.loads(out.out.splitlines()[0])
+    assert rec["recipe"] == "remote"
+    timed = standin.bodies[-1]
+    # the sampling options go out under their request names; the length stays the test's
+    assert timed["temperature"] == 0.7 and timed["top_k"] == 5 and timed["seed"] == 3
+    assert timed["max_tokens"] == 4 and "stop" not in timed
+    said = next(line for line in out.err.splitlines() if line.startswith("infer-bench: recipe remote"))
+    assert "temp=0.7" in said and all(
+        n in said.split("not sent:")[1] for n in ("threads", "n_predict", "stop")
+    )
+    # plain OpenAI requests (--no-extensions) leave out llama.cpp's extra fields
+    standin.bodies.clear()
+    with pytest.raises(SystemExit):
+        bench_cli.main(
+            ["-e", "openai", "--url", url, "-p", "0", "-n", "4", "-r", "1", "-o", "jsonl", "--no-extensions"]
+        )
+    assert all("top_k" not in b and b["temperature"] == 0.7 for b in standin.bodies)
+    capsys.readouterr()
+    # --recipe none: the benchmark's own greedy requests
+    standin.bodies.clear()
+    with pytest.raises(SystemExit):
+        bench_cli.main(["-e", "openai", "--url", url, "-p", "0", "-n", "4", "-r", "1", "-o", "jsonl",
+                        "--recipe", "none"])  # fmt: skip
+    assert all(b["temperature"] == 0.0 and "seed" not in b for b in standin.bodies)
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["recipe"] == ""
+
+
+# --- end to end on a real model -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["reference", pytest.param("llamacpp", marks=pytest.mark.llamacpp)])
+def test_infer_run_uses_and_reports_a_recipe_for_the_real_model(engine, smollm2_path, tmp_path):
+    """The issue's "Done when": `infer run -m smollm2-135m-instruct` picks up a recipe made for the
+    model, the engine and this machine, gives the engine its options and says so (the
+    recipe.applied event, the config.resolved sources, `infer config show`)."""
+    import os
+    import subprocess
+
+    if engine == "llamacpp":
+        pytest.importorskip("llama_cpp")
+    alias = "smollm2-135m-instruct"
+    mid = recipes.model_id(alias)
+    assert mid.sha256 is not None  # the catalogue's SHA256 of the file
+    version, _ = recipes.engine_version(engine)
+    rec = make(
+        f"e2e-{engine}",
+        {"threads": 1, "threads_batch": 1},
+        engine=engine,
+        engine_version=f"=={version}",
+        model_sha256=mid.sha256,
+        machine=recipes.this_machine().model_dump(),
+    )
+    install(rec, tmp_path / recipes.PROJECT_DIR)  # the project's folder, ./.infer/recipes
+    env = {k: v for k, v in os.environ.items() if k != "INFER_RECIPE" and not k.startswith("INFER_THREADS")}
+
+    def infer(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "stdengine.cli.main", *args]
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    r = infer(
+        "run",
+        "-m",
+        alias,
+        "-e",
+        engine,
+        "-p",
+        "hi",
+        "-n",
+        "4",
+        "--temp",
+        "0",
+        "--log-format",
+        "json",
+        "-lv",
+        "1",
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+    events = {e["event"]: e for e in lines if "event" in e}
+    applied = events["recipe.applied"]
+    assert applied["name"] == rec.name and applied["level"] == "info" and not applied["explicit"]
+    assert applied["applied"] == {"threads": 1, "threads_batch": 1}
+    resolved = events["config.resolved"]  # (debug level)
+    assert resolved["options"]["threads"] == 1 and resolved["sources"]["threads"] == f"recipe:{rec.name}"
+    assert events["model.loaded"]["threads"] == 1  # what the engine itself says it runs with
+    r = infer("config", "show", "--json", "-e", engine, "-m", alias)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["recipe"]["name"] == rec.name
+    assert doc["options"]["threads_batch"] == {"value": 1, "source": f"recipe:{rec.name}"}
+    # a flag wins over the recipe
+    r = infer("config", "show", "--json", "-e", engine, "-m", alias, "-t", "2")
+    assert json.loads(r.stdout)["options"]["threads"] == {"value": 2, "source": "flag"}

@@ -121,7 +121,7 @@ def run_cli(params: BenchParams, recipe: str | None = None) -> int:
     if server_mode(params):
         from stdengine.bench.server import run_server_cli
 
-        return run_server_cli(params)
+        return run_server_cli(params, recipe)
 
     out = make_printer(params.output, sys.stdout, params)
     err = make_printer(params.output_err, _Stderr(), params) if params.output_err != "none" else None
@@ -247,7 +247,10 @@ def _speeds(ts: dict[str, float | None]) -> str:
 @click.option("-m", "--model", default=None, help="model (alias, path); default: the default model")
 @click.option("-e", "--engine", default="reference", show_default=True, help="engine to tune")
 @click.option(
-    "--budget", default="10m", show_default=True, help="time for the search and the final comparison"
+    "--budget",
+    default="10m",
+    show_default=True,
+    help="time for all of it: the search, the final comparison and the conformance check",
 )
 @click.option(
     "-r", "--reps", default=3, show_default=True, type=click.IntRange(1), help="repetitions per setting"
@@ -334,26 +337,36 @@ def tune(
         n_gen=n_gen,
         min_gain=min_gain,
         view=view,
+        conformance=not no_conformance,
     )
+
+    def check(config: dict[str, Any]) -> tuple[str, list[str]]:
+        return t.check_conformance(cls, model_ref, model_path, config, events)
+
+    checker = None if no_conformance else check
     if isinstance(view, _RichView):
         with view:
-            outcome = t.tune(tuner, default, n_prompt)
+            outcome = t.tune(tuner, default, n_prompt, checker)
     else:
-        outcome = t.tune(tuner, default, n_prompt)
+        outcome = t.tune(tuner, default, n_prompt, checker)
 
-    rss = t.peak_rss_bytes()  # of the tuning, before the conformance check's own memory
-    verdict = "not_run"
-    if not no_conformance:
-        print("infer-bench tune: checking the tuned setting with the conformance core ...", file=sys.stderr)
-        verdict = t.check_conformance(cls, model_ref, model_path, outcome.tuned, events)
-    recipe = _make_recipe(cls, model_ref, model_path, outcome, verdict, args, name, rss)
-    _print_table(recipe, outcome, model_ref, cls.name)
-    if verdict == "fail":
+    recipe = _make_recipe(cls, model_ref, model_path, outcome, args, name)
+    _print_table(recipe, outcome, model_ref, cls.name, budget_s)
+    if outcome.conformance == "fail":
+        import shlex
+
         from stdengine.errors import InferError
+        from stdengine.options import env_var
 
+        # as INFER_* variables: `infer conformance` has no flag for some of the tuned options
+        env = " ".join(
+            f"{env_var(k)}={'true' if v is True else 'false' if v is False else shlex.quote(str(v))}"
+            for k, v in outcome.tuned.items()
+        )
         raise InferError(
-            "the tuned setting fails the conformance core; no recipe written",
-            hint=f"run `infer conformance -e {cls.name} -m {model_ref} {recipes.flags_text(recipe)}` to see why",
+            "the conformance core fails even with the tuned options back at their defaults; "
+            "no recipe written",
+            hint=f"run `{env} infer conformance -e {cls.name} -m {model_ref} --recipe none` to see why",
         )
     path = out or recipes.user_dir() / f"{recipe.name}.toml"
     recipes.save(recipe, path)
@@ -365,10 +378,8 @@ def _make_recipe(
     model_ref: str,
     model_path: str | None,
     outcome: Any,
-    verdict: str,
     engine_args: dict[str, str],
     name: str | None,
-    rss: int,
 ) -> Any:
     import hashlib
     import shlex
@@ -417,26 +428,37 @@ def _make_recipe(
                 "tuned": outcome.table["tuned"],
                 "default": outcome.table["default"],
                 "reps": max(outcome.final_rounds, 1),
-                "peak_rss_bytes": rss,
+                "peak_rss_bytes": outcome.peak_rss_bytes,
                 "model_size": model_fields(model_path)["model_size"] if model_path else None,
-                "conformance": verdict,
-                "conformance_suite": SUITE_VERSION if verdict != "not_run" else None,
+                "conformance": outcome.conformance,
+                "conformance_suite": SUITE_VERSION if outcome.conformance != "not_run" else None,
             },
         }
     )
 
 
-def _print_table(recipe: Any, outcome: Any, model_ref: str, engine: str) -> None:
+def _print_table(recipe: Any, outcome: Any, model_ref: str, engine: str, budget_s: float) -> None:
     """The result as Markdown on stdout: default vs tuned, and what was chosen."""
+    conformance = recipe.measured.conformance
+    if outcome.fell_back:
+        conformance += (
+            f" after putting back {', '.join(outcome.fell_back)} (the tuned setting failed); "
+            f"{len(outcome.fell_back) + 1} checks"
+        )
+    if conformance != "not_run":
+        conformance += (
+            f" in {outcome.conformance_s:.0f} s (the budget kept {outcome.conformance_estimate_s:.0f} s)"
+        )
     lines = [
         f"model {model_ref}, engine {engine}: {outcome.evaluations} settings measured in "
         f"{outcome.search_s:.0f} s (search ended: {outcome.stopped}); conformance core: "
-        f"{recipe.measured.conformance}; final comparison: {outcome.final_rounds} A/B round(s), medians"
+        f"{conformance}; final comparison: {outcome.final_rounds} A/B round(s), medians"
         + (
             f"; generation samples cut at {outcome.capped_s:.0f} s (t/s over the tokens decoded by then)"
             if outcome.capped_s
             else ""
-        ),
+        )
+        + f"; {outcome.total_s:.0f} s in all, budget {budget_s:.0f} s",
         "",
         "| test | default t/s | tuned t/s | tuned/default | setting for this test |",
         "|---|---:|---:|---:|---|",
@@ -456,7 +478,12 @@ def _print_table(recipe: Any, outcome: Any, model_ref: str, engine: str) -> None
         lines.append(f"| {test} | {d:.2f} | {tuned:.2f} | {ratio:.3f} | {setting} |")
     lines += ["", "| option | default | tuned |", "|---|---|---|"]
     for k, v in outcome.tuned.items():
-        lines.append(f"| {k} | {outcome.default[k]} | {v}{' (reverted)' if k in outcome.reverted else ''} |")
+        why = ""
+        if k in outcome.fell_back:
+            why = " (fails conformance)"
+        elif k in outcome.reverted:
+            why = " (reverted)"
+        lines.append(f"| {k} | {outcome.default[k]} | {v}{why} |")
     click.echo("\n".join(lines))
 
 
