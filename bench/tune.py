@@ -402,6 +402,11 @@ class Tuner:
                         if not self._needed(group, c, tests):
                             continue
                         if not self.can_afford():
+                            self.view.note(
+                                f"budget: the search stops after {self.evaluations} measurements; the "
+                                f"final comparison and the conformance check need about "
+                                f"{self.reserve(self.final_reps):.0f} s of the {self.budget_s:.0f} s"
+                            )
                             return current, "budget"
                         self.view.trying(option, c, r + 1, self.reps)
                         self._evaluate(group, c, tests)
