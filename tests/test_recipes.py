@@ -464,6 +464,23 @@ def test_a_setting_that_fails_conformance_loses_options_until_it_passes(home, mo
     assert out.table["tuned"]["tg16"] > out.table["default"]["tg16"]
 
 
+def test_a_win_must_clear_the_noise_and_equivalent_batches_are_one_candidate(home, model):
+    m = tune_mod.Measurer(ToyEngine, model, _quiet(), {}, 512)
+    tuner = tune_mod.Tuner(m, [], {}, {}, budget_s=60)
+    base, cand = {"ubatch_size": 512}, {"ubatch_size": 256}
+    g = (0, "ubatch_size")
+    # the candidate's median is 5% faster, but its slowest sample is below the base's fastest
+    tuner.samples[(g, tune_mod._key(base))] = tune_mod.Samples(pp=[100.0, 100.0, 104.0])
+    tuner.samples[(g, tune_mod._key(cand))] = tune_mod.Samples(pp=[103.0, 105.0, 106.0])
+    assert tuner._score(g, cand, "pp", base) == pytest.approx(1.05)
+    assert not tuner._clear(g, cand, "pp", base)
+    tuner.samples[(g, tune_mod._key(cand))] = tune_mod.Samples(pp=[104.5, 105.0, 106.0])
+    assert tuner._clear(g, cand, "pp", base)
+    # a 512-token prompt runs in one call at batch 512 or 2048: the default stands for both
+    assert tune_mod.space("batch_size", 2, 512, False) == [128, 256, 2048]
+    assert tune_mod.space("batch_size", 2, 4096, False) == [128, 256, 512, 2048]
+
+
 def test_revert_losers_keeps_only_what_helped():
     default = {"threads": 2, "threads_batch": 2, "ubatch_size": 512}
     tuned = {"threads": 1, "threads_batch": 1, "ubatch_size": 128}
