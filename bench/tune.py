@@ -403,9 +403,10 @@ class Tuner:
                             continue
                         if not self.can_afford():
                             self.view.note(
-                                f"budget: the search stops after {self.evaluations} measurements; the "
-                                f"final comparison and the conformance check need about "
-                                f"{self.reserve(self.final_reps):.0f} s of the {self.budget_s:.0f} s"
+                                f"budget: the search stops after {self.evaluations} measurements "
+                                f"({self.elapsed():.0f} s); the final comparison and the conformance "
+                                f"check are estimated at {self.reserve(self.final_reps):.0f} s, the "
+                                f"budget is {self.budget_s:.0f} s"
                             )
                             return current, "budget"
                         self.view.trying(option, c, r + 1, self.reps)
