@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stdengine.bench.printers import md_cell, test_name
+from stdengine.bench.printers import md_table, test_name
 
 KEY_FIELDS = (
     "model_type",
@@ -234,14 +234,8 @@ def render(pairs: list[Pair], fmt: str = "md") -> str:
     if fmt == "csv":
         lines = [",".join(header)] + [",".join('"' + c.replace('"', '""') + '"' for c in r) for r in rows]
         return "\n".join(lines) + "\n"
-    widths = []
-    for i, name in enumerate(header):
-        w = max(len(name), *(len(r[i]) for r in rows))
-        widths.append(-w if name in ("model", "base", "candidate") else w)
-    out = ["|" + "".join(md_cell(h, w) for h, w in zip(header, widths, strict=False))]
-    out.append("|" + "".join(" " + "-" * (abs(w) - 1) + (":" if w > 0 else "-") + " |" for w in widths))
-    out += ["|" + "".join(md_cell(c, w) for c, w in zip(r, widths, strict=False)) for r in rows]
-    return "\n".join(out) + "\n"
+    left = tuple(i for i, name in enumerate(header) if name in ("model", "base", "candidate"))
+    return md_table(header, rows, left)
 
 
 def _kind(p: Pair) -> str:

@@ -1,6 +1,7 @@
 """The project's own comparison: the reference engine and llama.cpp side by side, same machine, same run.
 
     infer bench vs-llamacpp [--reps N] [--out DIR] [--models A,B] [--threads 1,2] [--depths 0,512] [--name NAME]
+                            [--llamacpp-path DIR]
     (also: python -m stdengine.bench.compare_llamacpp ...)
 
 Runs llama-bench's pp512 and tg128 through infer-bench for both engines on both catalogue models
@@ -14,6 +15,16 @@ bench/results/, written with --out bench/results):
                  and each engine's peak memory
     NAME.png     the plot (when matplotlib is installed)
 
+NAME.md also describes the machine's limits (the probe of stdengine.bench.record.machine_probe:
+read bandwidth from DRAM and the caches, int8 multiply-accumulate throughput, at each thread
+count) and has a roofline table (stdengine.bench.roofline): beside each pp and tg figure, the
+limit this machine allows that test, the fraction reached and the GB/s or GMAC/s achieved.
+
+--llamacpp-path DIR runs llama.cpp from another llama-cpp-python build: DIR is a folder that holds
+a `llama_cpp` package (`pip install --target DIR ...`), put first on the module path of this
+process and of the peak-memory processes. The report names the build that ran ("llama.cpp
+build: ...": its folder and its system info).
+
 Peak memory is the peak resident set (VmHWM of /proc/self/status, Linux) of a separate
 `infer-bench` process per engine and model that runs pp512 and tg128 once at the largest thread
 count: the same Python harness around each engine, so the difference between the two is the
@@ -25,6 +36,7 @@ It prints the table and the ratios. NAME defaults to compare-llamacpp-<UTC date>
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import os
 import platform
@@ -35,18 +47,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from stdengine.bench import roofline
 from stdengine.bench.compare import CompareError, pair_rows, plot, render
 from stdengine.bench.params import BenchParams, physical_cores, with_defaults
 from stdengine.bench.printers import make_printer
-from stdengine.bench.record import cpu_info, stdengine_commit
+from stdengine.bench.record import MachineProbe, cpu_info, machine_probe, stdengine_commit
 from stdengine.bench.runner import bench_emitter, run
 
 MODELS = ("smollm2-135m-instruct", "gemma-3-270m")
 RESULTS = Path("bench-results")  # relative to the current directory, never the installed package
 
 
-def machine() -> dict[str, Any]:
+def machine(threads: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
     return {
+        "probe": machine_probe(threads),
         "cpu": cpu_info(),
         "physical_cores": physical_cores(),
         "logical_cpus": os.cpu_count(),
@@ -83,15 +97,55 @@ runpy.run_module("stdengine.cli.bench", run_name="__main__")
 """
 
 
-def peak_rss_mb(model: str, engine: str, threads: int) -> float:
-    """Peak resident set, in MiB, of one infer-bench process running pp512 and tg128 once (Linux)."""
+def peak_rss_mb(model: str, engine: str, threads: int, llamacpp_path: str | None = None) -> float:
+    """Peak resident set, in MiB, of one infer-bench process running pp512 and tg128 once (Linux);
+    llamacpp_path: a folder put first on its module path (--llamacpp-path)."""
     args = ["-m", model, "-e", engine, "-p", "512", "-n", "128", "-r", "1", "-t", str(threads), "-o", "jsonl"]
     cmd = [sys.executable, "-c", _PEAK_PROBE, *args]
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    env = None
+    if llamacpp_path:
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [llamacpp_path, os.environ.get("PYTHONPATH")])),
+        )
+    proc = subprocess.run(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace", env=env
+    )
     peaks = [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("peak-rss-kib ")]
     if proc.returncode or not peaks:
         raise RuntimeError(f"infer-bench {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()}")
     return int(peaks[-1]) / 1024
+
+
+def use_llamacpp_path(path: str) -> str:
+    """Put a folder holding another llama-cpp-python build first on the module path and import
+    llama_cpp from it; the folder, resolved. ValueError if it holds no llama_cpp package or
+    llama_cpp was already imported from elsewhere."""
+    folder = Path(path).resolve()
+    if not (folder / "llama_cpp" / "__init__.py").is_file():
+        raise ValueError(
+            f"--llamacpp-path {path}: no llama_cpp package in this folder (pip install --target {path} ...)"
+        )
+    loaded = sys.modules.get("llama_cpp")
+    if loaded is None:
+        sys.path.insert(0, str(folder))
+        importlib.invalidate_caches()
+        loaded = importlib.import_module("llama_cpp")
+    where = Path(loaded.__file__ or "").resolve()
+    if folder not in where.parents:
+        raise ValueError(f"--llamacpp-path {path}: llama_cpp was already imported from {where.parent}")
+    return str(folder)
+
+
+def llamacpp_build() -> str:
+    """The llama-cpp-python build this process runs: its version, folder and llama.cpp's system
+    info (the instruction sets it was built with); "not loaded" before the llamacpp engine ran."""
+    lib = sys.modules.get("llama_cpp")
+    if lib is None:
+        return "not loaded"
+    folder = Path(lib.__file__ or "").resolve().parent.parent
+    info = lib.llama_print_system_info().decode("utf-8", errors="replace").strip().rstrip("|").strip()
+    return f"llama-cpp-python {lib.__version__} from {folder} (system info: {info})"
 
 
 def _ints(text: str) -> list[int]:
@@ -113,7 +167,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m stdengine.bench.c
     ap.add_argument("--out", default=str(RESULTS), help="output folder (default ./bench-results)")
     ap.add_argument("--name", default=None, help="file name stem (default compare-llamacpp-<date>)")
     ap.add_argument("--progress", action="store_true", help="infer-bench's progress lines on stderr")
+    ap.add_argument(
+        "--llamacpp-path",
+        metavar="DIR",
+        default=None,
+        help="run llama.cpp from the llama-cpp-python build in DIR (pip install --target DIR ...) "
+        "instead of the installed one",
+    )
     args = ap.parse_args(argv)
+    llamacpp_path = None
+    if args.llamacpp_path:
+        try:
+            llamacpp_path = use_llamacpp_path(args.llamacpp_path)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     params = with_defaults(
         BenchParams(
@@ -127,7 +195,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m stdengine.bench.c
             given={"threads"},
         )
     )
-    desc = machine()
+    desc = machine(tuple(params.n_threads))
+    probe: MachineProbe = desc["probe"]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"compare-llamacpp-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M')}"
@@ -154,6 +223,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m stdengine.bench.c
         from stdengine.bench.progress import LineProgress
 
         print(f"machine: {desc['cpu']}, {desc['physical_cores']} cores, {desc['date']}", file=sys.stderr)
+        for line in probe.lines():
+            print(f"  {line}", file=sys.stderr)
         # The engines take turns per (model, threads), so that both see the machine in the same state.
         status = 0
         for model in params.models:
@@ -168,7 +239,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m stdengine.bench.c
     memory = ["| model | llama.cpp MiB | reference MiB | reference / llama.cpp |", "|---|---:|---:|---:|"]
     for model in params.models:
         try:
-            base_mb, ref_mb = (peak_rss_mb(model, engine, threads) for engine in ("llamacpp", "reference"))
+            base_mb, ref_mb = (
+                peak_rss_mb(model, engine, threads, llamacpp_path) for engine in ("llamacpp", "reference")
+            )
         except RuntimeError as e:
             print(f"error: peak memory: {e}", file=sys.stderr)
             status = status or 1
@@ -185,6 +258,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m stdengine.bench.c
         f"- OS: {desc['os']}, Python {desc['python']}, stdengine {desc['stdengine_commit']}",
         f"- load average (1, 5, 15 min): {desc['load_average_at_start']} at the start, {_loadavg()} at the end"
         f" (with {desc['physical_cores']} cores, other work on the machine competes with the engines)",
+        f"- llama.cpp build: {llamacpp_build()}",
+        *(f"- machine probe: {line}" for line in probe.lines()),
         f"- command: {prog} {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
         f"- records: {jsonl_path.name}",
         "",
@@ -203,6 +278,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m stdengine.bench.c
         return status or 1
     table = render(pairs)
     text += ["## reference / llama.cpp (speedup = reference t/s / llama.cpp t/s)", "", table.rstrip(), ""]
+    limits = roofline.render([(p.base, p.cand) for p in pairs], probe)
+    costs = [
+        f"- {model_type}: {roofline.describe_cost(roofline.model_cost(path))}"
+        for model_type, path in {r["model_type"]: r["model_filename"] for r in records}.items()
+    ]
+    text += [
+        "## roofline (the limit this machine allows each test, from the machine probe; spec/bench-record.md §7.2)",
+        "",
+        limits.rstrip(),
+        "",
+        *costs,
+        "",
+    ]
     text += [f"## peak memory (resident set of a pp512 + tg128 run, {threads} threads)", "", *memory, ""]
     try:
         plot(pairs, str(png_path), title=f"reference vs llama.cpp: {desc['cpu']}, {desc['date']}")
@@ -211,6 +299,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m stdengine.bench.c
         print(f"warning: {e}", file=sys.stderr)
     md_path.write_text("\n".join(text) + "\n", encoding="utf-8")
     print(table, end="")
+    print()
+    print(limits, end="")
+    print("\n".join(costs))
+    print(f"llama.cpp build: {llamacpp_build()}")
     print(f"wrote {jsonl_path}, {md_path}" + (f", {png_path}" if png_path.exists() else ""), file=sys.stderr)
     return status
 

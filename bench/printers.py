@@ -196,6 +196,19 @@ def md_cell(text: str, width: int) -> str:
     return f" {text:<{-width}} |" if width < 0 else f" {text:>{width}} |"
 
 
+def md_table(header: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> str:
+    """A markdown table whose columns are as wide as their widest cell; the columns at the indices
+    `left` are left-aligned, the others right-aligned."""
+    widths = []
+    for i, name in enumerate(header):
+        w = max(len(name), *(len(r[i]) for r in rows)) if rows else len(name)
+        widths.append(-w if i in left else w)
+    out = ["|" + "".join(md_cell(h, w) for h, w in zip(header, widths, strict=True))]
+    out.append("|" + "".join(" " + "-" * (abs(w) - 1) + (":" if w > 0 else "-") + " |" for w in widths))
+    out += ["|" + "".join(md_cell(c, w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out) + "\n"
+
+
 def human_size(n: int) -> str:
     if n < 1024**3:
         return f"{n / 1024.0 / 1024.0:.2f} MiB"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import statistics
 import subprocess
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,115 @@ def stdengine_commit() -> str:
         return "unknown"
     commit = out.stdout.strip()
     return commit if out.returncode == 0 and commit else "unknown"
+
+
+# --- the machine probe (spec/bench-record.md, "The machine probe") -------------------------
+
+PROBE_READ_BYTES = 256 << 20  # every cache-resident figure reads this much per repetition
+PROBE_DRAM_BYTES = (256 << 20, 1 << 30)  # the DRAM buffer: 4x the L3, within these bounds
+PROBE_MAC_ITERS = 1 << 21  # trips of the int8 loop per thread (12 or 6 instructions each)
+PROBE_REPS = 5
+
+
+def cache_sizes(cpu: int = 0) -> dict[int, int]:
+    """The bytes of each data (or unified) cache level of a CPU, as Linux's sysfs reports them:
+    {1: 32768, 2: 1048576, 3: 33554432}; empty where sysfs does not say."""
+    sizes: dict[int, int] = {}
+    base = Path(f"/sys/devices/system/cpu/cpu{cpu}/cache")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for index in sorted(base.glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or not text:
+            continue
+        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        sizes[level] = max(size, sizes.get(level, 0))
+    return sizes
+
+
+@dataclass(frozen=True)
+class MachineProbe:
+    """What the C probe (reference_engine/csrc/probe.c) measured: read bandwidth in GB/s (1e9
+    bytes per second) per memory level and thread count, and int8 multiply-accumulates per second
+    (billions, all threads) of the SIMD path `isa` the reference engine's kernels use."""
+
+    isa: str
+    cache_bytes: dict[int, int]  # level -> bytes (cache_sizes)
+    buffer_bytes: dict[str, int]  # level -> the probe's buffer (probe_buffers; L2's is per thread)
+    read_gbs: dict[str, dict[int, float]]  # "dram" / "l3" / "l2" -> threads -> GB/s
+    int8_gmacs: dict[int, float]  # threads -> GMAC/s (0: the scalar path, which has none)
+
+    def lines(self) -> list[str]:
+        """The description, one line per figure, for a report."""
+
+        def per_thread(values: dict[int, float], unit: str) -> str:
+            return ", ".join(
+                f"{v:.1f} {unit} with {t} thread{'s' if t > 1 else ''}" for t, v in values.items()
+            )
+
+        out = []
+        for level, figures in self.read_gbs.items():
+            size = f"{_mib_or_kib(self.buffer_bytes[level])} buffer" + (
+                " per thread" if level == "l2" else ""
+            )
+            out.append(f"read bandwidth, {level.upper()} ({size}): {per_thread(figures, 'GB/s')}")
+        out.append(f"int8 multiply-accumulate ({self.isa}): {per_thread(self.int8_gmacs, 'GMAC/s')}")
+        caches = ", ".join(
+            f"L{level} {_mib_or_kib(size)}" for level, size in sorted(self.cache_bytes.items())
+        )
+        out.append(f"caches (cpu0, sysfs): {caches or 'unknown'}")
+        return out
+
+
+def _mib_or_kib(n: int) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n / 2**10:g} KiB"
+
+
+def probe_buffers(caches: dict[int, int]) -> dict[str, int]:
+    """The probe's buffer per level: DRAM 4x the L3 (256 MiB to 1 GiB; 512 MiB when the L3 is
+    unknown), so that almost every read misses it; L3 half of it (the threads share it); L2 half
+    of one per thread (the only per-thread size). A cache the CPU does not report is not probed."""
+    lo, hi = PROBE_DRAM_BYTES
+    out = {"dram": min(max(4 * caches[3], lo), hi) if 3 in caches else 2 * lo}
+    if 3 in caches:
+        out["l3"] = caches[3] // 2
+    if 2 in caches:
+        out["l2"] = caches[2] // 2
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def machine_probe(threads: tuple[int, ...] = (1, 2)) -> MachineProbe:
+    """Run the probe for each thread count (about a second for two). Needs the reference engine's
+    C core; the figures are the best of PROBE_REPS runs each."""
+    import ctypes
+
+    from stdengine.reference._lib import lib
+    from stdengine.reference.core import isa_name
+
+    c = lib()
+    c.se_probe_read_gbs.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+    c.se_probe_read_gbs.restype = ctypes.c_double
+    c.se_probe_int8_gmacs.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32]
+    c.se_probe_int8_gmacs.restype = ctypes.c_double
+    caches = cache_sizes()
+    read: dict[str, dict[int, float]] = {}
+    buffers = probe_buffers(caches)
+    macs: dict[int, float] = {}
+    for t in threads:
+        for level, size in buffers.items():
+            total = size * t if level == "l2" else size
+            passes = max(1, PROBE_READ_BYTES // total)
+            gbs = float(c.se_probe_read_gbs(total, t, passes, PROBE_REPS))
+            if gbs < 0:
+                raise MemoryError(f"the machine probe could not allocate {total} bytes or start {t} threads")
+            read.setdefault(level, {})[t] = gbs
+        macs[t] = float(c.se_probe_int8_gmacs(t, PROBE_MAC_ITERS, PROBE_REPS))
+    return MachineProbe(isa_name(), caches, buffers, read, macs)
 
 
 def build_of(engine_name: str, build: str, version: str) -> tuple[str, int]:

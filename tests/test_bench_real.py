@@ -297,13 +297,14 @@ def test_peak_memory_of_a_run(smollm2_path, tmp_path):
         peak_rss_mb(str(tmp_path / "missing.gguf"), "reference", 1)
 
 
+def vs_llamacpp(*args: str, timeout: float = 60, cwd: object = None) -> subprocess.CompletedProcess[str]:
+    """`infer bench vs-llamacpp ARGS` in a new process."""
+    cmd = [sys.executable, "-m", "stdengine.cli.main", "bench", "vs-llamacpp", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
 def test_bench_vs_llamacpp_help_names_the_memory_source_and_the_output_folder():
-    r = subprocess.run(
-        [sys.executable, "-m", "stdengine.cli.main", "bench", "vs-llamacpp", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = vs_llamacpp("--help")
     assert r.returncode == 0, r.stderr
     assert "usage: infer bench vs-llamacpp" in r.stdout
     assert "VmHWM" in r.stdout and "ru_maxrss" not in r.stdout  # what peak_rss_mb reads
@@ -320,24 +321,7 @@ def test_bench_vs_llamacpp_writes_into_the_current_directory(smollm2_path, tmp_p
     if "llamacpp" not in registry.entries():
         pytest.skip("engine llamacpp not registered")
     args = ["--models", str(smollm2_path), "--threads", "1", "--depths", "0", "-p", "16", "-n", "4"]
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stdengine.cli.main",
-            "bench",
-            "vs-llamacpp",
-            *args,
-            "--reps",
-            "1",
-            "--name",
-            "t",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
+    r = vs_llamacpp(*args, "--reps", "1", "--name", "t", timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "bench-results"
     assert sorted(p.name for p in out.iterdir() if p.suffix != ".png") == ["t.jsonl", "t.md"]
@@ -346,8 +330,35 @@ def test_bench_vs_llamacpp_writes_into_the_current_directory(smollm2_path, tmp_p
     md = (out / "t.md").read_text()
     assert "- command: infer bench vs-llamacpp --models" in md and "## peak memory" in md
     assert "speedup" in r.stdout  # the ratio table on stdout
+    # the machine probe, the roofline beside both engines' figures, and the llama.cpp build
+    assert "- machine probe: read bandwidth, DRAM" in md and "- machine probe: int8 multiply-accumulate" in md
+    assert "## roofline" in md and "llamacpp t/s" in md and "reference t/s" in md and "reached" in md
+    assert "- llama.cpp build: llama-cpp-python" in md and "llama.cpp build: llama-cpp-python" in r.stdout
     package_results = os.path.join(os.path.dirname(stdengine.bench.__file__), "results")
     assert not os.path.exists(os.path.join(package_results, "t.jsonl"))  # not beside the package
+
+
+@pytest.mark.llamacpp
+def test_llamacpp_path_runs_the_build_in_that_folder(tmp_path):
+    """--llamacpp-path DIR imports llama_cpp from DIR (here the installed build's own folder, as a
+    second build would be) and the report names it; a folder without llama_cpp is refused."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")  # finds it without importing it here
+    if spec is None or spec.origin is None:
+        pytest.skip("llama-cpp-python is not installed")
+    folder = os.path.dirname(os.path.dirname(spec.origin))
+    code = (
+        "import sys; from stdengine.bench.compare_llamacpp import use_llamacpp_path, llamacpp_build; "
+        "print(use_llamacpp_path(sys.argv[1])); print(llamacpp_build())"
+    )
+    r = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    resolved, build = r.stdout.splitlines()[-2:]
+    assert resolved == os.path.realpath(folder)
+    assert build.startswith("llama-cpp-python ") and f"from {resolved} (system info: " in build
+    r = vs_llamacpp("--llamacpp-path", str(tmp_path))
+    assert r.returncode == 2 and f"--llamacpp-path {tmp_path}: no llama_cpp package" in r.stderr
 
 
 @pytest.mark.models
