@@ -11,6 +11,13 @@ quantized once already (SmolLM2 Q4_1, Gemma-3 Q4_K_M), so "the source" means tha
 model, not the original bf16 weights.
 
     python bench/quantize_quality.py [--models smollm2-135m-instruct gemma-3-270m] [--types Q4_K_M ...]
+        [--imatrix-text FILE [--imatrix-chunks N]]
+
+With --imatrix-text, both quantizers get the same importance matrix: the reference engine's
+activation statistics of the F32 source over that text (reference_engine/imatrix.py, written as
+WORK/MODEL-imatrix.gguf and read back as llama-quantize reads it), passed to llama.cpp as
+llama_model_quantize_params.imatrix (an array of {name, data, size}, ended by a NULL name); each
+row then also has our quantizer's result without the imatrix ("ours_no_imatrix").
 
 Writes bench/results/quantize-quality-<stamp>.jsonl (one line per model and type, as each is
 done) and a Markdown table next to it.
@@ -34,11 +41,22 @@ TYPES = {
 HELD_OUT = Path("/usr/share/common-licenses/GPL-3")  # English prose no step of this bench tunes on
 
 
-def llama_quantize(src: Path, dst: Path, ftype: int, threads: int) -> None:
+def llama_quantize(
+    src: Path, dst: Path, ftype: int, threads: int, imatrix: dict[str, np.ndarray] | None = None
+) -> None:
     import llama_cpp
 
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype, p.nthread = ftype, threads
+    if imatrix:  # llama.h: an array of {name, data, size} ended by a NULL name
+        entries = (llama_cpp.llama_model_imatrix_data * (len(imatrix) + 1))()
+        keep = []  # the float arrays must outlive the call (the structure keeps the names)
+        for e, (name, v) in zip(entries, sorted(imatrix.items()), strict=False):
+            v = np.ascontiguousarray(v, dtype=np.float32)
+            keep.append(v)
+            e.name, e.size = name.encode(), v.size
+            e.data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        p.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(p)) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {src} to ftype {ftype}")
 
@@ -64,19 +82,42 @@ def compare(ref: np.ndarray, lp: np.ndarray, tokens: list[int]) -> dict[str, flo
 def write_table(jsonl: Path) -> str:
     """The Markdown table of a results file (also of a run stopped part way), next to it."""
     rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    with_imatrix = any(r.get("imatrix") for r in rows)
     lines = [
-        "| model | type | KL ours | KL llama.cpp | ratio | ppl ours | ppl llama.cpp | MiB ours | MiB llama.cpp |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | type | KL ours | KL llama.cpp | ratio | ppl ours | ppl llama.cpp | MiB ours | MiB llama.cpp |"
+        + (" imatrix | KL ours without |" if with_imatrix else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if with_imatrix else ""),
     ]
     for r in rows:
         o, t = r["ours"], r["llama.cpp"]
-        lines.append(
+        line = (
             f"| {r['model']} | {r['type']} | {o['kl']:.5f} | {t['kl']:.5f} | {r['kl_ratio']:.3f} | "
             f"{o['ppl']:.3f} | {t['ppl']:.3f} | {o['bytes'] / 2**20:.1f} | {t['bytes'] / 2**20:.1f} |"
         )
+        if with_imatrix:
+            plain = r.get("ours_no_imatrix")
+            line += f" {r.get('imatrix') or '—'} | " + (f"{plain['kl']:.5f}" if plain else "—") + " |"
+        lines.append(line)
     text = "\n".join(lines) + "\n"
     jsonl.with_suffix(".md").write_text(text)
     return text
+
+
+def make_imatrix(
+    src: Path, text_path: Path, max_chunks: int, args: argparse.Namespace
+) -> tuple[dict[str, np.ndarray], str]:
+    """The reference engine's imatrix of src over the text, written and read back as a file."""
+    from stdengine.reference import imatrix as im
+    from stdengine.reference.quantize import read_imatrix
+
+    stats = im.collect(
+        src, text_path.read_text(), threads=args.threads, dataset=text_path.name, max_chunks=max_chunks
+    )
+    path = src.with_name(src.name.replace("-f32.gguf", "-imatrix.gguf"))
+    im.write_gguf(stats, path)
+    note = f"{text_path.name}, {stats.chunks}x{stats.chunk_size} tokens"
+    print(f"imatrix {path}: {len(stats.sums)} weights, {note}", flush=True)
+    return read_imatrix(path), note
 
 
 def main() -> None:
@@ -88,6 +129,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--text", type=Path, default=HELD_OUT)
     ap.add_argument("--table", type=Path, help="only write the Markdown table of this results .jsonl")
+    ap.add_argument("--imatrix-text", type=Path, help="give both quantizers an imatrix made over this text")
+    ap.add_argument(
+        "--imatrix-chunks", type=int, default=0, help="at most this many 512-token chunks (0: all)"
+    )
     args = ap.parse_args()
     if args.table:
         print(write_table(args.table))
@@ -109,22 +154,29 @@ def main() -> None:
         vocab = llama_cpp.Llama(str(src), vocab_only=True, verbose=False)
         tokens = vocab.tokenize(text.encode(), add_bos=True)[: args.tokens]
         ref = log_probs(src, tokens)
+        imatrix, imatrix_note = None, None
+        if args.imatrix_text:
+            imatrix, imatrix_note = make_imatrix(src, args.imatrix_text, args.imatrix_chunks, args)
         for ft in args.types:
             ours, theirs = args.work / f"{model}-{ft}-ours.gguf", args.work / f"{model}-{ft}-llama.gguf"
             t0 = time.perf_counter()
-            quantize_model(src, ours, ft, threads=args.threads)
+            quantize_model(src, ours, ft, threads=args.threads, imatrix=imatrix, imatrix_name=imatrix_note)
             t1 = time.perf_counter()
-            llama_quantize(src, theirs, TYPES[ft], args.threads)
+            llama_quantize(src, theirs, TYPES[ft], args.threads, imatrix)
             t2 = time.perf_counter()
             row = {
                 "model": model,
                 "type": ft,
                 "tokens": len(tokens),
+                "imatrix": imatrix_note,
                 "ours": compare(ref, log_probs(ours, tokens), tokens)
                 | {"bytes": ours.stat().st_size, "s": t1 - t0},
                 "llama.cpp": compare(ref, log_probs(theirs, tokens), tokens)
                 | {"bytes": theirs.stat().st_size, "s": t2 - t1},
             }
+            if imatrix is not None:
+                quantize_model(src, ours, ft, threads=args.threads)
+                row["ours_no_imatrix"] = compare(ref, log_probs(ours, tokens), tokens)
             row["kl_ratio"] = row["ours"]["kl"] / max(row["llama.cpp"]["kl"], 1e-12)
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -252,3 +252,142 @@ def test_models_info_lists_each_tensors_type(f32_models: dict[str, Path], tmp_pa
     assert r.returncode == 0, r.stderr
     listed = {t["name"]: t["type"] for t in json.loads(r.stdout)["tensors"]}
     assert listed == _types(out) and "q6_K" in listed.values() and "q4_K" in listed.values()
+
+
+# ---- importance matrices made by the reference engine (--imatrix-from) ---------------------------
+
+
+def _exact_act_sums(path: Path, chunks: list[list[int]]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Sums of squared matmul inputs per column, from the exact float64 reference's forward pass.
+
+    ExactModel's attention() and ffn() end with their output projection; giving them an identity
+    for it (only while recording) returns the projection's input."""
+    from stdengine.conformance.exact import ExactModel
+
+    class Recording(ExactModel):
+        identity = False
+
+        def w(self, name: str) -> np.ndarray:
+            if self.identity and name.endswith(("attn_output.weight", "ffn_down.weight")):
+                return np.eye(super().w(name).shape[1])
+            return super().w(name)
+
+    m = Recording(path)
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, int] = {}
+
+    def add(p: str, names: tuple[str, ...], a: np.ndarray) -> None:
+        for n in names:
+            key = f"{p}{n}.weight"
+            sums[key] = sums.get(key, 0) + (a * a).sum(axis=0)
+            counts[key] = counts.get(key, 0) + len(a)
+
+    for ids in chunks:
+        pos = np.arange(len(ids))
+        x = m.w("token_embd.weight")[ids].copy()
+        for il in range(m.hp.n_layer):
+            p = f"blk.{il}."
+            h = m.rmsnorm(x, m.w(p + "attn_norm.weight"))
+            add(p, ("attn_q", "attn_k", "attn_v"), h)
+            m.identity = True
+            o = m.attention(il, h, pos)
+            m.identity = False
+            add(p, ("attn_output",), o)
+            x = x + o @ m.w(p + "attn_output.weight").T
+            h = m.rmsnorm(x, m.w(p + "ffn_norm.weight"))
+            add(p, ("ffn_gate", "ffn_up"), h)
+            m.identity = True
+            f = m.ffn(il, h)
+            m.identity = False
+            add(p, ("ffn_down",), f)
+            x = x + f @ m.w(p + "ffn_down.weight").T
+    return sums, counts
+
+
+# chunks of 3 tokens take the small-batch path (each thread prepares every row itself), chunks
+# of 12 the large-batch one (rows split over the threads, then a barrier)
+@pytest.mark.parametrize("chunk", [3, 12])
+def test_activation_statistics_match_the_exact_reference(f32_models: dict[str, Path], chunk: int) -> None:
+    from stdengine.reference import imatrix as im
+
+    path = f32_models["narrow"]
+    ids = [int(i) for i in np.random.default_rng(5).integers(3, 64, size=26)]
+    stats = im.collect(path, tokens=ids, chunk_size=chunk, threads=2)
+    n_chunks = len(ids) // chunk  # the rest is dropped, as llama-imatrix drops it
+    assert stats.chunks == n_chunks and stats.chunk_size == chunk
+    sums, counts = _exact_act_sums(path, [ids[c * chunk : (c + 1) * chunk] for c in range(n_chunks)])
+    assert sorted(stats.sums) == sorted(sums)  # 3 layers x 7 weights; not the output head
+    for name, s in sums.items():
+        assert stats.counts[name] == counts[name] == n_chunks * chunk
+        np.testing.assert_allclose(stats.sums[name], s, rtol=2e-4, err_msg=name)
+
+
+def test_imatrix_gguf_is_what_llamacpp_reads(tmp_path: Path) -> None:
+    from stdengine.reference import imatrix as im
+
+    rng = np.random.default_rng(1)
+    stats = im.ActStats(
+        sums={"blk.0.attn_q.weight": rng.random(64) * 9, "blk.0.ffn_down.weight": rng.random(128)},
+        counts={"blk.0.attn_q.weight": 24, "blk.0.ffn_down.weight": 0},
+        chunks=2,
+        chunk_size=12,
+        datasets=["calibration.txt"],
+    )
+    im.write_gguf(stats, tmp_path / "i.gguf")
+    r = gguf.GGUFReader(tmp_path / "i.gguf")  # an independent reader: keys, types and tensors
+    assert r.fields["general.type"].contents() == "imatrix"
+    assert r.fields["imatrix.datasets"].contents() == ["calibration.txt"]
+    assert r.fields["imatrix.chunk_count"].contents() == 2 and r.fields["imatrix.chunk_size"].contents() == 12
+    t = {x.name: x for x in r.tensors}
+    assert list(t["blk.0.attn_q.weight.in_sum2"].shape) == [64, 1]
+    assert t["blk.0.attn_q.weight.counts"].data.reshape(-1).tolist() == [24.0]
+    got = q.read_imatrix(tmp_path / "i.gguf")  # llama.cpp's rule: sum / count, 1 where count is 0
+    np.testing.assert_allclose(got["blk.0.attn_q.weight"], stats.sums["blk.0.attn_q.weight"] / 24, rtol=1e-6)
+    assert np.all(got["blk.0.ffn_down.weight"] == 1.0)
+    for name, v in stats.importance().items():
+        np.testing.assert_allclose(got[name], v, rtol=1e-6)
+
+
+def test_cli_imatrix_from_text(f32_models: dict[str, Path], tmp_path: Path) -> None:
+    text, out, imx = tmp_path / "t.txt", tmp_path / "o.gguf", tmp_path / "i.gguf"
+    src = tmp_path / "letters-f32.gguf"  # a vocabulary that spells any lower-case text
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = (
+        ["<unk>", "<s>", "</s>", "\u2581"]
+        + letters
+        + ["\u2581" + c for c in letters]
+        + [f"<x{i}>" for i in range(8)]
+    )
+    write_llama_gguf(src, weight_type="F32", n_layer=3, n_embd=96, n_ff=192, n_head=4, n_head_kv=2,
+                     tokens=tokens[:64], tokenizer_model="llama")  # fmt: skip
+    text.write_text("the quick brown fox jumps over the lazy dog " * 8)
+    r = _run(str(src), str(out), "--type", "Q4_0", "--imatrix-from", str(text),
+             "--imatrix-out", str(imx), "--imatrix-chunk", "16")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "imatrix: 21 weights" in r.stderr
+    md = scan_gguf(out).metadata
+    assert md["quantize.imatrix.file"] == "i.gguf" and md["quantize.imatrix.entries_count"] == 21
+    assert len(q.read_imatrix(imx)) == 21
+    # with an imatrix, llama.cpp's Q4_0 mix gives the first eighth of ffn_down q4_1 (n_layer 3: none)
+    assert _types(out)["blk.0.ffn_down.weight"] == "q4_0"
+    r = _run(str(src), str(out), "--type", "Q4_0", "--imatrix-from", str(text), "--imatrix", str(imx))
+    assert r.returncode == 2 and "exclude" in r.stderr
+
+
+def test_statistics_leave_the_logits_bit_identical(f32_models: dict[str, Path]) -> None:
+    from stdengine.reference import imatrix as im
+    from stdengine.reference.core import Context
+    from stdengine.reference.model import Model
+
+    ids = [int(i) for i in np.random.default_rng(9).integers(3, 64, size=20)]
+    with Model.load(f32_models["narrow"]) as m:
+        ctx = Context(m, n_ctx=64, n_threads=2)
+        plain = ctx.decode(ids, all_logits=True).copy()
+        sums, counts = np.zeros(3 * (2 * 96 + 96 + 192)), np.zeros(12, dtype=np.int64)
+        assert im._set_stats()(ctx._h, sums.ctypes.data, counts.ctypes.data) == 0
+        ctx.reset()
+        counted = ctx.decode(ids, all_logits=True).copy()
+        assert im._set_stats()(ctx._h, None, None) == 0
+        ctx.close()
+    assert plain.tobytes() == counted.tobytes()
+    assert counts.tolist() == [20] * 12 and np.all(sums > 0)

@@ -42,6 +42,40 @@ static const void *act_for(const se_acts *a, int wtype) {
     return NULL; /* cannot happen: prep_acts saw every weight */
 }
 
+int se_context_set_act_stats(se_context *c, double *sum2, int64_t *count) {
+    if (!c || (sum2 == NULL) != (count == NULL)) return SE_ERR_INVALID;
+    c->stats_sum2 = sum2;
+    c->stats_count = count;
+    return SE_OK;
+}
+
+/* Adds n rows of k activations, the input of the matmul group led by weight w, to the context's
+ * statistics (engine.h, se_context_set_act_stats). The group is known by w's place in the
+ * model's layer array; anything else (the output head) is not counted. */
+static void act_stats_add(se_context *c, const se_tensor *w, const float *rows, int64_t k, int n) {
+    const se_model *m = c->m;
+    const se_hparams *hp = &m->hp;
+    uintptr_t p = (uintptr_t)w, base = (uintptr_t)m->layers;
+    if (p < base || p >= base + (uintptr_t)hp->n_layer * sizeof(se_layer)) return;
+    int il = (int)((p - base) / sizeof(se_layer));
+    int64_t E = hp->n_embd, Dq = (int64_t)hp->n_head * hp->head_dim, F = hp->n_ff;
+    int64_t off = il * (2 * E + Dq + F);
+    int g;
+    switch ((int)(w - m->layers[il].t)) {
+    case SE_T_ATTN_Q: g = 0; break;
+    case SE_T_ATTN_OUTPUT: g = 1; off += E; break;
+    case SE_T_FFN_GATE: g = 2; off += E + Dq; break;
+    case SE_T_FFN_DOWN: g = 3; off += 2 * E + Dq; break;
+    default: return;
+    }
+    double *s = c->stats_sum2 + off;
+    for (int t = 0; t < n; t++) {
+        const float *r = rows + (int64_t)t * k;
+        for (int64_t j = 0; j < k; j++) s[j] += (double)r[j] * (double)r[j];
+    }
+    c->stats_count[il * 4 + g] += n;
+}
+
 /* Prepares the activations that the weights w[0..nw) need from n_tok rows of k floats at src
  * (row stride k), RMS-normalised by norm_w first if it is not NULL. Small batches: every thread
  * does all of it into its own buffers (no barrier). Large batches: each thread does its share
@@ -78,6 +112,9 @@ void se_prep_acts(se_context *c, int ith, int nth, const float *src, int64_t k, 
         out->ptr[j] = dst;
     }
     if (!priv) se_pool_barrier(c->pool);
+    /* one thread counts every row: by now its rows are all there (its own buffer for a small
+     * batch, the shared one after the barrier for a large one) */
+    if (c->stats_sum2 && ith == 0) act_stats_add(c, w[0], rows, k, n_tok);
 }
 
 /* y rows [r0, r1) = W x for every token, through the kernels */

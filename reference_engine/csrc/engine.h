@@ -155,6 +155,18 @@ SE_API int se_decode_batch(se_context *const *ctxs, int32_t n_seq, const int32_t
  * or SE_ERR_INVALID if nothing was decoded yet. */
 SE_API int32_t se_sample(se_context *c, const se_sampling_params *sp);
 
+/* Activation statistics, for importance matrices (`infer quantize --imatrix-from`). While set,
+ * every forward pass on c adds, for each layer's four matmul inputs, the square of each input
+ * activation to sum2 (per input column, in double) and the number of input rows to count. Per
+ * layer il the columns are, in order: [n_embd] the attention input (attn_q, attn_k, attn_v),
+ * [n_head*head_dim] attn_output's input, [n_embd] the feed-forward input (ffn_gate, ffn_up),
+ * [n_ff] ffn_down's input: sum2 holds n_layer * (2*n_embd + n_head*head_dim + n_ff) doubles and
+ * count n_layer * 4 (count[il*4 + g] for those four groups g). The output head is not counted.
+ * The caller owns both arrays (zeroed to start) and keeps them until it sets NULL again; NULL
+ * (the default) turns it off, at the cost of one pointer test per matmul group. A batch across
+ * contexts (se_decode_batch) is counted by its first context's setting. */
+SE_API int se_context_set_act_stats(se_context *c, double *sum2, int64_t *count);
+
 
 #ifdef SE_ENGINE_INTERNAL
 /* Shared by the engine's C files only. */
@@ -244,6 +256,9 @@ struct se_context {
     uint64_t rng[2];         /* xoroshiro128** state (sampling.c) */
     int64_t rng_seed;
     int rng_seeded;
+    /* activation statistics (se_context_set_act_stats), NULL: off */
+    double *stats_sum2;
+    int64_t *stats_count;
 };
 #endif
 

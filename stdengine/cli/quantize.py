@@ -29,6 +29,18 @@ TYPE_NAMES = (
     "--imatrix", "imatrix_path", type=click.Path(path_type=Path),
     help="an importance matrix (llama.cpp's imatrix GGUF or .dat) to weight the quantization error",
 )  # fmt: skip
+@click.option(
+    "--imatrix-from", "imatrix_text", type=click.Path(path_type=Path),
+    help="make the importance matrix with the reference engine: IN's activations over this text file",
+)  # fmt: skip
+@click.option(
+    "--imatrix-out", "imatrix_out", type=click.Path(path_type=Path),
+    help="with --imatrix-from: also write the importance matrix here (llama.cpp's imatrix GGUF)",
+)  # fmt: skip
+@click.option(
+    "--imatrix-chunk", type=click.IntRange(min=2), default=512, show_default=True,
+    help="with --imatrix-from: tokens per evaluated chunk (llama-imatrix's -c)",
+)  # fmt: skip
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="threads (default: every core)")
 @click.option("--quiet", "-q", is_flag=True, help="no progress bar or summary on stderr")
 def quantize(
@@ -37,6 +49,9 @@ def quantize(
     file_type: str,
     pure: bool,
     imatrix_path: Path | None,
+    imatrix_text: Path | None,
+    imatrix_out: Path | None,
+    imatrix_chunk: int,
     threads: int | None,
     quiet: bool,
 ) -> None:
@@ -53,8 +68,16 @@ def quantize(
 
     if src.exists() and dst.exists() and src.resolve() == dst.resolve():
         raise UsageError("OUT must not be IN", hint="write the quantized model to another file")
-    imatrix = q.read_imatrix(imatrix_path) if imatrix_path else None
     err = sys.stderr
+    if imatrix_path and imatrix_text:
+        raise UsageError("--imatrix and --imatrix-from exclude each other", hint="give one of them")
+    if imatrix_out and not imatrix_text:
+        raise UsageError("--imatrix-out needs --imatrix-from", hint="--imatrix-from TEXT --imatrix-out FILE")
+    imatrix = q.read_imatrix(imatrix_path) if imatrix_path else None
+    imatrix_name = imatrix_path.name if imatrix_path else None
+    if imatrix_text:
+        imatrix = _imatrix_from(src, imatrix_text, imatrix_out, imatrix_chunk, threads, quiet)
+        imatrix_name = imatrix_out.name if imatrix_out else f"{imatrix_text.name} (--imatrix-from)"
     bar: Any = None
 
     def on_start(types: dict[str, str], total: int, n_elements: int) -> None:
@@ -99,7 +122,7 @@ def quantize(
             file_type,
             pure=pure,
             imatrix=imatrix,
-            imatrix_name=imatrix_path.name if imatrix_path else None,
+            imatrix_name=imatrix_name,
             threads=threads,
             on_start=on_start,
             on_progress=on_progress,
@@ -116,3 +139,38 @@ def quantize(
             f"({summary['bytes'] / max(summary['source_bytes'], 1):.0%} of the source)\n"
         )
     click.echo(str(dst))
+
+
+def _imatrix_from(
+    src: Path, text_path: Path, out: Path | None, chunk: int, threads: int | None, quiet: bool
+) -> dict[str, Any]:
+    """The importance matrix of IN's activations over a text (reference_engine/imatrix.py)."""
+    import time
+
+    from stdengine.errors import UsageError
+    from stdengine.reference import imatrix as im
+
+    try:
+        text = text_path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise UsageError(f"cannot read the imatrix text {text_path}: {e.strerror or e}") from e
+    t0 = time.perf_counter()
+
+    def on_chunk(done: int, total: int) -> None:
+        if not quiet and sys.stderr.isatty():
+            sys.stderr.write(f"\rquantize: imatrix: chunk {done}/{total}")
+
+    stats = im.collect(
+        src, text, chunk_size=chunk, threads=threads, dataset=text_path.name, on_chunk=on_chunk
+    )
+    if out is not None:
+        im.write_gguf(stats, out)
+    if not quiet:
+        tokens = stats.chunks * stats.chunk_size
+        sys.stderr.write(
+            f"\rquantize: imatrix: {len(stats.sums)} weights, {stats.chunks} chunks of {stats.chunk_size} "
+            f"tokens ({tokens}) from {text_path.name} in {time.perf_counter() - t0:.1f} s"
+            + (f", written to {out}" if out else "")
+            + "\n"
+        )
+    return stats.importance()
