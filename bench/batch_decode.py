@@ -5,9 +5,12 @@ read once) against N separate se_decode calls per step, in one process, in alter
 
 Each context first holds its own 32-token prompt; a round times `--steps` steps of every context
 in each mode (the contexts truncated back to their prompts before each), A B A B, and the table
-gives the median aggregate tokens/s of the rounds, its min-max, and the ratio batched/separate.
+gives the median aggregate tokens/s of the rounds, its min-max, the median tokens per CPU-second
+of the process, and the ratios of each mode to the last one (batched/separate).
 `--modes separate` times se_decode alone (it runs on a build without se_decode_batch, for an
-old/new comparison of the single-context path).
+old/new comparison of the single-context path). `--gemm-min A B ...` times the batched mode once
+per value, alternating, with batches of that many rows or more on the GEMM (kernels.h's
+se_set_gemm_min_tokens): the crossover of the tiles and the GEMM, measured in one process.
 """
 
 from __future__ import annotations
@@ -23,21 +26,26 @@ from stdengine.reference.model import Model
 PROMPT = 32
 
 
-def _round(mode: str, contexts: list[Context], steps: int, rng: np.random.Generator) -> float:
-    """Aggregate tokens/s of `steps` one-token steps of every context."""
-    from stdengine.reference import core
+def _round(mode: str, contexts: list[Context], steps: int, rng: np.random.Generator) -> tuple[float, float]:
+    """Aggregate tokens/s of `steps` one-token steps of every context, and tokens per CPU-second
+    of the process (all threads): what a token costs, which other load changes less than the
+    wall-clock rate. A mode "batched/gN" is the batched mode with the GEMM from N rows on."""
+    from stdengine.reference import core, kernels
 
+    mode, _, gemm = mode.partition("/g")
+    kernels.set_gemm_min_tokens(int(gemm) if gemm else None)
     for c in contexts:
         c.truncate(PROMPT)
     toks = rng.integers(100, 30000, (steps, len(contexts))).tolist()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for row in toks:
         if mode == "batched":
             core.decode_batch(contexts, [[t] for t in row])
         else:
             for c, t in zip(contexts, row, strict=True):
                 c.decode([t])
-    return steps * len(contexts) / (time.perf_counter() - t0)
+    n = steps * len(contexts)
+    return n / (time.perf_counter() - t0), n / max(time.process_time() - c0, 1e-9)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="one-token steps per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=["batched", "separate"], choices=["batched", "separate"])
+    ap.add_argument("--gemm-min", type=int, nargs="+", help="batched once per value: the GEMM from N rows on")
     args = ap.parse_args(argv)
+    if args.gemm_min:
+        args.modes = [f"batched/g{g}" for g in args.gemm_min] + [m for m in args.modes if m != "batched"]
     path = args.model
     if not path.endswith(".gguf"):
         from stdengine.store import resolve_model
@@ -57,8 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     print(
         f"model {path}, {args.threads} threads, {args.steps} steps x {args.rounds} rounds, tokens/s aggregate"
+        " and tokens per CPU-second (medians)"
     )
-    print("| N | " + " | ".join(f"{m} t/s (min-max)" for m in args.modes) + " | batched/separate |")
+    last = args.modes[-1]
+    print(
+        "| N | "
+        + " | ".join(f"{m} t/s (min-max), tok/CPU-s" for m in args.modes)
+        + f" | ratios to {last}: t/s, tok/CPU-s |"
+    )
     print("|---|" + "---|" * (len(args.modes) + 1))
     with Model.load(path) as model:
         for n in args.n:
@@ -67,12 +84,21 @@ def main(argv: list[str] | None = None) -> int:
                 c.decode(rng.integers(100, 30000, PROMPT).tolist())
             _round(args.modes[0], contexts, 2, rng)  # warm-up: pages, thread pools
             rates: dict[str, list[float]] = {m: [] for m in args.modes}
+            per_cpu: dict[str, list[float]] = {m: [] for m in args.modes}
             for _ in range(args.rounds):
                 for m in args.modes:
-                    rates[m].append(_round(m, contexts, args.steps, rng))
+                    wall, cpu = _round(m, contexts, args.steps, rng)
+                    rates[m].append(wall)
+                    per_cpu[m].append(cpu)
             med = {m: statistics.median(r) for m, r in rates.items()}
-            cells = [f"{med[m]:.1f} ({min(r):.1f}-{max(r):.1f})" for m, r in rates.items()]
-            ratio = f"{med['batched'] / med['separate']:.2f}" if len(med) == 2 else "-"
+            med_cpu = {m: statistics.median(r) for m, r in per_cpu.items()}
+            cells = [f"{med[m]:.1f} ({min(r):.1f}-{max(r):.1f}), {med_cpu[m]:.0f}" for m, r in rates.items()]
+            ratio = (
+                " / ".join(
+                    f"{med[m] / med[last]:.2f}, {med_cpu[m] / med_cpu[last]:.2f}" for m in args.modes[:-1]
+                )
+                or "-"
+            )
             print(f"| {n} | " + " | ".join(cells) + f" | {ratio} |", flush=True)
             for c in contexts:
                 c.close()

@@ -7,7 +7,8 @@ bench/results/load-<stamp>.md (and .jsonl, one load-test result a line).
         --server llama-cpp-python=llama-cpp-python --concurrency 1,2,4,8,16 -n 128
 
 A server is LABEL=KIND[:PYTHONPATH]: KIND `infer` (`infer serve -np <largest concurrency>`, the
-reference engine) or `llama-cpp-python` (`python -m llama_cpp.server`); PYTHONPATH, when given,
+reference engine), `infer-unbatched` (the same with --no-batching: one context per slot, each in
+its own thread) or `llama-cpp-python` (`python -m llama_cpp.server`); PYTHONPATH, when given,
 is put first on the server's import path (an older checkout of stdengine: "before"). Every
 request is a streamed completion of a fresh prompt of -p tokens, greedy, exactly -n tokens
 (min_tokens and ignore_eos); --requests-per R sends R x concurrency requests (at least 4) per run.
@@ -40,11 +41,12 @@ def _free_port() -> int:
 
 
 def server_command(kind: str, model: Path, port: int, n_seq: int, n_ctx: int, threads: int) -> list[str]:
-    if kind == "infer":
+    if kind in ("infer", "infer-unbatched"):
         return [
             *(sys.executable, "-m", "stdengine.cli.main", "serve", "-e", "reference", "-m", str(model)),
             *("--port", str(port), "-np", str(n_seq), "-c", str(n_ctx), "-t", str(threads)),
             *("--queue", str(4 * n_seq)),
+            *(("--no-batching",) if kind == "infer-unbatched" else ()),
         ]
     if kind == "llama-cpp-python":
         return [
@@ -52,7 +54,7 @@ def server_command(kind: str, model: Path, port: int, n_seq: int, n_ctx: int, th
             *("--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads)),
             *("--n_threads_batch", str(threads), "--interrupt_requests", "False"),
         ]
-    raise SystemExit(f"unknown server kind {kind!r} (infer or llama-cpp-python)")
+    raise SystemExit(f"unknown server kind {kind!r} (infer, infer-unbatched or llama-cpp-python)")
 
 
 class Served:

@@ -29,6 +29,7 @@ def _core() -> ctypes.CDLL:
     c.se_matmul.argtypes = [_int, _vp, _i64, _vp, _int, _vp, _i64, _i64, _i64]
     c.se_matmul.restype = None
     c.se_gemm_min_tokens.argtypes, c.se_gemm_min_tokens.restype = [], _int
+    c.se_set_gemm_min_tokens.argtypes, c.se_set_gemm_min_tokens.restype = [_int], _int
     return c
 
 
@@ -57,6 +58,12 @@ isa = isa_name  # the SIMD path in use
 def gemm_min_tokens() -> int:
     """Batches of at least this many tokens may take the GEMM path (kernels.h)."""
     return _core().se_gemm_min_tokens()
+
+
+def set_gemm_min_tokens(n: int | None) -> int:
+    """Batches of n or more tokens take the GEMM from now on (None: the default); returns the
+    previous value. For tests and benchmarks: call it between matmuls, as set_isa."""
+    return _core().se_set_gemm_min_tokens(n or 0)
 
 
 def set_isa(name: str | None) -> bool:

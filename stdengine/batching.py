@@ -14,8 +14,11 @@ up. A prompt is submitted in chunks of CHUNK tokens, one chunk a step, so a long
 other contexts' next token by at most the evaluation of CHUNK tokens per context that is reading a
 prompt in that step (spec/server.md, "Continuous batching").
 
-There is no scheduler thread: the thread whose submission completes a step (or whose wait runs
-out) evaluates it, the others wait on a condition variable. Only one step runs at a time.
+There is no scheduler thread: the first submission of a step makes its context's thread the
+step's leader, which waits (on its own condition variable) until every active context has
+submitted or its wait runs out, then evaluates the step; the others wait for their results.
+Nobody else is woken on a submission: on a 2-core machine N threads woken per submission (N^2 per
+step) cost as much as a step's forward pass. Only one step runs at a time.
 """
 
 from __future__ import annotations
@@ -49,10 +52,13 @@ class Batcher:
         self.chunk = chunk
         self.wait_s = wait_s
         self.stats = BatchStats()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._due = threading.Condition(self._lock)  # the leader waits here for its step's moment
+        self._done = threading.Condition(self._lock)  # the others wait here for their results
         self._active: set[int] = set()  # id() of the contexts inside generate()
         self._pending: dict[int, tuple[LocalEngine, list[int]]] = {}  # submitted, not yet taken
         self._results: dict[int, BaseException | None] = {}  # evaluated: None, or the error
+        self._leader: int | None = None  # the pending submission whose thread runs the next step
         self._oldest = 0.0  # when the oldest pending submission came
         self._stepping = False
 
@@ -63,14 +69,14 @@ class Batcher:
     # --- called from the contexts' threads ------------------------------------------------
     def join(self, ctx: LocalEngine) -> None:
         """The context starts a generation: steps wait (boundedly) for its submissions."""
-        with self._cond:
+        with self._lock:
             self._active.add(id(ctx))
 
     def leave(self, ctx: LocalEngine) -> None:
         """The context's generation ended: steps stop waiting for it."""
-        with self._cond:
+        with self._lock:
             self._active.discard(id(ctx))
-            self._cond.notify_all()  # the others may now be all that a step waits for
+            self._due.notify()  # the pending ones may now be all that the next step waits for
 
     def evaluate(self, ctx: LocalEngine, tokens: list[int]) -> None:
         """What ctx._evaluate(tokens) does, in shared steps (a prompt one chunk at a time)."""
@@ -79,34 +85,46 @@ class Batcher:
 
     def _submit(self, ctx: LocalEngine, tokens: list[int]) -> None:
         key = id(ctx)
-        with self._cond:
+        with self._lock:
             if not self._pending:
                 self._oldest = time.monotonic()
             self._pending[key] = (ctx, tokens)
-            self._cond.notify_all()
+            if self._leader is None:
+                self._leader = key
+            elif self._ready():
+                self._due.notify()  # the leader's wait is over
             while key not in self._results:
+                if self._leader != key:
+                    self._done.wait()
+                    continue
                 wait = self._oldest + self.wait_s - time.monotonic()
-                if self._stepping or not self._pending:
-                    self._cond.wait()
-                elif self._active <= self._pending.keys() or wait <= 0:
-                    self._step()  # returns with the lock held again
+                if self._stepping:
+                    self._due.wait()  # the step before ours is running
+                elif self._ready() or wait <= 0:
+                    self._step()  # returns with the lock held again, our result in
                 else:
-                    self._cond.wait(wait)
+                    self._due.wait(wait)
             error = self._results.pop(key)
         if error is not None:
             raise error
 
+    def _ready(self) -> bool:
+        """Every active context has submitted: waiting longer gains nothing."""
+        return self._active <= self._pending.keys()
+
     def _step(self) -> None:
-        """Evaluate everything pending as one step. Called with the lock held; releases it while
-        the engine works, so that other contexts can submit for the next step."""
+        """Evaluate everything pending as one step. Called by the leader with the lock held;
+        releases it while the engine works, so that other contexts can submit for the next step
+        (the first of them its leader)."""
         items = list(self._pending.values())
         self._pending.clear()
+        self._leader = None
         self._stepping = True
-        self._cond.release()
+        self._lock.release()
         try:
             results = _run(items)
         finally:
-            self._cond.acquire()
+            self._lock.acquire()
             self._stepping = False
         self.stats.steps += 1
         self.stats.rows += len(items)
@@ -115,7 +133,8 @@ class Batcher:
         self._results.update(results)
         if self._pending:
             self._oldest = time.monotonic()  # what came during the step waits from now
-        self._cond.notify_all()
+        self._done.notify_all()
+        self._due.notify()  # the next step's leader, if it came during this one
 
 
 def _run(items: list[tuple[LocalEngine, list[int]]]) -> dict[int, BaseException | None]:

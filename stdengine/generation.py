@@ -63,29 +63,36 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.protected = 0  # no match may end within pending[:protected] (text fed with may_stop off)
 
-    def feed(self, text: str) -> tuple[str, str | None]:
-        """Add text; return (text safe to emit, the stop string matched or None)."""
+    def feed(self, text: str, may_stop: bool = True) -> tuple[str, str | None]:
+        """Add text; return (text safe to emit, the stop string matched or None). With may_stop
+        off (the first min_tokens tokens) the text cannot end a stop string, but it may begin one
+        that text fed later ends."""
         self.pending += text
-        hit = self._first_hit()
+        if not may_stop:
+            self.protected = len(self.pending)
+        hit = self._first_hit() if may_stop else None
         if hit is not None:
             pos, stop = hit
-            out, self.pending = self.pending[:pos], ""
+            out, self.pending, self.protected = self.pending[:pos], "", 0
             return out, stop
         keep = self._held_suffix()
-        out = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep :]
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        self.protected = max(0, self.protected - cut)
         return out, None
 
     def flush(self) -> str:
         """At the end of generation: the held-back text is final."""
-        out, self.pending = self.pending, ""
+        out, self.pending, self.protected = self.pending, "", 0
         return out
 
     def _first_hit(self) -> tuple[int, str] | None:
+        """The earliest stop string that ends past the protected text."""
         best: tuple[int, str] | None = None
         for s in self.stops:
-            i = self.pending.find(s)
+            i = self.pending.find(s, max(0, self.protected - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         return best

@@ -7,6 +7,7 @@ bottom (how to evaluate tokens, sample one, and turn tokens into text).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
     from stdengine.events import Emitter
     from stdengine.options import Options
     from stdengine.structured import Matcher, Vocabulary
+
+
+# The end-of-generation ids of each model (see LocalEngine._eog_ids), for as long as it is loaded.
+_EOG_IDS: weakref.WeakKeyDictionary[object, np.ndarray] = weakref.WeakKeyDictionary()
 
 
 class TextStream(Protocol):
@@ -161,10 +166,8 @@ class LocalEngine(Engine):
                 n_gen += 1
                 self._progress = (prompt_n, t1 - t0, t1, n_gen)
                 piece = text.push(tok)
-                if n_gen <= request.min_tokens:  # stop strings count from the min_tokens-th token on
-                    delta, matched = stops.flush() + piece, None
-                else:
-                    delta, matched = stops.feed(piece)
+                # a stop string may end only after the first min_tokens tokens (it may begin in them)
+                delta, matched = stops.feed(piece, may_stop=n_gen > request.min_tokens)
                 event = TokenEvent(tok, delta)
                 if logits is not None and want_logprobs is not None:
                     self._add_logprobs(event, logits, want_logprobs)
@@ -201,10 +204,12 @@ class LocalEngine(Engine):
         return Matcher(tokenizer_for(self._vocab_owner(), self._vocabulary), request.constraint, self.n_vocab)
 
     def _eog_ids(self) -> np.ndarray:
-        """The ids of the end-of-generation tokens (found once per context)."""
-        ids = getattr(self, "_eog_cache", None)
+        """The ids of the end-of-generation tokens, found once per model: the contexts of one
+        loaded model share its _vocab_owner(), and the scan of the vocabulary with it."""
+        owner = self._vocab_owner()
+        ids = _EOG_IDS.get(owner)
         if ids is None:
-            ids = self._eog_cache = np.array(
+            ids = _EOG_IDS[owner] = np.array(
                 [t for t in range(self.n_vocab) if self._is_eog(t)], dtype=np.int64
             )
         return ids

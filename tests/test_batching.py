@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
@@ -144,6 +145,66 @@ def test_a_step_does_not_wait_for_a_context_that_never_submits() -> None:
     assert a.tokens == [1, 2, 3, 4] and batcher.stats.steps == 2
 
 
+class Scripted(Recorder):
+    """Generates the pieces of a script in order (token i is the text script[i]), no model; token
+    len(script) is its end-of-generation token, which min_tokens and ignore_eos mask."""
+
+    name = "scripted"
+
+    def __init__(self, script: list[str]) -> None:
+        super().__init__([], 0)
+        self.script = script
+        self.n_vocab = len(script) + 1
+        self.events = Emitter(log_format="json", stream=io.StringIO())
+        self.logits = np.zeros(self.n_vocab, dtype=np.float32)
+
+    def _keep_prefix(self, n: int) -> int:
+        self.tokens = self.tokens[:n]
+        return n
+
+    def _logits_buffer(self) -> Any:
+        return self.logits
+
+    def _is_eog(self, token: int) -> bool:
+        return token == len(self.script)
+
+    def _sample_tokens(self, s: SamplingParams) -> Iterator[int]:
+        yield from range(len(self.script))
+        while True:
+            yield len(self.script)
+
+    def _text_stream(self) -> Any:
+        script = self.script
+
+        class Pieces:
+            def push(self, token: int) -> str:
+                return script[token]
+
+            def flush(self) -> str:
+                return ""
+
+        return Pieces()
+
+
+def test_a_stop_string_across_the_min_tokens_boundary_ends_the_answer() -> None:
+    """min_tokens=2: the stop "<end>" begins in token 2's text and ends in token 3's, so it is
+    found (and cut); the same stop wholly inside the first two tokens is plain text."""
+    script = ["Hi <end> x", " <e", "nd> more", " tail"]
+    stop = SamplingParams(temp=0, n_predict=10, stop=["<end>"])
+
+    def run(min_tokens: int) -> tuple[str, str, int]:
+        req = GenerateRequest(prompt_tokens=[0], sampling=stop, min_tokens=min_tokens)
+        events = list(Scripted(script).generate(req))
+        done = events[-1]
+        assert isinstance(done, DoneEvent)
+        text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+        return text, done.finish_reason, done.usage.completion_tokens
+
+    assert run(0) == ("Hi ", "stop", 1)
+    assert run(2) == ("Hi <end> x ", "stop", 3)  # " <e" held back: it began the stop
+    assert run(3) == ("Hi <end> x <end> more tail", "stop", 4)  # both inside: the script's end
+
+
 # --- real models: batched answers equal solo answers --------------------------------------------
 
 PROMPTS = [
@@ -218,6 +279,13 @@ def test_concurrent_batched_answers_equal_solo_answers(contexts: list[Any]) -> N
     finally:
         for c in contexts:
             c.batcher = None
+
+
+def test_eog_ids_are_found_once_per_model(contexts: list[Any]) -> None:
+    """The scan of the vocabulary for end-of-generation ids (min_tokens, ignore_eos) is shared
+    by the contexts of one loaded model."""
+    ids = contexts[0]._eog_ids()
+    assert len(ids) > 0 and all(c._eog_ids() is ids for c in contexts[1:])
 
 
 def test_generators_driven_from_one_thread_and_a_closed_one(contexts: list[Any]) -> None:
@@ -343,14 +411,16 @@ def test_served_concurrent_answers_equal_solo_answers(smollm2_path: Any) -> None
     assert values["inter_token_latency_seconds_count"] > 0
 
 
-def test_served_disconnect_frees_its_sequence(smollm2_path: Any, tmp_path: Any) -> None:
-    """`infer serve -np 2` on the reference engine (batched when it declares batch_decode): a
-    streaming client that leaves frees its sequence at the next token, and the next requests are
-    answered as they are alone."""
+@pytest.mark.parametrize("flags", [[], ["--no-batching"]], ids=["batched", "no-batching"])
+def test_served_disconnect_frees_its_sequence(smollm2_path: Any, tmp_path: Any, flags: list[str]) -> None:
+    """`infer serve -np 2` on the reference engine (batched when it declares batch_decode, unless
+    --no-batching): a streaming client that leaves frees its sequence at the next token, and the
+    next requests are answered as they are alone."""
     httpx = pytest.importorskip("httpx")
     from test_server_toy import Server
 
-    s = Server(["-e", "reference", "-m", str(smollm2_path), "-np", "2", "-c", "512", "-t", "2"], tmp_path)
+    args = ["-e", "reference", "-m", str(smollm2_path), "-np", "2", "-c", "512", "-t", "2", *flags]
+    s = Server(args, tmp_path)
     try:
         with httpx.Client(base_url=s.url, timeout=120) as http:
             body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -374,8 +444,8 @@ def test_served_disconnect_frees_its_sequence(smollm2_path: Any, tmp_path: Any) 
             for t in threads:
                 t.join(120)
             assert [r.json()["choices"][0]["text"] for r in results] == [alone, alone]
-            if "batch_decode" in http.get("/props").json()["capabilities"]:
-                assert "stdengine:batch_size_max " in http.get("/metrics").text
+            batched = "batch_decode" in http.get("/props").json()["capabilities"] and not flags
+            assert ("stdengine:batch_size_max " in http.get("/metrics").text) == batched
     finally:
         assert s.stop() == 0
     done = [e["status"] for e in s.events("request.done") if e["route"] == "/v1/completions"]

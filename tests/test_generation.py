@@ -66,3 +66,21 @@ def test_invalid_bytes_become_replacement_characters_not_errors():
     assert s.feed(b"\xff" * 6) == "\ufffd" * 6  # more than a sequence's length: out at once
     assert s.feed(b"\xe6\x97") == ""  # a valid start, held
     assert s.flush() == "\ufffd"  # never completed: replaced at the end
+
+
+def test_a_stop_may_begin_before_min_tokens_and_end_after():
+    """The first pieces (min_tokens of them) cannot end a stop string, but one they begin and a
+    later piece ends is found, and cut; one wholly inside them is text like any other."""
+    m = StopMatcher(["END", "x"])
+    assert m.feed("a EN", may_stop=False) == ("a ", None)  # "EN" may still become "END": held
+    assert m.feed("D more") == ("", "END")  # ends after the boundary: found, nothing after it
+    m = StopMatcher(["END"])
+    assert m.feed("an END and E", may_stop=False) == ("an END and ", None)  # inside: no stop
+    assert m.feed("ND!") == ("", "END")
+    m = StopMatcher(["ab", "a"])  # "a" ends inside the protected text, "ab" past it
+    assert m.feed("xa", may_stop=False) == ("x", None)
+    assert m.feed("b") == ("", "ab")
+    m = StopMatcher(["ab", "a"])
+    assert m.feed("xa", may_stop=False) == ("x", None)
+    assert m.feed("c") == ("ac", None)  # the held "a" was a whole stop, but before the boundary
+    assert m.feed("a") == ("", "a")

@@ -70,6 +70,15 @@ def _available_isas() -> list[str]:
 ISAS = _available_isas()
 
 
+@pytest.fixture(autouse=True)
+def gemm_from_16_rows():
+    """These tests are laid out around the GEMM from 16 rows on and the tiles below (the
+    engine's default may be lower: kernels.h): pinned, so that both paths keep being tested."""
+    was = K.set_gemm_min_tokens(16)
+    yield
+    K.set_gemm_min_tokens(was)
+
+
 @pytest.fixture(params=K.ISAS)
 def isa(request):
     if request.param not in ISAS:
@@ -342,6 +351,9 @@ def test_gemm_batches_agree(t, blocks, isa):
     single = np.stack([K.matmul(t, w, k, x[i : i + 1])[0] for i in range(len(x))])
     np.testing.assert_array_equal(big, single)
     for lo, n in ((0, m), (5, m), (m + 3, m), (1, 5), (4, m + 1)):
+        np.testing.assert_array_equal(K.matmul(t, w, k, x[lo : lo + n]), big[lo : lo + n])
+    K.set_gemm_min_tokens(2)  # a few rows on the GEMM too (a step of batched decoding)
+    for lo, n in ((0, 2), (3, 3), (6, 5), (1, 9)):
         np.testing.assert_array_equal(K.matmul(t, w, k, x[lo : lo + n]), big[lo : lo + n])
     for r0, r1 in ((0, 17), (17, 37), (3, 4)):  # threads' row ranges
         np.testing.assert_array_equal(K.matmul(t, w, k, x, r0, r1)[:, r0:r1], big[:, r0:r1])

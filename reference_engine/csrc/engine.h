@@ -208,7 +208,7 @@ typedef struct {
     float logit;
 } se_cand;
 
-#define SE_PRIVATE_TOKENS 4 /* batches up to this size quantize activations on every thread */
+#define SE_PRIVATE_TOKENS 8 /* batches up to this size quantize activations on every thread */
 
 /* A run of consecutive rows of a ubatch that belong to one context (se_decode: one segment;
  * se_decode_batch: one per context in the pass). */

@@ -683,9 +683,14 @@ void *se_thread_scratch(size_t n) {
 /* For prompts, rows are taken in groups of ROW_BLOCK so that the group's weights stay in L1
  * while every group of 4 tokens passes over them. */
 #define ROW_BLOCK 16
-#define PREFETCH_BYTES 16384
 
-int se_gemm_min_tokens(void) { return SE_GEMM_MIN_TOKENS; }
+static int gemm_min_tokens = SE_GEMM_MIN_TOKENS;
+int se_gemm_min_tokens(void) { return gemm_min_tokens; }
+int se_set_gemm_min_tokens(int n) {
+    const int was = gemm_min_tokens;
+    gemm_min_tokens = n > 0 ? n : SE_GEMM_MIN_TOKENS;
+    return was;
+}
 
 void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
                float *y, int64_t ldy, int64_t r0, int64_t r1) {
@@ -700,12 +705,12 @@ void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
                 y[i * ldy + r] = t->dot(k, w + wrow * (size_t)r, a + arow * (size_t)i);
         return;
     }
-    if (kt->gemm && n_tok >= SE_GEMM_MIN_TOKENS && kt->gemm(k, W, wrow, act, arow, n_tok, y, ldy, r0, r1) == 0)
+    if (kt->gemm && n_tok >= gemm_min_tokens && kt->gemm(k, W, wrow, act, arow, n_tok, y, ldy, r0, r1) == 0)
         return;
     if (n_tok == 1) {
-        /* Weights stream from DRAM once per token: ask for the rows PREFETCH_BYTES ahead, since
+        /* Weights stream from DRAM once per token: ask for the rows SE_PREFETCH_BYTES ahead, since
          * the hardware prefetcher alone leaves the core waiting on memory half of the time. */
-        const int64_t ahead = (int64_t)(PREFETCH_BYTES / wrow) + 1;
+        const int64_t ahead = (int64_t)(SE_PREFETCH_BYTES / wrow) + 1;
         int64_t r = r0;
         for (; r + kt->tg_rows <= r1; r += kt->tg_rows) {
             if (r + ahead + kt->tg_rows <= r1) {

@@ -56,12 +56,15 @@ void se_quantize_rows(int act_type, const float *x, int64_t k, int n_tok, void *
 
 /* y[t*ldy + r] = dot(W row r, activation row t) for r in [r0, r1), t in [0, n_tok).
  * W has rows of k elements of wtype; act was made by se_quantize_rows(traits(wtype)->act_type).
- * A batch of se_gemm_min_tokens() or more may take the path's GEMM, whose results differ from the
- * per-row kernels' by float rounding; on either side of that size a token's results are the same
- * whatever the other tokens of the batch and the row range. */
+ * A batch of se_gemm_min_tokens() or more takes the path's GEMM where it has one (AVX-512); every
+ * path adds a row's products in one order (kernels_avx512.c), so a token's results are the same
+ * bit for bit whatever the other tokens of the batch, its place in it, the path and the row range. */
 void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
                float *y, int64_t ldy, int64_t r0, int64_t r1);
 int se_gemm_min_tokens(void);
+/* Test and benchmark hook: batches of n or more tokens take the GEMM from now on (n < 1: the
+ * default, SE_GEMM_MIN_TOKENS). Returns the previous value. Not thread-safe, like se_set_isa. */
+int se_set_gemm_min_tokens(int n);
 
 /* Test hook: use the named path ("scalar", "avx2", "avx512"; NULL or "" = the best one here).
  * Returns 0, or -1 (path unchanged) when this CPU cannot run it. Not thread-safe: call it
@@ -146,18 +149,25 @@ static const se_type_traits se_types[SE_TYPE_COUNT] = {
  * is unpacked once for 4 tokens); each ISA file lists exactly those shapes (SE_SHAPE). */
 typedef void (*se_tile_fn)(int64_t n, const void *w, size_t w_stride, int nr, const void *a, size_t a_stride,
                            int nc, float *out);
-/* The whole of se_matmul for a batch of at least SE_GEMM_MIN_TOKENS tokens (see se_matmul);
+/* The whole of se_matmul for a batch of at least se_gemm_min_tokens() tokens (see se_matmul);
  * returns 0, or -1 (nothing written) when out of memory for its scratch. */
 typedef int (*se_gemm_fn)(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,
                            float *y, int64_t ldy, int64_t r0, int64_t r1);
-#define SE_GEMM_MIN_TOKENS 16
+/* From this many tokens on the GEMM beats the tiles: its panel of 16 unpacked weight rows serves
+ * every token, where the tiles unpack a row once per 4 tokens and redo the activations' side
+ * (scales, offset sums) for every 2 rows. Batched decoding (se_decode_batch) makes steps of one
+ * token per sequence, so 2 to 15 rows are the common case of a busy server. */
+#define SE_GEMM_MIN_TOKENS 5
+/* How far ahead of the rows being computed the weights are asked for (se_matmul's one-token path,
+ * the GEMM's batches of a few tokens): the hardware prefetcher alone leaves the core waiting. */
+#define SE_PREFETCH_BYTES 16384
 
 typedef struct {
     se_dot_fn dot;
     se_tile_fn tile;
     int tg_rows, pp_rows;
     se_from_float_fn from_float; /* activation types: must give the scalar code's bytes exactly */
-    se_gemm_fn gemm;             /* optional: batches of SE_GEMM_MIN_TOKENS or more */
+    se_gemm_fn gemm;             /* optional: batches of se_gemm_min_tokens() or more */
 } se_isa_kernels;
 
 /* A buffer of at least n bytes (64-byte aligned) owned by the calling thread, reused by its next

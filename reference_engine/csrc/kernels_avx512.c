@@ -5,7 +5,7 @@
  * unsigned ones (q4_1, q5_1, the K-quants' q) as they are, signed ones (q4_0, q5_0, q8_0) plus
  * an offset that is taken back through the activations' sums. Each kernel is a tile of weight
  * rows x activation rows: 4 x 1 for generation, 2 x 4 for short batches (a weight block is
- * unpacked once for 4 tokens). Batches of SE_GEMM_MIN_TOKENS or more take the GEMM on int8
+ * unpacked once for 4 tokens). Batches of se_gemm_min_tokens() or more take the GEMM on int8
  * panels (below).
  *
  * The summation order. Every quantized kernel here (tiles, the dots made from them, the GEMM)
@@ -494,9 +494,11 @@ static void q8_K_from_float(const float *x, void *dst, int64_t n) {
  * with a min (the block adds m*s) or, for a type stored with an offset (q - offset), the exact
  * integer correction -offset*sum(q) that starts the block's dot. Every output sums its blocks in
  * order with the same operations whatever the batch, so a token's results do not depend on the
- * other tokens (nor on the row range); they differ from the tiles' by float rounding only.
+ * other tokens (nor on the row range), and they are the tiles' bit for bit (the summation order
+ * above).
  */
 #define PANEL_ROWS 16
+#define GEMM_STREAM_TOKENS 32 /* batches below this size prefetch the weights (gemm) */
 typedef struct { float d; union { float s; int32_t bias; }; } side_t;
 
 /* How a weight type maps onto panels (from its row of se_types). */
@@ -514,10 +516,10 @@ INLINE panel_shape shape_of(int type) {
                           .offset = t->q_offset, .min = t->has_min, .act = t->act_type };
 }
 
-/* Group g of one row: its quants as unsigned bytes in element order, and each BLK-block's scale
- * d and min m (exact products of the stored scales). Returns the number of quants (a short last
- * legacy group has one block). */
-INLINE int unpack_group(int type, const uint8_t *row, int64_t g, int64_t n, uint8_t *q, float *d, float *m) {
+/* Super-block g of one K-quant row: its 256 quants as unsigned bytes in element order, and each
+ * BLK-block's scale d and min m (exact products of the stored scales). Returns the number of
+ * quants. (The legacy types' panels are build_panel_legacy's.) */
+INLINE int unpack_group(int type, const uint8_t *row, int64_t g, uint8_t *q, float *d, float *m) {
     const se_type_traits *t = &se_types[type];
     if (type == SE_Q4_K || type == SE_Q5_K) {
         const uint8_t *x = row + g * t->size;
@@ -532,21 +534,11 @@ INLINE int unpack_group(int type, const uint8_t *row, int64_t g, int64_t n, uint
         }
         return 256;
     }
-    if (t->blck == SE_QK_K) { /* Q2_K, Q3_K, Q6_K */
-        k16_block b;
-        unpack_k16(type, row + g * t->size, &b);
-        for (int j = 0; j < 4; j++) _mm512_storeu_si512(q + 64 * j, b.q[j]);
-        for (int j = 0; j < 16; j++) d[j] = b.d * (float)b.sc[j], m[j] = t->has_min ? -b.dmin * (float)b.mn[j] : 0;
-        return 256;
-    }
-    /* legacy: two blocks; d first, then (the _1 types) m, in every layout (se_blk_q4_0 ... q5_1) */
-    const int ws = t->size, two = 2 * g * t->blck + 2 * t->blck <= n;
-    const uint8_t *b0 = row + 2 * g * ws, *b1 = two ? b0 + ws : b0;
-    _mm512_storeu_si512(q, unpack2(type, b0, b1));
-    const size_t m_at = offsetof(se_blk_q4_1, m);
-    d[0] = h2f(b0), d[1] = h2f(b1);
-    m[0] = t->has_min ? h2f(b0 + m_at) : 0, m[1] = t->has_min ? h2f(b1 + m_at) : 0;
-    return two ? 2 * t->blck : t->blck;
+    k16_block b; /* Q2_K, Q3_K, Q6_K */
+    unpack_k16(type, row + g * t->size, &b);
+    for (int j = 0; j < 4; j++) _mm512_storeu_si512(q + 64 * j, b.q[j]);
+    for (int j = 0; j < 16; j++) d[j] = b.d * (float)b.sc[j], m[j] = t->has_min ? -b.dmin * (float)b.mn[j] : 0;
+    return 256;
 }
 
 /* The 16 x 16 dwords of v transposed in place: v[j] becomes dword j of every input vector. */
@@ -574,16 +566,51 @@ INLINE void transpose16(__m512i v[16]) {
     for (int j = 0; j < 16; j++) v[j] = t[j];
 }
 
+/* build_panel for the legacy types: a group (two blocks, 64 quants) of a row is one vector, so
+ * the 16 rows' vectors are transposed in registers, and each block's 16 scales d (and mins m)
+ * are one gather of the blocks' first 4 bytes. The panel is build_panel's, byte for byte. With a
+ * few tokens (batched decoding) the panel costs as much as the products: this halves it. */
+INLINE void build_panel_legacy(int type, const uint8_t *w, size_t wrow, int nr, int64_t n, uint8_t *panel) {
+    const size_t bsz = (size_t)SE_QK * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
+    const int ws = se_types[type].size, has_min = se_types[type].has_min;
+    const int64_t nb = n / SE_QK;
+    const __m512i rows_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32((int)wrow));
+    const __mmask16 rows = (__mmask16)((1u << nr) - 1);
+    for (int64_t g = 0; g < (nb + 1) / 2; g++) {
+        const int two = 2 * g + 1 < nb; /* a short last group has one block */
+        __m512i v[PANEL_ROWS];
+        for (int r = 0; r < PANEL_ROWS; r++) {
+            const uint8_t *b0 = w + r * wrow + 2 * g * ws;
+            v[r] = r < nr ? unpack2(type, b0, two ? b0 + ws : b0) : _mm512_setzero_si512();
+        }
+        transpose16(v); /* v[j]: quants 4j..4j+3 of every row */
+        uint8_t *first = panel + (size_t)(2 * g) * bsz;
+        for (int j = 0; j < (two ? 16 : 8); j++) _mm512_store_si512(first + (size_t)(j / 8) * bsz + (size_t)(j % 8) * 64, v[j]);
+        for (int b = 0; b <= two; b++) {
+            const __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, rows_at, w + (2 * g + b) * ws, 1);
+            float *d = (float *)(first + (size_t)b * bsz + SE_QK * PANEL_ROWS);
+            _mm512_store_ps(d, low_halves(h));
+            _mm512_store_ps(d + PANEL_ROWS, has_min ? high_halves(h) : _mm512_setzero_ps());
+        }
+    }
+}
+
 /* Rows [0, nr) of W (nr <= 16; the rest of the panel is zero) into panel blocks of sh.blk. */
 INLINE void build_panel(int type, panel_shape sh, const uint8_t *w, size_t wrow, int nr, int64_t n, uint8_t *panel) {
+    if (se_types[type].blck == SE_QK) {
+        build_panel_legacy(type, w, wrow, nr, n, panel);
+        return;
+    }
     const size_t bsz = (size_t)sh.blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
     uint8_t q[PANEL_ROWS][256] __attribute__((aligned(64)));
-    float d[PANEL_ROWS][16], m[PANEL_ROWS][16];
+    /* 16 scales a row (Q4_K and Q5_K fill 8), as vectors to transpose; the rest stays zero */
+    float d[PANEL_ROWS][16] __attribute__((aligned(64))) = {{0}}, m[PANEL_ROWS][16] __attribute__((aligned(64))) = {{0}};
     for (int64_t g = 0; g < (n + sh.group - 1) / sh.group; g++) {
         int len = 0;
         for (int r = 0; r < PANEL_ROWS; r++) {
             if (r < nr) {
-                len = unpack_group(type, w + r * wrow, g, n, q[r], d[r], m[r]);
+                len = unpack_group(type, w + r * wrow, g, q[r], d[r], m[r]);
             } else {
                 memset(q[r], 0, sizeof q[r]);
                 memset(d[r], 0, sizeof d[r]);
@@ -600,9 +627,12 @@ INLINE void build_panel(int type, panel_shape sh, const uint8_t *w, size_t wrow,
                 _mm512_store_si512(first + (size_t)(e / sh.blk) * bsz + (size_t)(e % sh.blk / 4) * 64, v[j]);
             }
         }
-        for (int s = 0; s < len / sh.blk; s++) {
-            float *dd = (float *)(first + (size_t)s * bsz + sh.blk * PANEL_ROWS), *dm = dd + PANEL_ROWS;
-            for (int r = 0; r < PANEL_ROWS; r++) dd[r] = d[r][s], dm[r] = m[r][s];
+        for (int k = 0; k < 2; k++) { /* the scales d, then the mins m: vector s = block s's of every row */
+            __m512i v[PANEL_ROWS];
+            for (int r = 0; r < PANEL_ROWS; r++) v[r] = _mm512_load_si512(k ? m[r] : d[r]);
+            transpose16(v);
+            for (int s = 0; s < len / sh.blk; s++)
+                _mm512_store_si512(first + (size_t)s * bsz + sh.blk * PANEL_ROWS + k * PANEL_ROWS * sizeof(float), v[s]);
         }
     }
 }
@@ -699,9 +729,18 @@ INLINE int gemm(int type, int64_t k, const void *W, size_t wrow, const void *act
     int32_t *qoff = (int32_t *)(panel + panel_size + side_size);
     const uint8_t *a = act;
     build_side(sh, nb, a, arow, n_tok, side, qoff);
+    /* A few tokens (a step of batched decoding) are as memory-bound as one: ask for the weight
+     * rows SE_PREFETCH_BYTES ahead, as se_matmul does for one token. A prompt's compute hides
+     * the memory by itself. */
+    const int64_t ahead = n_tok < GEMM_STREAM_TOKENS ? (int64_t)(SE_PREFETCH_BYTES / wrow) + 1 : 0;
     for (int64_t r = r0; r < r1; r += PANEL_ROWS) {
         const int nr = r1 - r < PANEL_ROWS ? (int)(r1 - r) : PANEL_ROWS;
         const __mmask16 mask = (__mmask16)((1u << nr) - 1);
+        if (ahead && r + ahead < r1) {
+            const int64_t n_ahead = r1 - (r + ahead) < PANEL_ROWS ? r1 - (r + ahead) : PANEL_ROWS;
+            const uint8_t *p = (const uint8_t *)W + (size_t)(r + ahead) * wrow;
+            for (size_t o = 0; o < (size_t)n_ahead * wrow; o += 64) __builtin_prefetch(p + o);
+        }
         build_panel(type, sh, (const uint8_t *)W + (size_t)r * wrow, wrow, nr, k, panel);
         for (int t = 0; t < n_tok; t += 4) {
             const int nt = n_tok - t < 4 ? n_tok - t : 4;

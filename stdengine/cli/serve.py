@@ -46,7 +46,14 @@ def _require_server_extra() -> None:
     metavar="BYTES",
     help="largest request body accepted; a larger one gets 413 [default: 4194304 (4 MiB)]",
 )
-def serve(queue_size: int | None, max_body: int | None, **kwargs: Any) -> None:
+@click.option(
+    "--no-batching",
+    "no_batching",
+    is_flag=True,
+    default=False,
+    help="with -np N: each slot decodes on its own instead of in shared steps (continuous batching)",
+)
+def serve(queue_size: int | None, max_body: int | None, no_batching: bool, **kwargs: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with a web chat page at /.
 
     \b
@@ -54,7 +61,9 @@ def serve(queue_size: int | None, max_body: int | None, **kwargs: Any) -> None:
     GET /metrics, GET /props, POST /tokenize, POST /detokenize, and POST /v1/embeddings for
     engines that declare embeddings. The default host is 127.0.0.1 (this machine only).
     -np N serves N requests at once, on contexts that share the loaded weights (an engine
-    that cannot make more contexts serves them in turns); --api-key KEY requires
+    that cannot make more contexts serves them in turns); an engine with `batch_decode` steps
+    them together, one forward pass for all (continuous batching; --no-batching turns it off,
+    each slot then decodes on its own in its own thread); --api-key KEY requires
     `Authorization: Bearer KEY` on every route but /, /health and /v1/models. The sampling flags
     (--temp, --top-k, -n, ...) are the defaults for fields a request leaves out.
     SIGINT or SIGTERM drains the requests in flight, then exits with status 0.
@@ -95,6 +104,7 @@ def serve(queue_size: int | None, max_body: int | None, **kwargs: Any) -> None:
             queue_size=DEFAULT_QUEUE if queue_size is None else queue_size,
             verbose=options.verbosity > 0,
             max_body=DEFAULT_MAX_BODY if max_body is None else max_body,
+            batching=False if no_batching else None,
         )
         slots = state.slots.total
         turns = (
@@ -111,7 +121,8 @@ def serve(queue_size: int | None, max_body: int | None, **kwargs: Any) -> None:
                 url=url,
                 slots=slots,
                 queue=state.slots.queue_size if state else None,
-                summary=f"listening on {url} | model {model_ref} | {slots} slot(s), "
+                summary=f"listening on {url} | model {model_ref} | {slots} slot(s)"
+                f"{' stepping together' if state and state.batcher else ''}, "
                 f"queue {state.slots.queue_size if state else 0}{turns} | web chat at {url}/",
             )
 

@@ -25,7 +25,7 @@ from stdengine.errors import EngineFailure, InferError, InvalidRequest
 from stdengine.server import api, tools
 from stdengine.server.envelope import LOG_KEY, as_infer_error, error_parts, log_error
 from stdengine.server.middleware import check_prompt_size, read_json
-from stdengine.server.slots import ClientGone, DisconnectWatch, Generation
+from stdengine.server.slots import GONE, ClientGone, DisconnectWatch, Generation
 from stdengine.server.state import ServerState, state_of
 from stdengine.structured import Constraint
 
@@ -155,11 +155,14 @@ class Run:
         self.log = log
         self.t0 = t0  # when the request started waiting for its slot: ttft counts from there
         self.t_token: float | None = None  # when the last token came (inter-token latency)
+        watch.notify(gen.queue)
 
     async def next(self) -> Event:
         """The next event; after the DoneEvent the worker has left its slot. Raises the
         InferError that ended the generation instead, or ClientGone when the client leaves."""
-        item = await self.watch.guard(self.gen.next())
+        item = await self.gen.next()
+        if item is GONE:
+            raise ClientGone()
         state, log = self.state, self.log
         if isinstance(item, PromptLogprobs):
             return item

@@ -26,6 +26,7 @@ from stdengine.errors import ServerBusy
 T = TypeVar("T")
 
 END = object()  # put on a generation's queue after its last item
+GONE = object()  # put on a watched generation's queue when its client disconnects
 
 
 class ClientGone(Exception):
@@ -114,6 +115,16 @@ class DisconnectWatch:
     @property
     def gone(self) -> bool:
         return self._task.done() and not self._task.cancelled()
+
+    def notify(self, queue: asyncio.Queue[Any]) -> None:
+        """Put GONE on queue when the client disconnects: a reader of the queue then notices
+        with no second waiter per item (guard's task and wait cost more than the item)."""
+
+        def put(task: asyncio.Future[None]) -> None:
+            if not task.cancelled():
+                queue.put_nowait(GONE)
+
+        self._task.add_done_callback(put)
 
     async def guard(self, awaitable: Awaitable[T]) -> T:
         """Await `awaitable`, or raise ClientGone if the client disconnects first."""
