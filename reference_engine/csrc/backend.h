@@ -97,10 +97,53 @@ typedef struct {
     int (*finish)(se_device *d);
 } se_backend;
 
-/* The backend table: index = the backend id the Python side passes (0 = opencl). */
+/* The backend table (device.c). Devices are numbered across it in its order (engine.h). */
 extern const se_backend *const se_backends[];
 extern const int se_n_backends;
 
 extern const se_backend se_backend_opencl; /* backend_opencl.c */
+extern const se_backend se_backend_host;   /* backend_host.c: plain C, for tests (SE_HOST_BACKEND=1) */
+
+/* ---- the device layer over the table (device.c: devices, uploads, device contexts;
+ * device_forward.c: the layers over the operations) */
+
+/* A model's device part (se_model.dev): its weights uploaded once, raw (the GGUF bytes). */
+struct se_dev_model {
+    const se_backend *be;
+    se_device *d;
+    int32_t n_layers;          /* layers [0, n_layers) run on the device */
+    int head;                  /* the output norm and head run there too */
+    se_dview (*w)[SE_T_COUNT]; /* [n_layers][slot]; .buf NULL for an absent tensor */
+    se_dview output_norm, output;
+    se_dbuf **bufs;            /* every buffer, released with the model */
+    int n_bufs;
+};
+
+/* Rows of the head computed per pass on the device (a context's logits buffer holds this many rows
+ * of n_vocab: 32 MiB for a 262k vocabulary; more rows go through the head in several passes). */
+#define SE_DEV_HEAD_ROWS 32
+
+/* A context's device part (se_context.dev): the KV caches of the offloaded layers and the scratch
+ * of one ubatch (the same roles as the context's host buffers, engine.h). */
+struct se_dev_ctx {
+    se_dview *kc, *vc;         /* [n_layers], kv_bytes(n_ctx) each */
+    se_dview x, xb, q, k, v, att, tmp, hb, hb2;
+    se_dview logits;           /* [logits_rows][n_vocab], when the head is on the device */
+    int32_t logits_rows;
+    se_dbuf **bufs;
+    int n_bufs;
+};
+
+/* Sets this thread's se_backend_error(): the printf-style text, then ": " and what the backend
+ * said when be is not NULL. Returns rc. */
+int se_dev_fail(const se_backend *be, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* The device part of a new context of m (m->dev set), or NULL (se_backend_error() says why). */
+struct se_dev_ctx *se_dev_ctx_new(const se_model *m, const se_context_params *cp);
+void se_dev_ctx_free(const se_model *m, struct se_dev_ctx *dc);
+void se_dev_model_free(struct se_dev_model *dm);
+/* The device's share of one ubatch of c (ubatch fields set, c->x holding the embeddings): the
+ * offloaded layers, then either x back into c->x (the CPU runs the rest) or, with the head on the
+ * device, the wanted logits rows downloaded where se_forward_output would write them. */
+int se_dev_forward(se_context *c);
 
 #endif
