@@ -59,58 +59,61 @@ void deq_bf16(__global const uchar *row, int c, int k, float *w) {
 
 /* Legacy 32-blocks: low nibbles are elements 0..15, high nibbles 16..31; q5's fifth bit j is bit j
  * of qh. Q4_0: d, qs[16]; Q4_1: d, m, qs[16]; Q5_0: d, qh[4], qs[16]; Q5_1: d, m, qh[4], qs[16];
- * Q8_0: d, qs[32] (int8). */
-void deq_q4_0(__global const uchar *row, int c, int k, float *w) {
+ * Q8_0: d, qs[32] (int8). deqv_T(row, c, k, w0, w1): elements [32c, 32c + 16) of the row into w0,
+ * [32c + 16, 32c + 32) into w1, each element computed by the same float operations as the scalar
+ * formula (and gguf.quants), only several at once. */
+#define LANES16 ((uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
+#define U(n) ((uchar)(n))
+
+void deqv_q4_0(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) {
     __global const uchar *b = row + 18 * c;
     float d = f16_at(b);
-    for (int j = 0; j < 16; j++) {
-        w[j] = (float)((int)(b[2 + j] & 15) - 8) * d;
-        w[j + 16] = (float)((int)(b[2 + j] >> 4) - 8) * d;
-    }
+    uchar16 q = vload16(0, b + 2);
+    *w0 = convert_float16(convert_int16(q & U(15)) - 8) * d;
+    *w1 = convert_float16(convert_int16(q >> U(4)) - 8) * d;
 }
-void deq_q4_1(__global const uchar *row, int c, int k, float *w) {
+void deqv_q4_1(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) {
     __global const uchar *b = row + 20 * c;
     float d = f16_at(b), m = f16_at(b + 2);
-    for (int j = 0; j < 16; j++) {
-        w[j] = (float)(b[4 + j] & 15) * d + m;
-        w[j + 16] = (float)(b[4 + j] >> 4) * d + m;
-    }
+    uchar16 q = vload16(0, b + 4);
+    *w0 = convert_float16(q & U(15)) * d + m;
+    *w1 = convert_float16(q >> U(4)) * d + m;
 }
-void deq_q5_0(__global const uchar *row, int c, int k, float *w) {
+void deqv_q5_0(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) {
     __global const uchar *b = row + 22 * c;
     float d = f16_at(b);
-    uint h = rd32(b + 2);
-    for (int j = 0; j < 16; j++) {
-        w[j] = (float)((int)((b[6 + j] & 15) | ((h >> j) & 1) << 4) - 16) * d;
-        w[j + 16] = (float)((int)((b[6 + j] >> 4) | ((h >> (j + 16)) & 1) << 4) - 16) * d;
-    }
+    uint16 h = (uint16)(rd32(b + 2));
+    uchar16 q = vload16(0, b + 6);
+    *w0 = convert_float16(convert_int16(convert_uint16(q & U(15)) | ((h >> LANES16) & 1u) << 4) - 16) * d;
+    *w1 = convert_float16(convert_int16(convert_uint16(q >> U(4)) | ((h >> (LANES16 + 16u)) & 1u) << 4) - 16) * d;
 }
-void deq_q5_1(__global const uchar *row, int c, int k, float *w) {
+void deqv_q5_1(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) {
     __global const uchar *b = row + 24 * c;
     float d = f16_at(b), m = f16_at(b + 2);
-    uint h = rd32(b + 4);
-    for (int j = 0; j < 16; j++) {
-        w[j] = (float)((b[8 + j] & 15) | ((h >> j) & 1) << 4) * d + m;
-        w[j + 16] = (float)((b[8 + j] >> 4) | ((h >> (j + 16)) & 1) << 4) * d + m;
-    }
+    uint16 h = (uint16)(rd32(b + 4));
+    uchar16 q = vload16(0, b + 8);
+    *w0 = convert_float16(convert_uint16(q & U(15)) | ((h >> LANES16) & 1u) << 4) * d + m;
+    *w1 = convert_float16(convert_uint16(q >> U(4)) | ((h >> (LANES16 + 16u)) & 1u) << 4) * d + m;
 }
-void deq_q8_0(__global const uchar *row, int c, int k, float *w) {
+void deqv_q8_0(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) {
     __global const uchar *b = row + 34 * c;
     float d = f16_at(b);
-    for (int j = 0; j < 32; j++) w[j] = (float)as_char(b[2 + j]) * d;
+    *w0 = convert_float16(as_char16(vload16(0, b + 2))) * d;
+    *w1 = convert_float16(as_char16(vload16(1, b + 2))) * d;
 }
 
 /* K-quants: super-blocks of 256, chunk c is sub-chunk s = c % 8 of super-block c / 8; element
  * e = 32s + l. Q2_K and Q3_K: the low 2 bits of e = 128h + 32j + l are bits 2j..2j+1 of
- * qs[32h + l]; Q3_K's high bit is bit 4h + j (= s) of hmask[l]. */
-void deq_q2_K(__global const uchar *row, int c, int k, float *w) { /* scales[16], qs[64], d, dmin */
+ * qs[32h + l]; Q3_K's high bit is bit 4h + j (= s) of hmask[l]. Q2_K, Q3_K and Q6_K have one scale
+ * per 16 elements: w0's and w1's. */
+void deqv_q2_K(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) { /* scales[16], qs[64], d, dmin */
     __global const uchar *b = row + 84 * (c / 8);
     int s = c % 8, h = s / 4, j = s % 4;
     float d = f16_at(b + 80), dmin = f16_at(b + 82);
-    for (int l = 0; l < 32; l++) {
-        uint sc = b[2 * s + l / 16], q = (b[16 + 32 * h + l] >> (2 * j)) & 3;
-        w[l] = d * (float)(sc & 15) * (float)q - dmin * (float)(sc >> 4);
-    }
+    uint sc0 = b[2 * s], sc1 = b[2 * s + 1];
+    uchar16 q0 = (vload16(0, b + 16 + 32 * h) >> U(2 * j)) & U(3), q1 = (vload16(1, b + 16 + 32 * h) >> U(2 * j)) & U(3);
+    *w0 = d * (float)(sc0 & 15) * convert_float16(q0) - dmin * (float)(sc0 >> 4);
+    *w1 = d * (float)(sc1 & 15) * convert_float16(q1) - dmin * (float)(sc1 >> 4);
 }
 /* Q3_K's 16 six-bit scales (stored + 32): scale i takes its low 4 bits from byte i (i < 8) or the
  * high nibble of byte i - 8, its top 2 bits from bits 2(i/4)..2(i/4)+1 of byte 8 + i%4. */
@@ -119,14 +122,15 @@ int q3_K_scale(__global const uchar *s, int i) {
     uint hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
     return (int)(lo | hi << 4) - 32;
 }
-void deq_q3_K(__global const uchar *row, int c, int k, float *w) { /* hmask[32], qs[64], scales[12], d */
+void deqv_q3_K(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) { /* hmask[32], qs[64], scales[12], d */
     __global const uchar *b = row + 110 * (c / 8);
     int s = c % 8, h = s / 4, j = s % 4;
     float d = f16_at(b + 108);
-    for (int l = 0; l < 32; l++) {
-        uint lo = (b[32 + 32 * h + l] >> (2 * j)) & 3, hi = (b[l] >> s) & 1;
-        int q = (int)(lo | hi << 2) - 4;
-        w[l] = d * (float)q3_K_scale(b + 96, 2 * s + l / 16) * (float)q;
+    for (int hf = 0; hf < 2; hf++) {
+        uchar16 lo = (vload16(hf, b + 32 + 32 * h) >> U(2 * j)) & U(3), hi = (vload16(hf, b) >> U(s)) & U(1);
+        float16 w = d * (float)q3_K_scale(b + 96, 2 * s + hf) * convert_float16(convert_int16(lo | hi << U(2)) - 4);
+        if (hf) *w1 = w;
+        else *w0 = w;
     }
 }
 /* Q4_K/Q5_K: 8 sub-blocks of 32 with a 6-bit scale and min packed in scales[12]; 64 elements per 32
@@ -141,46 +145,70 @@ void scale_min_k4(__global const uchar *s, int j, float *sc, float *m) {
         *m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
     }
 }
-void deq_q4_K(__global const uchar *row, int c, int k, float *w) { /* d, dmin, scales[12], qs[128] */
+void deqv_q4_K(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) { /* d, dmin, scales[12], qs[128] */
     __global const uchar *b = row + 144 * (c / 8);
     int s = c % 8;
     float d = f16_at(b), dmin = f16_at(b + 2), sc, m;
     scale_min_k4(b + 4, s, &sc, &m);
-    for (int l = 0; l < 32; l++) {
-        uint qb = b[16 + 32 * (s / 2) + l], q = s & 1 ? qb >> 4 : qb & 15;
-        w[l] = d * sc * (float)q - dmin * m;
-    }
+    uchar16 q0 = vload16(0, b + 16 + 32 * (s / 2)), q1 = vload16(1, b + 16 + 32 * (s / 2));
+    q0 = s & 1 ? q0 >> U(4) : q0 & U(15);
+    q1 = s & 1 ? q1 >> U(4) : q1 & U(15);
+    *w0 = d * sc * convert_float16(q0) - dmin * m;
+    *w1 = d * sc * convert_float16(q1) - dmin * m;
 }
-void deq_q5_K(__global const uchar *row, int c, int k, float *w) { /* d, dmin, scales[12], qh[32], qs[128] */
+void deqv_q5_K(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) { /* d, dmin, scales[12], qh[32], qs[128] */
     __global const uchar *b = row + 176 * (c / 8);
     int s = c % 8;
     float d = f16_at(b), dmin = f16_at(b + 2), sc, m;
     scale_min_k4(b + 4, s, &sc, &m);
-    for (int l = 0; l < 32; l++) {
-        uint qb = b[48 + 32 * (s / 2) + l], q = (s & 1 ? qb >> 4 : qb & 15) | ((b[16 + l] >> s) & 1) << 4;
-        w[l] = d * sc * (float)q - dmin * m;
-    }
+    uchar16 q0 = vload16(0, b + 48 + 32 * (s / 2)), q1 = vload16(1, b + 48 + 32 * (s / 2));
+    q0 = (s & 1 ? q0 >> U(4) : q0 & U(15)) | ((vload16(0, b + 16) >> U(s)) & U(1)) << U(4);
+    q1 = (s & 1 ? q1 >> U(4) : q1 & U(15)) | ((vload16(1, b + 16) >> U(s)) & U(1)) << U(4);
+    *w0 = d * sc * convert_float16(q0) - dmin * m;
+    *w1 = d * sc * convert_float16(q1) - dmin * m;
 }
 /* Q6_K: ql[128], qh[64], scales[16] (int8), d. Per 128 elements (h = s / 4), group g = s % 4 takes
  * the low (g < 2) or high nibble of ql[64h + 32(g & 1) + l] and bits 2g..2g+1 of qh[32h + l];
  * q = that - 32, one scale per 16 elements. */
-void deq_q6_K(__global const uchar *row, int c, int k, float *w) {
+void deqv_q6_K(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) {
     __global const uchar *b = row + 210 * (c / 8);
     int s = c % 8, h = s / 4, g = s % 4;
     float d = f16_at(b + 208);
-    for (int l = 0; l < 32; l++) {
-        uint qlb = b[64 * h + 32 * (g & 1) + l], lo = g < 2 ? qlb & 15 : qlb >> 4;
-        int q = (int)(lo | ((b[128 + 32 * h + l] >> (2 * g)) & 3) << 4) - 32;
-        w[l] = d * (float)as_char(b[192 + 2 * s + l / 16]) * (float)q;
+    for (int hf = 0; hf < 2; hf++) {
+        uchar16 ql = vload16(hf, b + 64 * h + 32 * (g & 1)), qh = vload16(hf, b + 128 + 32 * h);
+        uchar16 q = (g < 2 ? ql & U(15) : ql >> U(4)) | ((qh >> U(2 * g)) & U(3)) << U(4);
+        float16 w = d * (float)as_char(b[192 + 2 * s + hf]) * convert_float16(convert_int16(q) - 32);
+        if (hf) *w1 = w;
+        else *w0 = w;
     }
 }
+/* The float types: the last chunk of a row may be short; its missing elements are zeros. */
+#define DEQV_FLOAT(T)                                                                         \
+    void deqv_##T(__global const uchar *row, int c, int k, float16 *w0, float16 *w1) {        \
+        float w[32];                                                                          \
+        for (int i = min(32, k - 32 * c); i < 32; i++) w[i] = 0.0f;                           \
+        deq_##T(row, c, k, w);                                                                \
+        *w0 = vload16(0, w);                                                                  \
+        *w1 = vload16(1, w);                                                                  \
+    }
+DEQV_FLOAT(f32)
+DEQV_FLOAT(f16)
+DEQV_FLOAT(bf16)
 
 /* ------------------------------------------------------------------ matmul
  * y[t][r] = sum_i W[r][i] x[t][i]. Work-item (r, tile): weight row r against the MM_TOK tokens of
- * its tile, so each chunk of 32 weights is dequantized once per tile; each token's sum runs over
- * the chunks in order (32 products, then added to the token's total), the same for every token
- * whatever n_tok. */
-#define MATMUL(T)                                                                                        \
+ * its tile, so each chunk of 32 weights is dequantized once per tile. A token's sum over a chunk is
+ * fixed: 16 lanes of w0*x0 + w1*x1, added pairwise (hsum16); the chunks' sums are added to the
+ * token's total in order. The same for every token whatever n_tok or the tile. */
+float hsum16(float16 p) {
+    float8 a = p.lo + p.hi;
+    float4 b = a.lo + a.hi;
+    float2 c = b.lo + b.hi;
+    return c.x + c.y;
+}
+
+/* PARTIAL: the type's rows may end in a short chunk (float types), read as zeros past k. */
+#define MATMUL(T, PARTIAL)                                                                               \
     __kernel void matmul_##T(__global const uchar *W, ulong woff, ulong row_size, int k, int n_rows,     \
                              __global const float *x, ulong xoff, int n_tok, __global float *y,          \
                              ulong yoff, long ldy) {                                                     \
@@ -189,34 +217,42 @@ void deq_q6_K(__global const uchar *row, int c, int k, float *w) {
         int nt = min(MM_TOK, n_tok - t0);                                                                \
         __global const uchar *row = W + woff + (ulong)r * row_size;                                      \
         __global const float *xs = x + xoff + (ulong)t0 * k;                                             \
-        float acc[MM_TOK], w[32];                                                                        \
+        float acc[MM_TOK];                                                                               \
         for (int t = 0; t < MM_TOK; t++) acc[t] = 0.0f;                                                  \
         for (int c = 0; 32 * c < k; c++) {                                                               \
-            deq_##T(row, c, k, w);                                                                       \
-            int n = min(32, k - 32 * c);                                                                 \
+            float16 w0, w1, x0, x1;                                                                      \
+            deqv_##T(row, c, k, &w0, &w1);                                                               \
+            int n = k - 32 * c;                                                                          \
             for (int t = 0; t < nt; t++) {                                                               \
                 __global const float *xc = xs + (ulong)t * k + 32 * c;                                   \
-                float s = 0.0f;                                                                          \
-                for (int j = 0; j < n; j++) s += w[j] * xc[j];                                           \
-                acc[t] += s;                                                                             \
+                if (PARTIAL && n < 32) {                                                                 \
+                    float xt[32];                                                                        \
+                    for (int i = 0; i < 32; i++) xt[i] = i < n ? xc[i] : 0.0f;                           \
+                    x0 = vload16(0, xt);                                                                 \
+                    x1 = vload16(1, xt);                                                                 \
+                } else {                                                                                 \
+                    x0 = vload16(0, xc);                                                                 \
+                    x1 = vload16(1, xc);                                                                 \
+                }                                                                                        \
+                acc[t] += hsum16(w0 * x0 + w1 * x1);                                                     \
             }                                                                                            \
         }                                                                                                \
         for (int t = 0; t < nt; t++) y[yoff + (ulong)(t0 + t) * ldy + r] = acc[t];                       \
     }
 
-MATMUL(f32)
-MATMUL(f16)
-MATMUL(bf16)
-MATMUL(q4_0)
-MATMUL(q4_1)
-MATMUL(q5_0)
-MATMUL(q5_1)
-MATMUL(q8_0)
-MATMUL(q2_K)
-MATMUL(q3_K)
-MATMUL(q4_K)
-MATMUL(q5_K)
-MATMUL(q6_K)
+MATMUL(f32, 1)
+MATMUL(f16, 1)
+MATMUL(bf16, 1)
+MATMUL(q4_0, 0)
+MATMUL(q4_1, 0)
+MATMUL(q5_0, 0)
+MATMUL(q5_1, 0)
+MATMUL(q8_0, 0)
+MATMUL(q2_K, 0)
+MATMUL(q3_K, 0)
+MATMUL(q4_K, 0)
+MATMUL(q5_K, 0)
+MATMUL(q6_K, 0)
 
 /* ------------------------------------------------------------------ norms, rope, activations */
 
