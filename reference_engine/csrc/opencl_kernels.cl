@@ -197,9 +197,9 @@ DEQV_FLOAT(bf16)
 
 /* ------------------------------------------------------------------ matmul
  * y[t][r] = sum_i W[r][i] x[t][i]. Work-item (r, tile): weight row r against the MM_TOK tokens of
- * its tile, so each chunk of 32 weights is dequantized once per tile. A token's sum over a chunk is
- * fixed: 16 lanes of w0*x0 + w1*x1, added pairwise (hsum16); the chunks' sums are added to the
- * token's total in order. The same for every token whatever n_tok or the tile. */
+ * its tile, so each chunk of 32 weights is dequantized once per tile. A token's sum is fixed: 16
+ * lanes, lane l accumulating w0*x0 + w1*x1 of every chunk in order, then the lanes added pairwise
+ * (hsum16). The same for every token whatever n_tok or the tile. */
 float hsum16(float16 p) {
     float8 a = p.lo + p.hi;
     float4 b = a.lo + a.hi;
@@ -217,7 +217,7 @@ float hsum16(float16 p) {
         int nt = min(MM_TOK, n_tok - t0);                                                                \
         __global const uchar *row = W + woff + (ulong)r * row_size;                                      \
         __global const float *xs = x + xoff + (ulong)t0 * k;                                             \
-        float acc[MM_TOK];                                                                               \
+        float16 acc[MM_TOK];                                                                             \
         for (int t = 0; t < MM_TOK; t++) acc[t] = 0.0f;                                                  \
         for (int c = 0; 32 * c < k; c++) {                                                               \
             float16 w0, w1, x0, x1;                                                                      \
@@ -234,10 +234,10 @@ float hsum16(float16 p) {
                     x0 = vload16(0, xc);                                                                 \
                     x1 = vload16(1, xc);                                                                 \
                 }                                                                                        \
-                acc[t] += hsum16(w0 * x0 + w1 * x1);                                                     \
+                acc[t] += w0 * x0 + w1 * x1;                                                             \
             }                                                                                            \
         }                                                                                                \
-        for (int t = 0; t < nt; t++) y[yoff + (ulong)(t0 + t) * ldy + r] = acc[t];                       \
+        for (int t = 0; t < nt; t++) y[yoff + (ulong)(t0 + t) * ldy + r] = hsum16(acc[t]);               \
     }
 
 MATMUL(f32, 1)
