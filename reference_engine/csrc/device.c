@@ -64,7 +64,8 @@ int32_t se_device_count(void) {
     for (int b = 0; b < se_n_backends; b++) {
         int k = se_backends[b]->count();
         if (k > 0) n += k;
-        else if (!dev_err[0]) se_dev_fail(se_backends[b], 0, "%s", se_backends[b]->name); /* the first says why */
+        else if (!dev_err[0]) /* the first backend without a device says why (its words name it) */
+            snprintf(dev_err, sizeof dev_err, "%s", se_backends[b]->last_error());
     }
     if (n > 0) dev_err[0] = 0; /* the message says why there is none */
     return n;
