@@ -405,7 +405,7 @@ def _run_group(
             "build_commit": commit,
             "build_number": number,
             "cpu_info": cpu_info(),
-            "gpu_info": "" if info.backend == "CPU" else info.backend,
+            "gpu_info": info.gpu_info or ("" if info.backend == "CPU" else info.backend),
             "backends": info.backend or "CPU",
             "model_filename": model_path,
             "model_type": mf["model_type"],

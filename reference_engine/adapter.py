@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 class ReferenceEngine(LocalEngine):
     name = "reference"
-    description = "built-in GGUF engine: C quantized kernels, thread pool, batched prompts (CPU)"
+    description = (
+        "built-in GGUF engine: C quantized kernels, thread pool, batched prompts (CPU); layers offloaded "
+        "to an OpenCL device with -ngl"
+    )
     capabilities = frozenset(
         {
             "stream",
@@ -59,9 +62,11 @@ class ReferenceEngine(LocalEngine):
         "frequency_penalty": "C sampler",
         "n_predict": "generation limit",
         "stop": "core stop matcher",
+        "n_gpu_layers": "layers run on an OpenCL device (-1 or more than the model has: all, and the "
+        "output head); refused when no device exists",
+        "device": "the OpenCL device (index or name substring; `infer engines` lists them)",
     }
     accepted_values = {
-        "n_gpu_layers": (0,),
         "mmap": (True,),
         "mlock": (False,),
         "flash_attn": (False,),
@@ -78,6 +83,13 @@ class ReferenceEngine(LocalEngine):
 
         return f"isa={isa_name()}"
 
+    @classmethod
+    def devices(cls) -> list[str]:
+        """The devices -ngl can offload to (OpenCL's), one line each; none without a runtime."""
+        from stdengine.reference.core import devices
+
+        return [str(d) for d in devices()]
+
     def __init__(self, model: Any, tokenizer: Any, ctx: Any, options: Options, events: Emitter) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -89,10 +101,12 @@ class ReferenceEngine(LocalEngine):
         self.n_vocab = int(model.n_vocab)
         self.template, self.template_source = choose_chat_template(options.chat_template, model.metadata)
         self.n_params = sum(math.prod(t.shape) for t in model.tensors.values())
+        if self.devices():
+            self.capabilities = self.capabilities | {"gpu"}  # type: ignore[misc]
 
     @classmethod
     def load(cls, options: Options, events: Emitter) -> ReferenceEngine:
-        from stdengine.reference.core import Context, check_isa_env, isa_name
+        from stdengine.reference.core import Context, check_isa_env, choose_device, isa_name
         from stdengine.reference.model import Model
         from stdengine.reference.tokenizer import Tokenizer, scan_for_tokenizer
 
@@ -102,6 +116,12 @@ class ReferenceEngine(LocalEngine):
         t0 = now_ms()
         header = scan_for_tokenizer(options.model)  # the file is read once, for model and tokenizer
         model = Model.load(options.model, header)
+        if options.n_gpu_layers != 0:
+            try:
+                model.offload(choose_device(options.device), options.n_gpu_layers)
+            except BaseException:
+                model.close()
+                raise
         tokenizer = Tokenizer.from_header(header)
         threads, threads_batch = cls.thread_counts(options)
         n_ctx = options.ctx_size or model.n_ctx_train
@@ -125,17 +145,23 @@ class ReferenceEngine(LocalEngine):
             isa=isa_name(),
             chat_template=engine.template_source,
             tied_output=model.tied_output,
+            device=str(model.device) if model.device else None,
+            n_gpu_layers=model.gpu_layers + model.gpu_head,
             load_ms=round(now_ms() - t0, 1),
         )
         return engine
 
     # --- adapter surface -----------------------------------------------------------------
     def info(self) -> EngineInfo:
+        from stdengine.reference.core import BACKEND_NAMES
+
+        dev = self.model.device
         return EngineInfo(
             name=self.name,
             version=__version__,
             build=self.build_info(),
-            backend="CPU",
+            backend=BACKEND_NAMES.get(dev.backend, dev.backend) if dev else "CPU",
+            gpu_info=dev.name if dev else "",
             model={
                 "path": self.options.model,
                 "architecture": self.model.arch,

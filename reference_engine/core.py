@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 # the headers and checks every value, field offset and size below (each struct names its C type
 # in _c_struct_).
 OK, ERR_CONTEXT_OVERFLOW, ERR_BAD_TOKEN, ERR_INVALID, ERR_NOMEM, ERR_MISSING = 0, -1, -2, -3, -4, -5
+ERR_DEVICE = -6
 MAX_CTX, MAX_THREADS = 1 << 22, 255  # se_context_new's limits (llama.c, threadpool.c)
 ROPE_NORM, ROPE_NEOX = 0, 2
 SLOTS = {
@@ -163,6 +164,15 @@ def api() -> ctypes.CDLL:
         "se_traits": ([ctypes.c_int], _vp),
         "se_row_size": ([ctypes.c_int, _i64], ctypes.c_size_t),
         "se_isa_name": ([], ctypes.c_char_p),
+        "se_device_count": ([], _i32),
+        "se_device_backend": ([_i32], ctypes.c_char_p),
+        "se_device_describe": (
+            [_i32, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)],
+            ctypes.c_int,
+        ),
+        "se_backend_error": ([], ctypes.c_char_p),
+        "se_model_offload": ([_vp, _i32, _i32], ctypes.c_int),
+        "se_model_gpu_layers": ([_vp, ctypes.POINTER(_i32)], _i32),
     }
     for name, (args, res) in sig.items():
         f = getattr(c, name)
@@ -264,6 +274,81 @@ def check_isa_env(env: Mapping[str, str] | None = None) -> None:
         )
 
 
+# -- devices (backend.h) ---------------------------------------------------------------------------
+
+# The backends' names as users see them (llama-bench's `backends` field: "CUDA", "Vulkan", ...)
+BACKEND_NAMES = {"opencl": "OpenCL", "host": "host"}
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device the C core can offload layers to: its index (across every backend, the order of
+    backend.h's table), backend, "platform / device" name and memory in bytes."""
+
+    index: int
+    backend: str
+    name: str
+    memory: int
+
+    def __str__(self) -> str:
+        mem = f", {self.memory / 2**30:.1f} GiB" if self.memory else ""
+        return f"{self.index}: {BACKEND_NAMES.get(self.backend, self.backend)} {self.name}{mem}"
+
+
+def backend_error() -> str:
+    """What the C core's last failed device call on this thread said ("" when none did)."""
+    return (api().se_backend_error() or b"").decode("utf-8", errors="replace")
+
+
+def devices() -> tuple[Device, ...]:
+    """The devices of this machine (the OpenCL runtime is loaded at the first call, and its answer
+    kept by the C core). Empty when there is no OpenCL library or no device: devices_missing()
+    then says why."""
+    c = api()
+    found = []
+    name = ctypes.create_string_buffer(512)
+    mem = ctypes.c_uint64(0)
+    for i in range(c.se_device_count()):
+        if c.se_device_describe(i, name, len(name), ctypes.byref(mem)) != OK:
+            continue
+        backend = (c.se_device_backend(i) or b"?").decode()
+        found.append(Device(i, backend, name.value.decode("utf-8", errors="replace"), int(mem.value)))
+    return tuple(found)
+
+
+def devices_missing() -> str:
+    """Why devices() is empty, in the C core's words (no OpenCL library, no device)."""
+    return backend_error() if api().se_device_count() == 0 else ""
+
+
+def choose_device(spec: str | None) -> Device:
+    """The device --device / INFER_DEVICE names: an index, or a substring of its name
+    (case-insensitive; the first that matches); None = the first device. Raises UnsupportedOption
+    when there is no device at all or none matches."""
+    found = devices()
+    if not found:
+        raise UnsupportedOption(
+            f"engine 'reference' cannot honour n_gpu_layers here: no OpenCL device ({devices_missing()})",
+            hint="install an OpenCL driver (a GPU vendor's, or Debian's pocl-opencl-icd on a CPU) "
+            "and ocl-icd-libopencl1, or drop -ngl (or pass -ngl 0)",
+            options=["n_gpu_layers"],
+        )
+    if spec is None or spec == "":
+        return found[0]
+    if spec.isdigit():
+        if int(spec) < len(found):
+            return found[int(spec)]
+    else:
+        for d in found:
+            if spec.lower() in f"{d.backend} {d.name}".lower():
+                return d
+    raise UnsupportedOption(
+        f"no device matches --device {spec!r}",
+        hint="name one of these by index or by a part of its name: " + "; ".join(str(d) for d in found),
+        options=["device"],
+    )
+
+
 class Context:
     """An inference context: KV cache, scratch buffers and a thread pool, allocated once.
 
@@ -320,6 +405,11 @@ class Context:
         c = api()
         params = _ContextParams(n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch)
         h = c.se_context_new(model.handle, ctypes.byref(params))
+        if not h and model.gpu_layers:
+            raise EngineFailure(
+                f"cannot create a context of {n_ctx} positions on the device: {backend_error()}",
+                hint="use a smaller ctx_size (-c) or ubatch_size (-ub), or offload fewer layers (-ngl)",
+            )
         if not h:
             raise EngineFailure(
                 f"cannot create a context of {n_ctx} positions for {model.path} (out of memory?)",
@@ -385,6 +475,8 @@ class Context:
                 int(t) for t in (self._tok[:n] if tokens is None else tokens) if not 0 <= t < self.n_vocab
             ][:5]
             raise InvalidRequest(f"token ids {bad} are outside the vocabulary [0, {self.n_vocab})")
+        if rc == ERR_DEVICE:
+            raise EngineFailure(f"the device failed: {backend_error()}", hint="try -ngl 0 (the CPU)")
         raise EngineFailure(f"the reference engine failed (code {rc})")
 
     # -- sampling ----------------------------------------------------------------------------
@@ -522,6 +614,8 @@ def decode_batch(contexts: Sequence[Context], token_lists: Sequence[Any]) -> lis
                 and (toks.min() < 0 or toks.max() >= ctx.n_vocab)
             ):
                 ctx._raise(rc, int(n), toks)
+        if rc == ERR_DEVICE:
+            contexts[0]._raise(rc, 0)
         raise EngineFailure(f"the reference engine failed (code {rc})")
     return [ctx.logits for ctx in contexts]
 

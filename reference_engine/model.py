@@ -30,7 +30,7 @@ from stdengine.reference import core
 from stdengine.reference.core import SLOTS, HParams
 
 from stdengine import gguf_file
-from stdengine.errors import BadModelFile, UnsupportedArchitecture
+from stdengine.errors import BadModelFile, EngineFailure, UnsupportedArchitecture, UnsupportedOption
 
 # A layer's tensors: GGUF name suffix (blk.N.<suffix>.weight) -> C slot. Which of them an
 # architecture's layers have is the C core's architecture table (core.arch_layer_slots).
@@ -117,6 +117,9 @@ class Model:
         self._map: mmap.mmap | None = None
         self._buf: np.ndarray | None = None
         self._contexts: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.device: core.Device | None = None  # set by offload()
+        self.gpu_layers = 0  # layers on the device
+        self.gpu_head = False  # the output norm and head on the device too
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], header: gguf_file.GGUFHeader | None = None) -> Model:
@@ -199,6 +202,35 @@ class Model:
             slot = {v: k for k, v in SLOTS.items()}.get(bad_slot.value, "?")
             raise _bad(path, f"tensor slot {slot} of layer {bad_layer.value} is missing or unusable")
         return self
+
+    def offload(self, device: core.Device, n_gpu_layers: int) -> None:
+        """Uploads the first n_gpu_layers layers to the device (n_gpu_layers > n_layer or < 0:
+        every layer and the output head, like llama.cpp's -ngl 99 / -1), before any Context is
+        made; those layers then run there. Raises UnsupportedOption (a tensor type the device
+        cannot multiply), EngineFailure (the device would not open, its kernels would not build
+        (the compiler's log), out of device memory (the bytes asked for)); the model then stays
+        on the CPU."""
+        if n_gpu_layers == 0:
+            return
+        if self._contexts or self.device is not None:
+            raise EngineFailure("a model is offloaded once, before its first context is created")
+        rc = core.api().se_model_offload(self.handle, device.index, n_gpu_layers)
+        if rc == core.ERR_INVALID:
+            raise UnsupportedOption(
+                f"engine 'reference' cannot offload {self.path} to {device}: {core.backend_error()}",
+                hint="offload fewer layers (-ngl) or run on the CPU (-ngl 0)",
+                options=["n_gpu_layers"],
+            )
+        if rc != core.OK:
+            what = "out of device memory" if rc == core.ERR_NOMEM else "the device failed"
+            raise EngineFailure(
+                f"cannot offload {self.path} to {device}: {what}: {core.backend_error()}",
+                hint="offload fewer layers (-ngl), choose another device (--device), or run on the CPU (-ngl 0)",
+            )
+        head = ctypes.c_int32(0)
+        self.gpu_layers = int(core.api().se_model_gpu_layers(self.handle, ctypes.byref(head)))
+        self.gpu_head = bool(head.value)
+        self.device = device
 
     @property
     def handle(self) -> int:

@@ -211,6 +211,8 @@ class EngineInfo:
     version: str
     build: str = ""
     backend: str = "CPU"
+    # the device layers run on ("" on the CPU): llama-bench's gpu_info
+    gpu_info: str = ""
     model: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -265,6 +267,13 @@ class Engine(ABC):
         the CPU features a library was compiled with), shown by `infer engines`; "" when there is
         nothing to say. Called only when availability() is true; it must not load a model."""
         return ""
+
+    @classmethod
+    def devices(cls) -> list[str]:
+        """The GPU devices this engine can offload layers to on this machine, one line each (shown
+        by `infer engines`, which then lists the `gpu` capability); [] for none. Called only when
+        availability() is true; it must not load a model."""
+        return []
 
     @classmethod
     @abstractmethod

@@ -30,7 +30,8 @@ KNOWN_EVENTS: dict[str, str] = {
     "the reference engine's `isa`, llama.cpp's `build`; `chat_template`: the template runs use, "
     "`model file`, `--chat-template`, `built-in 'NAME'`, or `none`; the reference engine's "
     "`tied_output`: true when the file has no output.weight and the token embedding is the output "
-    "head); level `warn` when the file has "
+    "head, and its `device` (the OpenCL device with `-ngl`, else null) and `n_gpu_layers` (layers "
+    "offloaded, the output head counting as one, as llama.cpp counts it)); level `warn` when the file has "
     "no template and a built-in one stands in (a base model may not follow it: `--raw`)",
     "prompt.evaluated": "a prompt was processed (prompt_n, prompt_ms, prompt_per_second)",
     "generation.done": "a generation ended (finish_reason, timings); after Ctrl-C in `infer run`, "

@@ -99,6 +99,13 @@ class Options(BaseModel):
     n_gpu_layers: int = opt(
         0, "-ngl", "--n-gpu-layers", group="load", ge=-1, help="layers to offload to a GPU (-1 = all)"
     )
+    device: str | None = opt(
+        None,
+        "--device",
+        group="load",
+        help="the GPU device -ngl offloads to: an index or a part of its name, as `infer engines` "
+        "lists them (default: the first)",
+    )
     cache_type_k: CacheType = opt("f16", "-ctk", "--cache-type-k", group="load", help="KV cache type for K")
     cache_type_v: CacheType = opt("f16", "-ctv", "--cache-type-v", group="load", help="KV cache type for V")
     flash_attn: bool = opt(False, "-fa", "--flash-attn", group="load", help="use flash attention")

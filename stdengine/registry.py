@@ -95,11 +95,13 @@ def describe() -> list[dict[str, Any]]:
         try:
             cls = _import(entry.target)
             available, reason = cls.availability()
+            devices = _devices(cls) if available else []
             row.update(
                 version=cls.version(),
                 build=_build_info(cls) if available else "",
                 description=cls.description,
-                capabilities=sorted(cls.capabilities),
+                capabilities=sorted(cls.capabilities | ({"gpu"} if devices else set())),
+                devices=devices,
                 honoured_options=sorted(cls.honoured_options()),
                 available=available,
                 reason=reason,
@@ -110,12 +112,20 @@ def describe() -> list[dict[str, Any]]:
                 build="",
                 description="",
                 capabilities=[],
+                devices=[],
                 honoured_options=[],
                 available=False,
                 reason=f"failed to import: {type(e).__name__}: {e}",
             )
         out.append(row)
     return out
+
+
+def _devices(cls: type[Engine]) -> list[str]:
+    try:
+        return cls.devices()
+    except Exception:  # a broken GPU runtime is no device, never fatal to the listing
+        return []
 
 
 def _build_info(cls: type[Engine]) -> str:

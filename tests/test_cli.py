@@ -57,9 +57,9 @@ def test_misspelt_config_key_is_one_clear_line(tmp_path):
 
 
 def test_option_the_engine_cannot_honour_is_refused(tmp_path):
-    r = infer("run", "-ngl", "10", "-p", "hi", cwd=str(tmp_path))
+    r = infer("run", "-ctk", "q8_0", "-p", "hi", cwd=str(tmp_path))
     assert r.returncode == 2, r.stderr
-    assert "cannot honour n_gpu_layers" in r.stderr
+    assert "cannot honour cache_type_k" in r.stderr
 
 
 def test_unknown_engine_and_missing_prompt(tmp_path):

@@ -124,39 +124,6 @@ void se_matmul_rows(const se_tensor *W, const se_acts *a, int n_tok, float *y, i
     se_matmul(W->type, W->data, W->ne0, act_for(a, W->type), n_tok, y, ldy, r0, r1);
 }
 
-/* Rotates one head's first n_rot dims by the angles in cs ((cos, sin) pairs, n_rot/2 of them). */
-static void rope_apply(float *x, const float *cs, int n_rot, int mode) {
-    int half = n_rot / 2;
-    if (mode == SE_ROPE_NORM) {
-        for (int i = 0; i < half; i++) {
-            float c = cs[2 * i], s = cs[2 * i + 1];
-            float x0 = x[2 * i], x1 = x[2 * i + 1];
-            x[2 * i] = x0 * c - x1 * s;
-            x[2 * i + 1] = x0 * s + x1 * c;
-        }
-    } else {
-        for (int i = 0; i < half; i++) {
-            float c = cs[2 * i], s = cs[2 * i + 1];
-            float x0 = x[i], x1 = x[i + half];
-            x[i] = x0 * c - x1 * s;
-            x[i + half] = x0 * s + x1 * c;
-        }
-    }
-}
-
-/* (cos, sin) of pos * freq_scale * base^(-2i/n_rot) for i < n_rot/2. The angle is stepped by
- * repeated multiplication in float, as llama.cpp does, so positions far out agree closely. */
-static void rope_table(float *cs, int64_t pos, float base, float freq_scale, int n_rot) {
-    float theta_scale = powf(base, -2.0f / (float)n_rot);
-    float theta = (float)pos;
-    for (int i = 0; i < n_rot / 2; i++) {
-        float a = theta * freq_scale;
-        cs[2 * i] = cosf(a);
-        cs[2 * i + 1] = sinf(a);
-        theta *= theta_scale;
-    }
-}
-
 static const float *rope_row(const se_context *c, int idx, int t) {
     const se_hparams *hp = &c->m->hp;
     return c->rope + ((size_t)idx * c->cp.n_ubatch + (size_t)t) * hp->n_rot;
@@ -176,7 +143,7 @@ void se_forward_prologue(se_context *c, int ith, int nth) {
         if (hp->embd_scale != 1.0f)
             for (int i = 0; i < hp->n_embd; i++) x[i] *= hp->embd_scale;
         for (int b = 0; b < m->n_rope; b++)
-            rope_table((float *)rope_row(c, b, (int)t), se_row_pos(c, t), m->rope_bases[b],
+            se_rope_table((float *)rope_row(c, b, (int)t), se_row_pos(c, t), m->rope_bases[b],
                        hp->rope_freq_scale, hp->n_rot);
     }
     se_pool_barrier(c->pool);
@@ -204,7 +171,7 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
             for (int64_t h = q0; h < q1; h++) {
                 float *q = c->q + t * Dq + h * hd;
                 if (qn) se_rmsnorm(q, q, qn, hd, hp->norm_eps);
-                rope_apply(q, cs, hp->n_rot, hp->rope_type);
+                se_rope_apply(q, cs, hp->n_rot, hp->rope_type);
             }
         }
     }
@@ -227,7 +194,7 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
             for (int t = 0; t < n; t++) {
                 float *k = dst + (size_t)t * hd;
                 if (kn) se_rmsnorm(k, k, kn, hd, hp->norm_eps);
-                rope_apply(k, rope_row(c, L->rope_idx, t), hp->n_rot, hp->rope_type);
+                se_rope_apply(k, rope_row(c, L->rope_idx, t), hp->n_rot, hp->rope_type);
             }
         }
         if (direct) continue;
@@ -287,17 +254,6 @@ void se_attention_block(se_context *c, int il, const float *post_w, int ith, int
     forward_residual(c, wo[0], post_w, &a, ith, nth);
 }
 
-/* SiLU (llama's SwiGLU): x * sigmoid(x). */
-static float silu(float x) { return x / (1.0f + expf(-x)); }
-
-/* GELU, tanh approximation (Gemma's gelu_pytorch_tanh): 0.5 x (1 + tanh(u)) with
- * u = sqrt(2/pi) (x + 0.044715 x^3), written as x / (1 + exp(-2u)), the same function: expf is
- * several times cheaper than tanhf, which took 14% of a 512-token prompt. */
-static float gelu_tanh(float x) {
-    const float two_sqrt_2_over_pi = 1.59576912160573071176f;
-    return x / (1.0f + expf(-two_sqrt_2_over_pi * x * (1.0f + 0.044715f * x * x)));
-}
-
 /* hb = act(gate x) * (up x) for this thread's rows of the ffn, then a barrier. */
 static void forward_gate(se_context *c, const se_layer *L, se_ffn_act act, const se_acts *a, int ith,
                          int nth) {
@@ -309,9 +265,9 @@ static void forward_gate(se_context *c, const se_layer *L, se_ffn_act act, const
         float *g = c->hb + t * F;
         const float *u = c->hb2 + t * F;
         if (act == SE_FFN_SILU)
-            for (int64_t r = r0; r < r1; r++) g[r] = silu(g[r]) * u[r];
+            for (int64_t r = r0; r < r1; r++) g[r] = se_silu(g[r]) * u[r];
         else
-            for (int64_t r = r0; r < r1; r++) g[r] = gelu_tanh(g[r]) * u[r];
+            for (int64_t r = r0; r < r1; r++) g[r] = se_gelu_tanh(g[r]) * u[r];
     }
     se_pool_barrier(c->pool);
 }

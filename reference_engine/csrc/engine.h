@@ -27,6 +27,7 @@ enum se_status {
     SE_ERR_INVALID = -3,          /* a bad argument (shape, type, count, slot, ...) */
     SE_ERR_NOMEM = -4,
     SE_ERR_MISSING = -5,          /* finalize: a required tensor was not set */
+    SE_ERR_DEVICE = -6,           /* a device backend failed: se_backend_error() says why */
 };
 
 /* The architectures (model.c's table: name, forward pass, the per-layer tensors it reads).
@@ -166,6 +167,28 @@ SE_API int32_t se_sample(se_context *c, const se_sampling_params *sp);
  * (the default) turns it off, at the cost of one pointer test per matmul group. A batch across
  * contexts (se_decode_batch) is counted by its first context's setting. */
 SE_API int se_context_set_act_stats(se_context *c, double *sum2, int64_t *count);
+/* ---- devices (issue 20; backend.h has the design). Devices are numbered across every backend
+ * of the table (backend.h se_backends), in its order; none when no runtime or device exists. */
+SE_API int32_t se_device_count(void);
+/* The backend's name ("opencl") of device i, NULL for a bad index. */
+SE_API const char *se_device_backend(int32_t i);
+/* "platform / device" into name (len bytes, NUL-terminated) and its memory in bytes. */
+SE_API int se_device_describe(int32_t i, char *name, size_t len, uint64_t *mem_bytes);
+/* What the last device call of this thread that failed said (the backend's words, with what was
+ * being done: the tensor, the bytes asked for, the kernel compiler's log); "" when none did. Also
+ * why se_device_count() is 0. */
+SE_API const char *se_backend_error(void);
+/* After finalize and before any context: opens device `device` and uploads layers
+ * [0, min(n_gpu_layers, n_layer)) once, and the output norm and head too when n_gpu_layers >
+ * n_layer (n_gpu_layers < 0: everything). Contexts created afterwards hold the device KV caches of
+ * those layers and device scratch; their decodes run those layers on the device. n_gpu_layers = 0
+ * does nothing. Returns SE_OK; SE_ERR_INVALID (bad index, not finalized, already offloaded, or a
+ * tensor of a type the backend cannot multiply: se_backend_error() names it); SE_ERR_DEVICE (the
+ * device would not open or its kernels would not build); SE_ERR_NOMEM (out of device memory). On
+ * an error the model is unchanged (CPU only). */
+SE_API int se_model_offload(se_model *m, int32_t device, int32_t n_gpu_layers);
+/* Layers on the device (0: none), and 1 if the output head is there too. */
+SE_API int32_t se_model_gpu_layers(const se_model *m, int32_t *head);
 
 
 #ifdef SE_ENGINE_INTERNAL
@@ -195,6 +218,7 @@ struct se_model {
     int n_rope;                         /* distinct rope bases */
     float rope_bases[SE_MAX_ROPE_TABLES];
     int finalized;
+    struct se_dev_model *dev;           /* the device part (backend.h); NULL: CPU only */
 };
 
 /* One thread's private scratch. */
@@ -259,6 +283,10 @@ struct se_context {
     /* activation statistics (se_context_set_act_stats), NULL: off */
     double *stats_sum2;
     int64_t *stats_count;
+    /* devices (backend.h) */
+    struct se_dev_ctx *dev;  /* this context's device KV caches and scratch; NULL: CPU only */
+    int32_t layer0;          /* the first layer the CPU forward pass runs; it runs the prologue
+                              * only from 0 (else the device ran the layers before) */
 };
 #endif
 

@@ -24,8 +24,8 @@
 
 static void gemma3_forward(void *arg, int ith, int nth) {
     se_context *c = arg;
-    se_forward_prologue(c, ith, nth);
-    for (int il = 0; il < c->m->hp.n_layer; il++) {
+    if (c->layer0 == 0) se_forward_prologue(c, ith, nth); /* else the device ran layers 0.. */
+    for (int il = c->layer0; il < c->m->hp.n_layer; il++) {
         const se_layer *L = &c->m->layers[il];
         se_attention_block(c, il, L->t[SE_T_ATTN_POST_NORM].data, ith, nth);
         se_ffn_block(c, il, SE_FFN_GELU_TANH, L->t[SE_T_FFN_POST_NORM].data, ith, nth);
@@ -45,4 +45,5 @@ const se_arch_desc se_arch_gemma3 = {
     .forward = gemma3_forward,
     .layer_slots = gemma3_layer_slots,
     .n_layer_slots = sizeof gemma3_layer_slots / sizeof gemma3_layer_slots[0],
+    .ffn_act = SE_FFN_GELU_TANH,
 };

@@ -12,8 +12,8 @@
 
 static void llama_forward(void *arg, int ith, int nth) {
     se_context *c = arg;
-    se_forward_prologue(c, ith, nth);
-    for (int il = 0; il < c->m->hp.n_layer; il++) {
+    if (c->layer0 == 0) se_forward_prologue(c, ith, nth); /* else the device ran layers 0.. */
+    for (int il = c->layer0; il < c->m->hp.n_layer; il++) {
         se_attention_block(c, il, NULL, ith, nth);
         se_ffn_block(c, il, SE_FFN_SILU, NULL, ith, nth);
     }
@@ -30,4 +30,5 @@ const se_arch_desc se_arch_llama = {
     .forward = llama_forward,
     .layer_slots = llama_layer_slots,
     .n_layer_slots = sizeof llama_layer_slots / sizeof llama_layer_slots[0],
+    .ffn_act = SE_FFN_SILU,
 };

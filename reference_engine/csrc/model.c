@@ -17,6 +17,7 @@
 #include "engine.h"
 #include "kernels.h"
 #include "blocks.h"
+#include "backend.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -40,6 +41,8 @@ static const se_arch_desc *const archs[SE_ARCH_COUNT] = {
 static const se_arch_desc *arch_of(int32_t arch) {
     return arch > 0 && arch < SE_ARCH_COUNT ? archs[arch] : NULL;
 }
+
+const se_arch_desc *se_arch_of(int32_t arch) { return arch_of(arch); }
 
 int32_t se_arch_count(void) { return SE_ARCH_COUNT - 1; }
 
@@ -97,6 +100,7 @@ se_model *se_model_new(const se_hparams *hp) {
 
 void se_model_free(se_model *m) {
     if (!m) return;
+    if (m->dev) se_dev_model_free(m->dev); /* its contexts were freed first (engine.h) */
     free(m->layers);
     free(m);
 }
@@ -292,6 +296,10 @@ se_context *se_context_new(const se_model *m, const se_context_params *cp_in) {
         c->pool = se_pool_new(n_thr);
         if (!c->pool) ok = 0;
     }
+    if (ok && m->dev) { /* the device KV caches and scratch; se_backend_error() says why not */
+        c->dev = se_dev_ctx_new(m, &cp);
+        if (!c->dev) ok = 0;
+    }
     if (!ok) { se_context_free(c); return NULL; }
     memset(c->logits, 0, (size_t)V * sizeof(float));
     c->n_past = 0;
@@ -301,6 +309,7 @@ se_context *se_context_new(const se_model *m, const se_context_params *cp_in) {
 void se_context_free(se_context *c) {
     if (!c) return;
     if (c->pool) se_pool_free(c->pool);
+    if (c->dev) se_dev_ctx_free(c->m, c->dev);
     int n_thr = c->cp.n_threads > c->cp.n_threads_batch ? c->cp.n_threads : c->cp.n_threads_batch;
     if (c->ts) {
         for (int i = 0; i < n_thr; i++) {
@@ -338,9 +347,14 @@ int se_context_truncate(se_context *c, int32_t n_past) {
  * Decoding
  */
 
+static void prologue_job(void *arg, int ith, int nth) { se_forward_prologue(arg, ith, nth); }
+
 /* One forward pass of c->ub_n rows (c->ub_tokens) in c->ub_nseg segments (c->ub_seg, set by the
- * caller) on c's thread pool; then each segment's context holds its rows' tokens. */
-static void run_ubatch(se_context *c) {
+ * caller) on c's thread pool; then each segment's context holds its rows' tokens. An offloaded
+ * model (backend.h): the embeddings on the pool, the device's layers (and head), then the
+ * remaining layers (and head) on the pool. SE_ERR_DEVICE when the device failed: the rows'
+ * contexts then do not count them (n_past unchanged). */
+static int run_ubatch(se_context *c) {
     c->ub_nout = 0;
     for (int32_t si = 0; si < c->ub_nseg; si++) {
         const se_ub_seg *sg = &c->ub_seg[si];
@@ -348,12 +362,21 @@ static void run_ubatch(se_context *c) {
         c->ub_nout += sg->out;
     }
     int nth = c->ub_n == 1 ? c->cp.n_threads : c->cp.n_threads_batch;
-    se_pool_run(c->pool, nth, arch_of(c->m->hp.arch)->forward, c);
+    const struct se_dev_model *dm = c->m->dev;
+    c->layer0 = 0;
+    if (dm) {
+        se_pool_run(c->pool, nth, prologue_job, c);
+        int rc = se_dev_forward(c);
+        if (rc != SE_OK) return rc;
+        c->layer0 = dm->n_layers;
+    }
+    if (!dm || !dm->head) se_pool_run(c->pool, nth, arch_of(c->m->hp.arch)->forward, c);
     for (int32_t si = 0; si < c->ub_nseg; si++) {
         se_ub_seg *sg = &c->ub_seg[si];
         memcpy(sg->ctx->tokens + sg->ctx->n_past, c->ub_tokens + sg->start, (size_t)sg->n * sizeof(int32_t));
         sg->ctx->n_past += sg->n;
     }
+    return SE_OK;
 }
 
 static int check_tokens(const se_context *c, const int32_t *tokens, int32_t n) {
@@ -380,7 +403,8 @@ int se_decode(se_context *c, const int32_t *tokens, int32_t n, float *all_logits
             /* one segment; its last row's logits are wanted if it is the call's last token */
             c->ub_seg[0] = (se_ub_seg){ c, 0, nu, c->n_past, !all_logits && done + nu == n };
             c->ub_nseg = 1;
-            run_ubatch(c);
+            rc = run_ubatch(c);
+            if (rc != SE_OK) return rc;
             done += nu;
         }
     }
@@ -429,7 +453,8 @@ int se_decode_batch(se_context *const *ctxs, int32_t n_seq, const int32_t *token
             off += n;
             if (off == n_tokens[i]) { i++; off = 0; }
         }
-        run_ubatch(c);
+        int rc = run_ubatch(c);
+        if (rc != SE_OK) return rc;
         first += c->ub_n;
     }
     return SE_OK;

@@ -29,6 +29,7 @@ STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim", "
     "batch_size",
     "ubatch_size",
     "n_gpu_layers",
+    "device",
     "url",
     "api_key",
     "log_format",

@@ -51,5 +51,7 @@ def render(rows: list[dict[str, Any]], console: Any) -> None:
         if r["build"]:
             grid.add_row("build", escape(r["build"]))
         grid.add_row("capabilities", escape(", ".join(r["capabilities"])) or "-")
+        for i, dev in enumerate(r.get("devices", [])):
+            grid.add_row("devices" if i == 0 else "", escape(dev))
         grid.add_row("options", escape(", ".join(r["honoured_options"])) or "-")
         console.print(Padding(grid, (0, 0, 0 if i == len(rows) - 1 else 1, 2)))

@@ -91,10 +91,12 @@ def info(model: str, as_json: bool, tensors: bool, **kwargs: Any) -> None:
     path = resolve_model(model, pull=False)
     mi = model_info(path, ctx_size=resolved.options.ctx_size)
     listing = _tensor_list(path) if tensors else None
+    devices = _gpu_devices()
     if as_json:
-        click.echo(json.dumps(mi.to_dict() | ({"tensors": listing} if listing is not None else {}), indent=2))
+        extra = {"devices": devices} | ({"tensors": listing} if listing is not None else {})
+        click.echo(json.dumps(mi.to_dict() | extra, indent=2))
         return
-    _print_info(mi)
+    _print_info(mi, devices)
     if listing is not None:
         from rich.console import Console
         from rich.table import Table
@@ -119,7 +121,18 @@ def _tensor_list(path: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _print_info(mi: Any) -> None:
+def _gpu_devices() -> list[str]:
+    """The devices `-ngl` can offload layers to (the reference engine's OpenCL devices), one line
+    each; [] without an OpenCL runtime or the C core."""
+    try:
+        from stdengine.reference.core import devices
+
+        return [str(d) for d in devices()]
+    except Exception:  # no C core built: no device to offer, and nothing to fail over
+        return []
+
+
+def _print_info(mi: Any, devices: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -162,6 +175,7 @@ def _print_info(mi: Any) -> None:
         ("vocabulary", num(mi.n_vocab)),
         ("tokenizer", tokenizer),
         ("chat template", template_line(mi.chat_template)),
+        ("GPU devices (-ngl)", "; ".join(devices) or "none"),
     ]
     console = Console()
     table = Table(title="model", show_header=False)
