@@ -9,7 +9,7 @@
  * states what each must compute.
  *
  * Float views arrive as (buffer, offset in floats); weights as (buffer, offset in bytes). Weights
- * are read byte by byte, so no alignment is assumed, and half floats are decoded here (no cl_khr_fp16).
+ * are read as bytes (uchar loads and vload16), so no alignment is assumed, and half floats are decoded here (no cl_khr_fp16).
  * The build options define MM_TOK (tokens per matmul work-item) and ATT_CHUNK (head dimensions per
  * attention work-item); backend_opencl.c sizes its launches with the same numbers.
  *
