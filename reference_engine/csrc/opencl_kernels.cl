@@ -9,7 +9,7 @@
  * states what each must compute.
  *
  * Float views arrive as (buffer, offset in floats); weights as (buffer, offset in bytes). Weights
- * are read byte by byte, so no alignment is assumed, and half floats are decoded here (no cl_khr_fp16).
+ * are read as bytes (uchar loads and vload16), so no alignment is assumed, and half floats are decoded here (no cl_khr_fp16).
  * The build options define MM_TOK (tokens per matmul work-item) and ATT_CHUNK (head dimensions per
  * attention work-item); backend_opencl.c sizes its launches with the same numbers.
  *
@@ -319,6 +319,17 @@ __kernel void kv_store(__global float *kc, ulong kcoff, __global float *vc, ulon
     vc[vcoff + dst] = vn[vnoff + (ulong)t * n_kv + i];
 }
 
+/* q . k over n dimensions in a fixed order: 4 lanes over the multiple-of-4 part (vload4), the lanes
+ * added pairwise, then the rest one by one. */
+float dot_qk(__global const float *q, __global const float *k, int n) {
+    float4 s4 = 0.0f;
+    int n4 = n / 4;
+    for (int i = 0; i < n4; i++) s4 += vload4(i, q) * vload4(i, k);
+    float s = (s4.x + s4.y) + (s4.z + s4.w);
+    for (int d = 4 * n4; d < n; d++) s += q[d] * k[d];
+    return s;
+}
+
 /* Token t (at position p = pos0 + t), query head h, dimensions [d0, d0 + ATT_CHUNK) of the output:
  * softmax(q . K * scale) V over the positions [lo, p] it sees (lo = p - window + 1 with a sliding
  * window), online: a running max m, sum l and output, rescaled when a score raises the max. Every
@@ -338,9 +349,7 @@ __kernel void attend(__global const float *q, ulong qoff, __global const float *
     for (int d = 0; d < ATT_CHUNK; d++) acc[d] = 0.0f;
     for (int j = lo; j <= p; j++) {
         __global const float *kj = K + (ulong)j * head_dim, *vj = V + (ulong)j * head_dim;
-        float s = 0.0f;
-        for (int d = 0; d < head_dim; d++) s += qr[d] * kj[d];
-        s *= scale;
+        float s = dot_qk(qr, kj, head_dim) * scale;
         if (s > m) { /* a new max: rescale what was summed (exp(-inf) = 0 the first time) */
             float corr = exp(m - s);
             l = l * corr + 1.0f;
