@@ -275,6 +275,11 @@ def machine_probe(threads: tuple[int, ...] = (1, 2)) -> MachineProbe:
     from stdengine.reference.core import isa_name
 
     c = lib()
+    if not hasattr(c, "se_probe_read_gbs"):
+        raise RuntimeError(
+            "the reference engine's C core was built before the machine probe: rebuild it "
+            "(pip install ., or python setup.py build_ext --inplace in a checkout)"
+        )
     c.se_probe_read_gbs.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
     c.se_probe_read_gbs.restype = ctypes.c_double
     c.se_probe_int8_gmacs.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32]
