@@ -28,6 +28,7 @@ dequantization, numpy; independent of the engine):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -128,6 +129,11 @@ def _same_answer(got: list[int], exact: list[tuple[int, float]]) -> None:
 
 @pytest.fixture(scope="module")
 def cpu_ref(model_path):
+    return _reference(model_path)
+
+
+@functools.cache  # once per model for the module (the OpenCL and host settings share SmolLM2's)
+def _reference(model_path):
     """The prompt's tokens; the exact reference's logits and greedy answer (token, top-2 margin);
     the CPU path's logits."""
     from stdengine.conformance.exact import ExactModel
