@@ -101,7 +101,9 @@ class ReferenceEngine(LocalEngine):
         self.n_vocab = int(model.n_vocab)
         self.template, self.template_source = choose_chat_template(options.chat_template, model.metadata)
         self.n_params = sum(math.prod(t.shape) for t in model.tensors.values())
-        if self.devices():
+        # An instance has the GPU capability when its layers went to a device at load. Listing the
+        # devices here would start the OpenCL runtime (PoCL: ~60 MiB and its start-up) in every CPU run.
+        if options.n_gpu_layers != 0:
             self.capabilities = self.capabilities | {"gpu"}  # type: ignore[misc]
 
     @classmethod
