@@ -42,13 +42,20 @@ float *se_kv_value_row(const se_context *c, int il, int h, int64_t p) {
     return kv_head(c, c->v_cache, il, h) + p * c->m->hp.head_dim;
 }
 
-void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const float *k) {
+const float *se_kv_key_tiles(const se_context *c, int il, int h, int64_t p0, int n, size_t *bytes) {
+    int hd = c->m->hp.head_dim;
+    int64_t t0 = p0 / TILE, t1 = (p0 + n - 1) / TILE + 1;
+    *bytes = (size_t)(t1 - t0) * TILE * (size_t)hd * sizeof(float);
+    return kv_head(c, c->k_cache, il, h) + t0 * TILE * hd;
+}
+
+void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const float *k, int64_t ldk) {
     int hd = c->m->hp.head_dim;
     float *kc = kv_head(c, c->k_cache, il, h);
     for (int t = 0; t < n; t++) {
         int64_t p = p0 + t;
         float *tile = kc + p / TILE * TILE * hd;
-        for (int d = 0; d < hd; d++) tile[d * TILE + p % TILE] = k[(int64_t)t * hd + d];
+        for (int d = 0; d < hd; d++) tile[d * TILE + p % TILE] = k[(int64_t)t * ldk + d];
     }
 }
 

@@ -27,6 +27,71 @@ void se_split(int64_t n, int ith, int nth, int64_t align, int64_t *r0, int64_t *
     *r1 = min64(n, blocks * (ith + 1) / nth * align);
 }
 
+/* ---- prefetching across the barriers
+ *
+ * A step's matmul streams its weights, and se_matmul asks for them SE_PREFETCH_BYTES ahead of the
+ * rows it computes (kernels.c): so its first rows arrive late, after the barrier, while the thread
+ * that waited at the barrier was idle. Each barrier is therefore told what the thread reads first
+ * in the next step (its static share of the next matmul's rows), and asks for it while waiting. */
+
+#define NEXT_BYTES 16384 /* per tensor: about what se_matmul keeps asked for ahead */
+
+/* This thread's first NEXT_BYTES of rows [r0, r1) of W */
+static se_prefetch_span rows_span(const se_tensor *W, int64_t r0, int64_t r1) {
+    size_t n = r1 > r0 ? (size_t)(r1 - r0) * W->row_size : 0;
+    return (se_prefetch_span){ (const char *)W->data + (size_t)r0 * W->row_size, n < NEXT_BYTES ? n : NEXT_BYTES };
+}
+
+/* The start of this thread's share of a matmul step's rows of W (the split of forward_residual,
+ * forward_gate and the head). */
+static se_prefetch_span share_span(const se_tensor *W, int ith, int nth) {
+    int64_t r0, r1;
+    se_split(W->ne1, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    return rows_span(W, r0, r1);
+}
+
+/* This thread's heads of the QKV step: Q heads [h[0], h[1]), K heads [h[2], h[3]), V heads
+ * [h[4], h[5]); the threads split the H + 2 HKV heads in that order. */
+static void qkv_heads(const se_hparams *hp, int ith, int nth, int64_t h[6]) {
+    int64_t H = hp->n_head, HKV = hp->n_head_kv, u0, u1;
+    se_split(H + 2 * HKV, ith, nth, 1, &u0, &u1);
+    h[0] = u0;
+    h[1] = min64(u1, H);
+    h[2] = min64(max64(u0 - H, 0), HKV);
+    h[3] = min64(max64(u1 - H, 0), HKV);
+    h[4] = max64(u0 - H - HKV, 0);
+    h[5] = max64(u1 - H - HKV, 0);
+}
+
+#define QKV_CACHE_HEADS 8                       /* kv heads whose cache rows are prefetched, at most */
+#define QKV_SPANS (3 + 2 * QKV_CACHE_HEADS)      /* spans of qkv_spans, at most */
+
+/* What this thread reads and writes first in layer il's QKV step (se_forward_qkv): the first
+ * weights of its Q heads, of its K heads and of its V heads; and, for a few tokens of one
+ * context, the key tiles and value rows it will store them into (a generated token's key fills a
+ * column of a 4 KiB tile: 64 cache lines, long evicted by the weights streamed since the last
+ * token). Returns how many spans (up to QKV_SPANS). */
+static int qkv_spans(const se_context *c, int il, int ith, int nth, se_prefetch_span *sp) {
+    const se_hparams *hp = &c->m->hp;
+    const se_layer *L = &c->m->layers[il];
+    int64_t hd = hp->head_dim, n = 0, h6[6];
+    qkv_heads(hp, ith, nth, h6);
+    int64_t q0 = h6[0], q1 = h6[1], k0 = h6[2], k1 = h6[3], v0 = h6[4], v1 = h6[5];
+    if (q1 > q0) sp[n++] = rows_span(&L->t[SE_T_ATTN_Q], q0 * hd, q1 * hd);
+    if (k1 > k0) sp[n++] = rows_span(&L->t[SE_T_ATTN_K], k0 * hd, k1 * hd);
+    if (v1 > v0) sp[n++] = rows_span(&L->t[SE_T_ATTN_V], v0 * hd, v1 * hd);
+    if (c->ub_nseg != 1 || c->ub_n > SE_PRIVATE_TOKENS || hp->n_head_kv > QKV_CACHE_HEADS) return (int)n;
+    const se_ub_seg *sg = &c->ub_seg[0];
+    for (int64_t h = k0; h < k1; h++) {
+        size_t bytes;
+        const float *tiles = se_kv_key_tiles(sg->ctx, il, (int)h, sg->pos, sg->n, &bytes);
+        sp[n++] = (se_prefetch_span){ tiles, bytes < NEXT_BYTES ? bytes : NEXT_BYTES };
+    }
+    for (int64_t h = v0; h < v1; h++)
+        sp[n++] = (se_prefetch_span){ se_kv_value_row(sg->ctx, il, (int)h, sg->pos), (size_t)sg->n * hd * sizeof(float) };
+    return (int)n;
+}
+
 /* y = x / rms(x) * w (llama.cpp accumulates the sum of squares in double; so do we) */
 void se_rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps) {
     double ss = 0;
@@ -146,68 +211,62 @@ void se_forward_prologue(se_context *c, int ith, int nth) {
             se_rope_table((float *)rope_row(c, b, (int)t), se_row_pos(c, t), m->rope_bases[b],
                        hp->rope_freq_scale, hp->n_rot);
     }
-    se_pool_barrier(c->pool);
+    se_prefetch_span next[QKV_SPANS];
+    se_pool_barrier_prefetch(c->pool, next, qkv_spans(c, 0, ith, nth, next));
+}
+
+/* Heads [h0, h1) of Q or K (weights in slot, per-head norm in norm_slot): one matmul call into dst
+ * (a token's heads ld floats apart), then the norm (when the layer has it) and RoPE in place. */
+static void qk_heads(se_context *c, const se_layer *L, const se_acts *a, int slot, int norm_slot, float *dst,
+                     int64_t ld, int64_t h0, int64_t h1) {
+    const se_hparams *hp = &c->m->hp;
+    int64_t hd = hp->head_dim;
+    se_matmul_rows(&L->t[slot], a, c->ub_n, dst, ld, h0 * hd, h1 * hd);
+    const float *nw = L->t[norm_slot].data;
+    for (int t = 0; t < c->ub_n; t++) {
+        const float *cs = rope_row(c, L->rope_idx, t);
+        for (int64_t h = h0; h < h1; h++) {
+            float *v = dst + t * ld + h * hd;
+            if (nw) se_rmsnorm(v, v, nw, hd, hp->norm_eps);
+            se_rope_apply(v, cs, hp->n_rot, hp->rope_type);
+        }
+    }
 }
 
 /* Q, K and V projections of layer il, split across threads by whole heads, so that each thread
- * can finish its heads at once: Q heads are roped in place; K heads are roped in c->k_new, then
- * stored into the cache's key tiles of each segment's context; V heads go straight into the
- * cache when the ubatch is one context's (one segment), else into c->v_new, then each segment's
- * rows into its context's cache. Then a barrier. */
+ * can finish its heads at once. Each of a thread's three runs of heads (Q, K, V) is one matmul
+ * call, one stream of weights: a stream's first rows cost a memory latency. Q heads are roped in
+ * place; K heads are roped in c->k_new, then stored into the cache's key tiles of each segment's
+ * context; V heads land in c->v_new, then each segment's rows go into its context's cache. (k_new
+ * and v_new hold a token's rows of every kv head side by side.) Then a barrier. */
 void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
     const se_hparams *hp = &c->m->hp;
     const se_layer *L = &c->m->layers[il];
     int H = hp->n_head, HKV = hp->n_head_kv, hd = hp->head_dim, n = c->ub_n;
-    int64_t Dq = (int64_t)H * hd;
-    int64_t u0, u1;
-    se_split(H + 2 * HKV, ith, nth, 1, &u0, &u1);
-    /* Q heads [u0, min(u1, H)) in one call */
-    int64_t q0 = u0, q1 = min64(u1, H);
-    if (q1 > q0) {
-        se_matmul_rows(&L->t[SE_T_ATTN_Q], a, n, c->q, Dq, q0 * hd, q1 * hd);
-        const float *qn = L->t[SE_T_ATTN_Q_NORM].data;
-        for (int t = 0; t < n; t++) {
-            const float *cs = rope_row(c, L->rope_idx, t);
-            for (int64_t h = q0; h < q1; h++) {
-                float *q = c->q + t * Dq + h * hd;
-                if (qn) se_rmsnorm(q, q, qn, hd, hp->norm_eps);
-                se_rope_apply(q, cs, hp->n_rot, hp->rope_type);
-            }
-        }
-    }
-    /* K and V heads: one call per head, the output rows (row stride hd) landing in c->k_new for K,
-     * in the cache for V */
-    for (int64_t u = max64(u0, H); u < u1; u++) {
-        int is_k = u < H + HKV;
-        int h = (int)(is_k ? u - H : u - H - HKV);
-        const se_tensor *W = &L->t[is_k ? SE_T_ATTN_K : SE_T_ATTN_V];
-        const se_ub_seg *s0 = &c->ub_seg[0];
-        int direct = !is_k && c->ub_nseg == 1;
-        float *dst = direct ? se_kv_value_row(s0->ctx, il, h, s0->pos)
-                            : (is_k ? c->k_new : c->v_new) + (size_t)h * c->cp.n_ubatch * hd;
-        /* rows [h*hd, (h+1)*hd) of W, addressed as rows [0, hd) of the sub-matrix */
-        se_tensor sub = *W;
-        sub.data = (const char *)W->data + (size_t)h * hd * W->row_size;
-        se_matmul_rows(&sub, a, n, dst, hd, 0, hd);
-        if (is_k) {
-            const float *kn = L->t[SE_T_ATTN_K_NORM].data;
-            for (int t = 0; t < n; t++) {
-                float *k = dst + (size_t)t * hd;
-                if (kn) se_rmsnorm(k, k, kn, hd, hp->norm_eps);
-                se_rope_apply(k, rope_row(c, L->rope_idx, t), hp->n_rot, hp->rope_type);
-            }
-        }
-        if (direct) continue;
+    int64_t Dq = (int64_t)H * hd, Dkv = (int64_t)HKV * hd, h6[6];
+    qkv_heads(hp, ith, nth, h6);
+    int64_t q0 = h6[0], q1 = h6[1], k0 = h6[2], k1 = h6[3], v0 = h6[4], v1 = h6[5];
+    if (q1 > q0) qk_heads(c, L, a, SE_T_ATTN_Q, SE_T_ATTN_Q_NORM, c->q, Dq, q0, q1);
+    if (k1 > k0) {
+        qk_heads(c, L, a, SE_T_ATTN_K, SE_T_ATTN_K_NORM, c->k_new, Dkv, k0, k1);
         for (int si = 0; si < c->ub_nseg; si++) {
             const se_ub_seg *sg = &c->ub_seg[si];
-            const float *rows = dst + (size_t)sg->start * hd;
-            if (is_k)
-                se_kv_store_keys(sg->ctx, il, h, sg->pos, sg->n, rows);
-            else
-                memcpy(se_kv_value_row(sg->ctx, il, h, sg->pos), rows, (size_t)sg->n * hd * sizeof(float));
+            for (int64_t h = k0; h < k1; h++)
+                se_kv_store_keys(sg->ctx, il, (int)h, sg->pos, sg->n, c->k_new + sg->start * Dkv + h * hd, Dkv);
         }
     }
-    se_pool_barrier(c->pool);
+    if (v1 > v0) {
+        se_matmul_rows(&L->t[SE_T_ATTN_V], a, n, c->v_new, Dkv, v0 * hd, v1 * hd);
+        for (int si = 0; si < c->ub_nseg; si++) {
+            const se_ub_seg *sg = &c->ub_seg[si];
+            for (int64_t h = v0; h < v1; h++)
+                for (int t = 0; t < sg->n; t++)
+                    memcpy(se_kv_value_row(sg->ctx, il, (int)h, sg->pos + t), c->v_new + (sg->start + t) * Dkv + h * hd,
+                           (size_t)hd * sizeof(float));
+        }
+    }
+    se_prefetch_span next = share_span(&L->t[SE_T_ATTN_OUTPUT], ith, nth); /* after the attention */
+    se_pool_barrier_prefetch(c->pool, &next, 1);
 }
 
 
@@ -216,7 +275,7 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
  * norm needs its whole row of W act, which the threads compute in pieces: each computes its rows
  * into c->tmp, a barrier, then each normalises and adds its share of the tokens, then a barrier. */
 static void forward_residual(se_context *c, const se_tensor *W, const float *post_w, const se_acts *a,
-                             int ith, int nth) {
+                             const se_prefetch_span *next, int n_next, int ith, int nth) {
     int64_t E = c->m->hp.n_embd, r0, r1;
     se_split(W->ne1, ith, nth, SPLIT_ALIGN, &r0, &r1);
     se_matmul_rows(W, a, c->ub_n, c->tmp, E, r0, r1);
@@ -226,10 +285,10 @@ static void forward_residual(se_context *c, const se_tensor *W, const float *pos
             const float *y = c->tmp + t * E;
             for (int64_t r = r0; r < r1; r++) x[r] += y[r];
         }
-        se_pool_barrier(c->pool);
+        se_pool_barrier_prefetch(c->pool, next, n_next);
         return;
     }
-    se_pool_barrier(c->pool);
+    se_pool_barrier_prefetch(c->pool, next, n_next);
     int64_t t0, t1;
     se_split(c->ub_n, ith, nth, 1, &t0, &t1);
     for (int64_t t = t0; t < t1; t++) {
@@ -237,7 +296,7 @@ static void forward_residual(se_context *c, const se_tensor *W, const float *pos
         se_rmsnorm(y, y, post_w, E, c->m->hp.norm_eps);
         for (int64_t i = 0; i < E; i++) x[i] += y[i];
     }
-    se_pool_barrier(c->pool);
+    se_pool_barrier_prefetch(c->pool, next, n_next);
 }
 
 void se_attention_block(se_context *c, int il, const float *post_w, int ith, int nth) {
@@ -251,7 +310,8 @@ void se_attention_block(se_context *c, int il, const float *post_w, int ith, int
     se_forward_attention(c, il, ith, nth);
     const se_tensor *wo[1] = { &L->t[SE_T_ATTN_OUTPUT] };
     se_prep_acts(c, ith, nth, c->att, Dq, c->ub_n, NULL, wo, 1, &a);
-    forward_residual(c, wo[0], post_w, &a, ith, nth);
+    se_prefetch_span next[2] = { share_span(&L->t[SE_T_FFN_GATE], ith, nth), share_span(&L->t[SE_T_FFN_UP], ith, nth) };
+    forward_residual(c, wo[0], post_w, &a, next, 2, ith, nth);
 }
 
 /* hb = act(gate x) * (up x) for this thread's rows of the ffn, then a barrier. */
@@ -269,7 +329,8 @@ static void forward_gate(se_context *c, const se_layer *L, se_ffn_act act, const
         else
             for (int64_t r = r0; r < r1; r++) g[r] = se_gelu_tanh(g[r]) * u[r];
     }
-    se_pool_barrier(c->pool);
+    se_prefetch_span next = share_span(&L->t[SE_T_FFN_DOWN], ith, nth);
+    se_pool_barrier_prefetch(c->pool, &next, 1);
 }
 
 void se_ffn_block(se_context *c, int il, se_ffn_act act, const float *post_w, int ith, int nth) {
@@ -281,7 +342,12 @@ void se_ffn_block(se_context *c, int il, se_ffn_act act, const float *post_w, in
     forward_gate(c, L, act, &a, ith, nth);
     const se_tensor *wd[1] = { &L->t[SE_T_FFN_DOWN] };
     se_prep_acts(c, ith, nth, c->hb, hp->n_ff, c->ub_n, NULL, wd, 1, &a);
-    forward_residual(c, wd[0], post_w, &a, ith, nth);
+    /* next: the next layer's QKV, or the output head after the last (when it runs) */
+    se_prefetch_span next[QKV_SPANS];
+    int n_next = 0;
+    if (il + 1 < hp->n_layer) n_next = qkv_spans(c, il + 1, ith, nth, next);
+    else if (c->ub_out || c->ub_nout) next[n_next++] = share_span(&c->m->output, ith, nth);
+    forward_residual(c, wd[0], post_w, &a, next, n_next, ith, nth);
 }
 
 /* Final norm and the output head for the tokens whose logits are wanted: every token of the

@@ -114,11 +114,13 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth);
  * c->att; barrier. */
 void se_forward_attention(se_context *c, int il, int ith, int nth);
 /* The KV cache (attention.c alone knows its layout): positions held per layer and kv head for a
- * context of n_ctx; the value row of layer il, kv head h, position p; n keys (rows of head_dim)
- * stored at positions p0.. of layer il, kv head h. */
+ * context of n_ctx; the value row of layer il, kv head h, position p; n keys (rows of head_dim,
+ * ldk floats apart) stored at positions p0.. of layer il, kv head h. */
 int64_t se_kv_positions(int64_t n_ctx);
 float *se_kv_value_row(const se_context *c, int il, int h, int64_t p);
-void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const float *k);
+void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const float *k, int64_t ldk);
+/* The key tiles holding positions [p0, p0 + n) of layer il, kv head h (contiguous), and their bytes */
+const float *se_kv_key_tiles(const se_context *c, int il, int h, int64_t p0, int n, size_t *bytes);
 
 /* ---- the architecture table (model.c lists the entries; each architecture's file defines one) */
 

@@ -249,8 +249,8 @@ struct se_context {
     int32_t n_past;
     int32_t *tokens;         /* the n_past tokens in the cache, for the penalties */
     float *k_cache, *v_cache;/* per layer and kv head (attention.c: se_kv_positions, se_kv_*) */
-    float *k_new;            /* the ubatch's keys on their way to the cache [n_head_kv][n_ubatch][head_dim] */
-    float *v_new;            /* its values, when its rows go to several caches (same shape) */
+    float *k_new;            /* the ubatch's keys on their way to the cache [n_ubatch][n_head_kv][head_dim] */
+    float *v_new;            /* its values (same shape) */
     /* activations for one ubatch */
     float *x;                /* residual stream [n_ubatch][n_embd] */
     float *xb;               /* normalised rows [n_ubatch][max(n_embd, n_ff)] */

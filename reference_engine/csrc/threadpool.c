@@ -84,13 +84,38 @@ static void futex_wake_all(_Atomic uint32_t *word) {
 #endif
 }
 
-/* Waits until *word != old; returns the new value. */
-static uint32_t wait_change(se_pool *p, _Atomic uint32_t *word, uint32_t old, long spin_ns) {
+/* The cache lines still to prefetch: span s, byte offset off (se_pool_barrier_prefetch). */
+typedef struct {
+    const se_prefetch_span *spans;
+    int n, s;
+    size_t off;
+} prefetch_cursor;
+
+/* Asks for the cursor's next cache line (into L2: the step's kernel takes it on to L1 itself);
+ * 0 when there is none left. */
+static int prefetch_next(prefetch_cursor *pc) {
+    while (pc && pc->s < pc->n) {
+        const se_prefetch_span *sp = &pc->spans[pc->s];
+        if (pc->off < sp->n) {
+            __builtin_prefetch((const char *)sp->p + pc->off, 0, 2);
+            pc->off += 64;
+            return 1;
+        }
+        pc->s++;
+        pc->off = 0;
+    }
+    return 0;
+}
+
+/* Waits until *word != old; returns the new value. Each turn of the spin prefetches the cursor's
+ * next line (when pc is not NULL), or pauses once there is none left. */
+static uint32_t wait_change(se_pool *p, _Atomic uint32_t *word, uint32_t old, long spin_ns,
+                            prefetch_cursor *pc) {
     uint32_t v = atomic_load_explicit(word, memory_order_acquire);
     if (v != old) return v;
     int64_t deadline = 0;
     for (int i = 1;; i++) {
-        cpu_relax();
+        if (!prefetch_next(pc)) cpu_relax();
         v = atomic_load_explicit(word, memory_order_acquire);
         if (v != old) return v;
         if ((i & 255) == 0) {  /* look at the clock only now and then: it costs ~20 ns */
@@ -112,19 +137,24 @@ static void wake(se_pool *p, _Atomic uint32_t *word) {
     if (atomic_load(&p->n_sleepers) > 0) futex_wake_all(word);
 }
 
-void se_pool_barrier(se_pool *p) {
+void se_pool_barrier_prefetch(se_pool *p, const se_prefetch_span *spans, int n) {
+    prefetch_cursor pc = { spans, n, 0, 0 };
     int nth = p->nth;
-    if (nth <= 1) return;
-    uint32_t gen = atomic_load(&p->bar_gen);
-    if (atomic_fetch_add(&p->bar_count, 1) == nth - 1) {
-        /* last to arrive: reset the count before releasing the others, who may re-enter at once */
-        atomic_store(&p->bar_count, 0);
-        atomic_fetch_add(&p->bar_gen, 1);
-        wake(p, &p->bar_gen);
-    } else {
-        wait_change(p, &p->bar_gen, gen, SPIN_NS_BARRIER);
+    if (nth > 1) {
+        uint32_t gen = atomic_load(&p->bar_gen);
+        if (atomic_fetch_add(&p->bar_count, 1) == nth - 1) {
+            /* last to arrive: reset the count before releasing the others, who may re-enter at once */
+            atomic_store(&p->bar_count, 0);
+            atomic_fetch_add(&p->bar_gen, 1);
+            wake(p, &p->bar_gen);
+        } else {
+            wait_change(p, &p->bar_gen, gen, SPIN_NS_BARRIER, &pc);
+        }
     }
+    while (prefetch_next(&pc)) {} /* what the wait left (all of it for the last to arrive) */
 }
+
+void se_pool_barrier(se_pool *p) { se_pool_barrier_prefetch(p, NULL, 0); }
 
 static void *worker_main(void *varg) {
     worker_arg *wa = varg;
@@ -133,7 +163,7 @@ static void *worker_main(void *varg) {
     free(wa);
     uint32_t seen = 0;  /* the job word's initial value: a job published before we got here still counts */
     for (;;) {
-        seen = wait_change(p, &p->job, seen, SPIN_NS_JOB);
+        seen = wait_change(p, &p->job, seen, SPIN_NS_JOB, NULL);
         if (atomic_load(&p->stop)) break;
         int nth = (int)(seen & 0xff);
         if (ith >= nth) continue;  /* not needed for this job */

@@ -8,6 +8,8 @@
 #ifndef SE_THREADPOOL_H
 #define SE_THREADPOOL_H
 
+#include <stddef.h>
+
 typedef struct se_pool se_pool;
 typedef void (*se_pool_fn)(void *arg, int ith, int nth);
 
@@ -24,5 +26,17 @@ void se_pool_run(se_pool *p, int nth, se_pool_fn fn, void *arg);
 /* Every thread of the current job waits here until all nth have arrived. Writes made before
  * the barrier are visible to every thread after it. */
 void se_pool_barrier(se_pool *p);
+
+/* Memory that a thread reads first after a barrier: n bytes from p. */
+typedef struct {
+    const void *p;
+    size_t n;
+} se_prefetch_span;
+
+/* se_pool_barrier, and the spans (n of them) asked for from memory meanwhile: a thread that waits
+ * issues one cache line's prefetch per turn of its spin instead of idling, the last to arrive
+ * after it has released the others. The step after a barrier starts by streaming weights; their
+ * first rows would otherwise reach the core only after the wait. */
+void se_pool_barrier_prefetch(se_pool *p, const se_prefetch_span *spans, int n);
 
 #endif
