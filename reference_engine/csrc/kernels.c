@@ -724,18 +724,10 @@ void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
         for (; r < r1; r++) y[r] = kt->dot(k, w + wrow * (size_t)r, a);
         return;
     }
-    const int cols = kt->pp_cols ? kt->pp_cols : 4;
-    /* A batch that one tile takes whole (a step of batched decoding) reads each weight row once,
-     * as one token does: ask for the rows ahead in the same way. */
-    const int64_t ahead = n_tok <= cols ? (int64_t)(SE_PREFETCH_BYTES / wrow) + 1 : 0;
     for (int64_t rb = r0; rb < r1; rb += ROW_BLOCK) {
         const int64_t re = rb + ROW_BLOCK < r1 ? rb + ROW_BLOCK : r1;
-        if (ahead && re + ahead <= r1) {
-            const char *p = w + wrow * (size_t)(rb + ahead);
-            for (size_t o = 0; o < wrow * (size_t)(re - rb); o += 64) __builtin_prefetch(p + o);
-        }
-        for (int i = 0; i < n_tok; i += cols) {
-            const int nc = n_tok - i < cols ? n_tok - i : cols;
+        for (int i = 0; i < n_tok; i += 4) {
+            const int nc = n_tok - i < 4 ? n_tok - i : 4;
             for (int64_t r = rb; r < re;) {
                 const int nr = re - r >= kt->pp_rows ? kt->pp_rows : 1;
                 float out[16];

@@ -146,8 +146,8 @@ static const se_type_traits se_types[SE_TYPE_COUNT] = {
 
 /* nr weight rows (w, w + w_stride, ...) against nc activation rows (a, a + a_stride, ...):
  * out[r * nc + c]. se_matmul asks for nr = tg_rows (or 1) with nc == 1 (token generation: rows
- * share the activation loads) and nr = pp_rows (or 1) with nc <= pp_cols (batches: each weight
- * block is unpacked once for pp_cols tokens); each ISA file lists exactly those shapes (SE_SHAPE). */
+ * share the activation loads) and nr = pp_rows (or 1) with nc <= 4 (prompts: each weight block
+ * is unpacked once for 4 tokens); each ISA file lists exactly those shapes (SE_SHAPE). */
 typedef void (*se_tile_fn)(int64_t n, const void *w, size_t w_stride, int nr, const void *a, size_t a_stride,
                            int nc, float *out);
 /* The whole of se_matmul for a batch of at least se_gemm_min_tokens() tokens (see se_matmul);
@@ -168,7 +168,6 @@ typedef struct {
     se_dot_fn dot;
     se_tile_fn tile;
     int tg_rows, pp_rows;
-    int pp_cols;                 /* tokens per tile call in batches, 4 (0) or 8 (kernels_avx2.c) */
     se_from_float_fn from_float; /* activation types: must give the scalar code's bytes exactly */
     se_gemm_fn gemm;             /* optional: batches of se_gemm_min_tokens() or more */
     se_gemm_fn small;            /* optional: batches of 2 to se_gemm_min_tokens() - 1 tokens (the
@@ -211,9 +210,9 @@ static inline void se_q3_K_scales(const uint8_t *s, int8_t out[16]) {
 }
 
 /* A tile shape (nr rows x nc tokens) as one number, for the ISA files' shape switches. Each ISA
- * family lists the shapes se_matmul asks of its table entries (tg_rows x 1, pp_rows x 1..pp_cols
- * and 1 x 1..pp_cols); an unlisted one is a bug in the table, which se_bad_tile_shape reports
- * before it aborts. */
+ * family lists the shapes se_matmul asks of its table entries (tg_rows x 1, pp_rows x 1..4 and
+ * 1 x 1..4); an unlisted one is a bug in the table, which se_bad_tile_shape reports before it
+ * aborts. */
 #define SE_SHAPE(nr, nc) ((nr) * 8 + (nc))
 __attribute__((noreturn, cold)) void se_bad_tile_shape(const char *isa, int type, int nr, int nc);
 #endif

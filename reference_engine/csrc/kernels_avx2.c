@@ -136,7 +136,7 @@ INLINE void q45_K_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
     const se_type_traits *t = &se_types[type];
     const int q5 = t->qh_offset != 0, ws = t->size, qs_off = t->qs_offset;
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc[8], accm[8];
+    __m256 acc[4], accm[4];
     for (int c = 0; c < nc; c++) { acc[c] = _mm256_setzero_ps(); accm[c] = _mm256_setzero_ps(); }
 
     for (int64_t i = 0; i < n / 256; i++) {
@@ -240,7 +240,7 @@ INLINE void unpack_k16(int type, const uint8_t *x, k16_block *b) {
 
 INLINE void k16_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
     const int ws = se_types[type].size;
-    __m256 acc[8], acco[8];
+    __m256 acc[4], acco[4];
     for (int c = 0; c < nc; c++) { acc[c] = _mm256_setzero_ps(); acco[c] = _mm256_setzero_ps(); }
 
     for (int64_t i = 0; i < n / 256; i++) {
@@ -286,7 +286,7 @@ INLINE float load_w1(int type, const uint8_t *p) {
 
 INLINE void float_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
     const int es = se_types[type].size;
-    __m256 acc[8];
+    __m256 acc[4];
     for (int c = 0; c < nc; c++) acc[c] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -410,7 +410,7 @@ static void q8_K_from_float(const float *x, void *dst, int64_t n) {
  * accumulators stay in registers. The shapes listed are the ones se_matmul asks of the table's
  * tg_rows and pp_rows (kernels.h); an unlisted one stops the process (se_bad_tile_shape). */
 
-/* Legacy types: tg_rows 4, pp_rows 1, pp_cols 8. */
+/* Legacy types: tg_rows 4, pp_rows 1. */
 INLINE void legacy_shapes(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
                           int nc, float *out) {
     switch (SE_SHAPE(nr, nc)) {
@@ -419,15 +419,11 @@ INLINE void legacy_shapes(int type, int64_t n, const uint8_t *w, size_t wr, int 
     case SE_SHAPE(1, 2): legacy_tile(type, n, w, wr, 1, a, as, 2, out); return;
     case SE_SHAPE(1, 3): legacy_tile(type, n, w, wr, 1, a, as, 3, out); return;
     case SE_SHAPE(1, 4): legacy_tile(type, n, w, wr, 1, a, as, 4, out); return;
-    case SE_SHAPE(1, 5): legacy_tile(type, n, w, wr, 1, a, as, 5, out); return;
-    case SE_SHAPE(1, 6): legacy_tile(type, n, w, wr, 1, a, as, 6, out); return;
-    case SE_SHAPE(1, 7): legacy_tile(type, n, w, wr, 1, a, as, 7, out); return;
-    case SE_SHAPE(1, 8): legacy_tile(type, n, w, wr, 1, a, as, 8, out); return;
     }
     se_bad_tile_shape("avx2", type, nr, nc);
 }
 
-/* Float types and the K-quants: one row (tg_rows 1, pp_rows 1, pp_cols 8). */
+/* Float types and the K-quants: one row (tg_rows 1, pp_rows 1). */
 INLINE void one_row_shapes(int type, int64_t n, const uint8_t *w, int nr, const uint8_t *a, size_t as, int nc,
                            float *out) {
     switch (SE_SHAPE(nr, nc)) {
@@ -435,10 +431,6 @@ INLINE void one_row_shapes(int type, int64_t n, const uint8_t *w, int nr, const 
     case SE_SHAPE(1, 2): one_row_tile(type, n, w, a, as, 2, out); return;
     case SE_SHAPE(1, 3): one_row_tile(type, n, w, a, as, 3, out); return;
     case SE_SHAPE(1, 4): one_row_tile(type, n, w, a, as, 4, out); return;
-    case SE_SHAPE(1, 5): one_row_tile(type, n, w, a, as, 5, out); return;
-    case SE_SHAPE(1, 6): one_row_tile(type, n, w, a, as, 6, out); return;
-    case SE_SHAPE(1, 7): one_row_tile(type, n, w, a, as, 7, out); return;
-    case SE_SHAPE(1, 8): one_row_tile(type, n, w, a, as, 8, out); return;
     }
     se_bad_tile_shape("avx2", type, nr, nc);
 }
@@ -500,19 +492,19 @@ static float dot_q5_K(int64_t n, const void *w, const void *a) { float o; one_ro
 static float dot_q6_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q6_K, n, w, a, 0, 1, &o); return o; }
 
 const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
-    [SE_Q4_0] = { .dot = dot_q4_0, .tile = tile_q4_0, .tg_rows = 4, .pp_rows = 1, .pp_cols = 8 },
-    [SE_Q4_1] = { .dot = dot_q4_1, .tile = tile_q4_1, .tg_rows = 4, .pp_rows = 1, .pp_cols = 8 },
-    [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 1, .pp_cols = 8 },
-    [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 1, .pp_cols = 8 },
-    [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 1, .pp_cols = 8, .from_float = q8_0_from_float },
-    [SE_Q2_K] = { .dot = dot_q2_K, .tile = tile_q2_K, .tg_rows = 1, .pp_rows = 1, .pp_cols = 8 },
-    [SE_Q3_K] = { .dot = dot_q3_K, .tile = tile_q3_K, .tg_rows = 1, .pp_rows = 1, .pp_cols = 8 },
-    [SE_Q4_K] = { .dot = dot_q4_K, .tile = tile_q4_K, .tg_rows = 1, .pp_rows = 1, .pp_cols = 8 },
-    [SE_Q5_K] = { .dot = dot_q5_K, .tile = tile_q5_K, .tg_rows = 1, .pp_rows = 1, .pp_cols = 8 },
-    [SE_Q6_K] = { .dot = dot_q6_K, .tile = tile_q6_K, .tg_rows = 1, .pp_rows = 1, .pp_cols = 8 },
-    [SE_F32] = { .dot = dot_f32, .tile = tile_f32, .tg_rows = 1, .pp_rows = 1, .pp_cols = 8 },
-    [SE_F16] = { .dot = dot_f16, .tile = tile_f16, .tg_rows = 1, .pp_rows = 1, .pp_cols = 8 },
-    [SE_BF16] = { .dot = dot_bf16, .tile = tile_bf16, .tg_rows = 1, .pp_rows = 1, .pp_cols = 8 },
+    [SE_Q4_0] = { .dot = dot_q4_0, .tile = tile_q4_0, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q4_1] = { .dot = dot_q4_1, .tile = tile_q4_1, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 1 },
+    [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 1, .from_float = q8_0_from_float },
+    [SE_Q2_K] = { .dot = dot_q2_K, .tile = tile_q2_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q3_K] = { .dot = dot_q3_K, .tile = tile_q3_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q4_K] = { .dot = dot_q4_K, .tile = tile_q4_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q5_K] = { .dot = dot_q5_K, .tile = tile_q5_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_Q6_K] = { .dot = dot_q6_K, .tile = tile_q6_K, .tg_rows = 1, .pp_rows = 1 },
+    [SE_F32] = { .dot = dot_f32, .tile = tile_f32, .tg_rows = 1, .pp_rows = 1 },
+    [SE_F16] = { .dot = dot_f16, .tile = tile_f16, .tg_rows = 1, .pp_rows = 1 },
+    [SE_BF16] = { .dot = dot_bf16, .tile = tile_bf16, .tg_rows = 1, .pp_rows = 1 },
     [SE_Q8_1] = { .from_float = q8_1_from_float },
     [SE_Q8_K] = { .from_float = q8_K_from_float },
 };
