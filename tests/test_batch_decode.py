@@ -75,10 +75,11 @@ def _greedy(logits: list[np.ndarray]) -> list[list[int]]:
 def test_contexts_stepped_together_match_each_alone(model, isa):
     """N contexts with different prompts (lengths 3 to 45) evaluated in one batch, then stepped
     together one token at a time; ctxs[0]'s ubatch of 16 splits the prompts over several passes
-    and a context's prompt across two of them. Every logit equals its context's alone."""
+    and a context's prompt across two of them. Every logit equals its context's alone. Steps of
+    2 to 15 rows take the small-batch matmuls (kernels.h), 12 in two passes (8 + 4)."""
     slow = isa == "scalar"  # the portable path: fewer contexts and steps
     with using_isa(isa):
-        for n_seq in (2, 5) if slow else (2, 5, 8):
+        for n_seq in (2, 5) if slow else (2, 3, 5, 8, 12):
             pairs = [Pair(model, n_ubatch=16 if i == 0 else 512) for i in range(n_seq)]
             try:
                 prompts = [_tokens(3 + (i * 7) % 43, seed=n_seq * 100 + i) for i in range(n_seq)]

@@ -359,6 +359,30 @@ def test_gemm_batches_agree(t, blocks, isa):
         np.testing.assert_array_equal(K.matmul(t, w, k, x, r0, r1)[:, r0:r1], big[:, r0:r1])
 
 
+@pytest.mark.parametrize("t", WEIGHT_TYPES, ids=lambda t: t.name)
+def test_small_batches_equal_single_token(t, isa):
+    """The steps of batched decoding (2 to 8 tokens, and a few more in passes of 8) take the
+    small-batch path (kernels.h): each token's outputs are its one-token outputs bit for bit, for
+    rows of whole groups of 16 blocks, of a short last group of at most 8 blocks (packed; SmolLM2's
+    576 = 16 + 2 blocks, Gemma-3's 640 = 16 + 4) or more, and odd K-quant super-block counts."""
+    rng = rng_for("small", t)
+    per = block(t) if block(t) > 1 else 32
+    for blocks in (2, 5, 16, 18, 20, 29, 48) if per == 32 else (1, 2, 3, 4, 7):
+        rows, k = 21, per * blocks
+        w = weights(t, rows, k, rng, sources(t)[-1])
+        x = rng.standard_normal((12, k)).astype(np.float32)
+        x[1, :per] *= 100  # one block with a much larger range
+        single = np.stack([K.matmul(t, w, k, x[i : i + 1])[0] for i in range(len(x))])
+        for lo, n in ((0, 2), (2, 3), (3, 4), (1, 5), (4, 6), (5, 7), (0, 8), (3, 9), (0, 12)):
+            got = K.matmul(t, w, k, x[lo : lo + n])
+            np.testing.assert_array_equal(
+                got, single[lo : lo + n], err_msg=f"{t.name} {blocks} blocks, {n} tokens"
+            )
+        for r0, r1 in ((0, 9), (9, 21), (20, 21)):  # threads' row ranges
+            part = K.matmul(t, w, k, x[:6], r0, r1)
+            np.testing.assert_array_equal(part[:, r0:r1], single[:6, r0:r1])
+
+
 @pytest.mark.parametrize("t", QUANT_TYPES + [T.F16, T.F32], ids=lambda t: t.name)
 def test_isas_agree(t):
     """Every path gives the scalar path's dot up to float rounding (integer sums are exact)."""

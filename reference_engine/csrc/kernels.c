@@ -707,6 +707,8 @@ void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
     }
     if (kt->gemm && n_tok >= gemm_min_tokens && kt->gemm(k, W, wrow, act, arow, n_tok, y, ldy, r0, r1) == 0)
         return;
+    if (kt->small && n_tok > 1 && n_tok < gemm_min_tokens && kt->small(k, W, wrow, act, arow, n_tok, y, ldy, r0, r1) == 0)
+        return;
     if (n_tok == 1) {
         /* Weights stream from DRAM once per token: ask for the rows SE_PREFETCH_BYTES ahead, since
          * the hardware prefetcher alone leaves the core waiting on memory half of the time. */

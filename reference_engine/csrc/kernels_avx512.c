@@ -5,7 +5,8 @@
  * unsigned ones (q4_1, q5_1, the K-quants' q) as they are, signed ones (q4_0, q5_0, q8_0) plus
  * an offset that is taken back through the activations' sums. Each kernel is a tile of weight
  * rows x activation rows: 4 x 1 for generation, 2 x 4 for short batches (a weight block is
- * unpacked once for 4 tokens). Batches of se_gemm_min_tokens() or more take the GEMM on int8
+ * unpacked once for 4 tokens). Batches of 2 to se_gemm_min_tokens() - 1 tokens (the steps of
+ * batched decoding) take the small-batch kernel, blocks in lanes; larger ones the GEMM on int8
  * panels (below).
  *
  * The summation order. Every quantized kernel here (tiles, the dots made from them, the GEMM)
@@ -19,8 +20,10 @@
  *     lane = fma(M_b, S_b, lane).
  *   - The 16 lanes are added in hsum16's tree.
  * The tiles hold quants in vector lanes: per group of 16 blocks they reduce the integer sums to
- * one vector whose lane p is block LANE[p] (blocks16_*), then take one fma per group. The GEMM
- * holds rows in lanes: it runs the 16 lane chains one after another and adds them in the tree.
+ * one vector whose lane p is block LANE[p] (blocks16_*), then take one fma per group. The
+ * small-batch kernel holds blocks in lanes: lane p of every vector is block LANE[p] from the
+ * start, so the integer sums need no reduction. The GEMM holds rows in lanes: it runs the 16 lane
+ * chains one after another and adds them in the tree.
  * Blocks past a row's end get zero scales: their fma adds an exact zero.
  */
 #define SE_KERNELS_INTERNAL
@@ -303,16 +306,40 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
     hsum_tiles(acc, nr * nc, out);
 }
 
+/* The scales of two Q4_K/Q5_K super-blocks xa, xb (two == 0: xb == xa is a lone last one, whose
+ * lanes get zero scales): lane p is sub-block LANE32[p] (lanes 0-7 xa's, 8-15 xb's), wd = d*sc and
+ * wm = -dmin*m, exact products. The two types share the layout of d, dmin and the scales. */
+INLINE void q45_scales(const uint8_t *xa, const uint8_t *xb, int two, __m512 *wd, __m512 *wm) {
+    const size_t sc_at = offsetof(se_blk_q4_K, scales), d_at = offsetof(se_blk_q4_K, d);
+    const size_t dmin_at = offsetof(se_blk_q4_K, dmin);
+    uint64_t sca, mna, scb, mnb;
+    scales_mins_k4(xa + sc_at, &sca, &mna);
+    scales_mins_k4(xb + sc_at, &scb, &mnb);
+    const __mmask16 half = two ? 0xffff : 0x00ff;
+    const __m512 d = _mm512_maskz_mov_ps(half, _mm512_insertf32x8(_mm512_set1_ps(h2f(xa + d_at)), _mm256_set1_ps(h2f(xb + d_at)), 1));
+    const __m512 dmin = _mm512_insertf32x8(_mm512_set1_ps(-h2f(xa + dmin_at)), _mm256_set1_ps(-h2f(xb + dmin_at)), 1);
+    *wd = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes_u8(_mm_set_epi64x((long long)scb, (long long)sca), LANE32)), d);
+    *wm = _mm512_maskz_mul_ps(half, dmin, _mm512_cvtepi32_ps(lanes_u8(_mm_set_epi64x((long long)mnb, (long long)mna), LANE32)));
+}
+/* The activations' side of the same pair (Q8_K blocks ya, yb): ad = d_a, and the mins' partner
+ * sa = d_a * (the sub-block's sum of activations: two bsums of 16). */
+INLINE void q45_act_scales(const se_blk_q8_K *ya, const se_blk_q8_K *yb, int two, __m512 *ad, __m512 *sa) {
+    const __mmask16 half = two ? 0xffff : 0x00ff;
+    *ad = _mm512_maskz_mov_ps(half, _mm512_insertf32x8(_mm512_set1_ps(ya->d), _mm256_set1_ps(yb->d), 1));
+    const __m512i bs = _mm512_madd_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)ya->bsums)),
+                                                            _mm256_loadu_si256((const __m256i *)yb->bsums), 1),
+                                         _mm512_set1_epi16(1));
+    *sa = _mm512_mul_ps(*ad, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(_mm512_loadu_si512(LANE32), bs)));
+}
+
 /* Q4_K and Q5_K, one row x nc tokens: per group of two super-blocks (16 sub-blocks of 32),
  * 8 vpdpbusd; the scales d*sc and mins -dmin*m are exact products, the mins' partner is
  * S = d_a * (the sub-block's sum of activations, from the bsums). The two types share the layout
  * of d, dmin and the scales (se_blk_q4_K). */
 INLINE void q45_K_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, size_t as, int nc, float *out) {
     const int ws = se_types[type].size;
-    const size_t sc_at = offsetof(se_blk_q4_K, scales), d_at = offsetof(se_blk_q4_K, d);
-    const size_t dmin_at = offsetof(se_blk_q4_K, dmin);
     const int64_t nsb = n / 256;
-    const __m512i zero = _mm512_setzero_si512(), lane = _mm512_loadu_si512(LANE32);
+    const __m512i zero = _mm512_setzero_si512();
     __m512 acc[4];
     for (int c = 0; c < nc; c++) acc[c] = _mm512_setzero_ps();
 
@@ -322,33 +349,31 @@ INLINE void q45_K_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, 
         __m512i q[8];
         unpack_q45_K(type, xa, q);
         unpack_q45_K(type, xb, q + 4);
-        uint64_t sca, mna, scb, mnb;
-        scales_mins_k4(xa + sc_at, &sca, &mna);
-        scales_mins_k4(xb + sc_at, &scb, &mnb);
-        const __mmask16 half = two ? 0xffff : 0x00ff;
-        /* lanes 0-7 hold sub-blocks of the first super-block, lanes 8-15 of the second */
-        const __m512 d = _mm512_maskz_mov_ps(half, _mm512_insertf32x8(_mm512_set1_ps(h2f(xa + d_at)), _mm256_set1_ps(h2f(xb + d_at)), 1));
-        const __m512 dmin = _mm512_insertf32x8(_mm512_set1_ps(-h2f(xa + dmin_at)), _mm256_set1_ps(-h2f(xb + dmin_at)), 1);
-        const __m512 wd = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes_u8(_mm_set_epi64x((long long)scb, (long long)sca), LANE32)), d);
-        const __m512 wm = _mm512_maskz_mul_ps(half, dmin,
-                                              _mm512_cvtepi32_ps(lanes_u8(_mm_set_epi64x((long long)mnb, (long long)mna), LANE32)));
+        __m512 wd, wm;
+        q45_scales(xa, xb, two, &wd, &wm);
         for (int c = 0; c < nc; c++) {
             const se_blk_q8_K *ya = (const se_blk_q8_K *)(a + c * as) + g, *yb = two ? ya + 1 : ya;
             __m512i p[8];
             for (int k = 0; k < 8; k++)
                 p[k] = _mm512_dpbusd_epi32(zero, q[k], _mm512_loadu_si512((k < 4 ? ya : yb)->qs + 64 * (k % 4)));
-            const __m512 ad = _mm512_maskz_mov_ps(half, _mm512_insertf32x8(_mm512_set1_ps(ya->d), _mm256_set1_ps(yb->d), 1));
-            /* each sub-block's activation sum: two bsums of 16 */
-            const __m512i bs = _mm512_madd_epi16(
-                _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)ya->bsums)),
-                                   _mm256_loadu_si256((const __m256i *)yb->bsums), 1),
-                _mm512_set1_epi16(1));
-            const __m512 sa = _mm512_mul_ps(ad, _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane, bs)));
+            __m512 ad, sa;
+            q45_act_scales(ya, yb, two, &ad, &sa);
             acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(blocks16_32(p, two ? 8 : 4)), _mm512_mul_ps(wd, ad), acc[c]);
             acc[c] = _mm512_fmadd_ps(wm, sa, acc[c]);
         }
     }
     hsum_tiles(acc, nc, out);
+}
+
+/* The scales of a Q2_K/Q3_K/Q6_K super-block, lane p = block LANE16[p]: wd = d*sc and (Q2_K)
+ * wm = -dmin*m, exact products. */
+INLINE void k16_scales(int type, const k16_block *b, __m512 *wd, __m512 *wm) {
+    const __m512i lane = _mm512_loadu_si512(LANE16);
+    const __m512i sc = _mm512_permutexvar_epi32(lane, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b->sc)));
+    *wd = _mm512_mul_ps(_mm512_set1_ps(b->d), _mm512_cvtepi32_ps(sc));
+    *wm = se_types[type].has_min ? _mm512_mul_ps(_mm512_set1_ps(-b->dmin), _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
+                                                     lane, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b->mn)))))
+                                 : _mm512_setzero_ps();
 }
 
 /* Q2_K, Q3_K and Q6_K, one row x nc tokens: per super-block (16 blocks of 16), 4 vpdpbusd; the
@@ -365,11 +390,8 @@ INLINE void k16_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, si
     for (int64_t i = 0; i < n / 256; i++) {
         k16_block b;
         unpack_k16(type, w + i * t->size, &b);
-        const __m512i sc = _mm512_permutexvar_epi32(lane, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b.sc)));
-        const __m512 wd = _mm512_mul_ps(_mm512_set1_ps(b.d), _mm512_cvtepi32_ps(sc));
-        const __m512 wm = t->has_min ? _mm512_mul_ps(_mm512_set1_ps(-b.dmin), _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(
-                                                         lane, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b.mn)))))
-                                     : _mm512_setzero_ps();
+        __m512 wd, wm;
+        k16_scales(type, &b, &wd, &wm);
         for (int c = 0; c < nc; c++) {
             const se_blk_q8_K *y = (const se_blk_q8_K *)(a + c * as) + i;
             __m512i p[4];
@@ -383,6 +405,270 @@ INLINE void k16_dotx(int type, int64_t n, const uint8_t *w, const uint8_t *a, si
         }
     }
     hsum_tiles(acc, nc, out);
+}
+
+/* ---------------------------------------------------------------- small batches (blocks in lanes)
+ * A step of batched decoding multiplies every weight row by a few tokens (2 to 8). The tiles
+ * reduce each (block, token) product vector to one integer per block with shuffles (blocks16_*),
+ * and the GEMM transposes 16 rows into a panel: either costs about as much as the products. Here a
+ * group of 16 blocks of a row (sub-blocks for the K-quants) is unpacked once and rearranged in
+ * registers so that lane p of every vector holds 4 quants of block LANE[p], the block of the
+ * summation order's lane p. The activations, rearranged the same way once per matmul, then give
+ * each block's exact integer sum in its own lane with plain vpdpbusd accumulation, and the float
+ * steps are the tiles' on the same lanes and values: every token's outputs are the tiles' (the
+ * dot's) bits. */
+#define SB_TOKENS 8 /* tokens per pass over a weight row: their accumulators stay in registers */
+
+/* One token's group of 16 blocks, in lanes. q[v] lane p: quants 4v..4v+3 of block LANE[p] (8
+ * vectors for blocks of 32, 4 for blocks of 16 and packed groups (sb_packed); zero for blocks
+ * past the row's end); d: the
+ * blocks' scale d_a (zero past the end); s: the partner of the weights' min (the types with a
+ * min); bias: -offset * sum(quants) (the types stored with an offset), the start of the sum. */
+typedef struct {
+    __m512i q[8];
+    __m512 d, s;
+    __m512i bias;
+} sb_act;
+
+/* Per 128-bit lane, the 4x4 dwords of v[0..3] transposed: lane L of v[j] becomes dword j of
+ * lane L of each input, in input order. */
+INLINE void transpose4_lanes(__m512i v[4]) {
+    const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+    v[0] = _mm512_unpacklo_epi64(t0, t2), v[1] = _mm512_unpackhi_epi64(t0, t2);
+    v[2] = _mm512_unpacklo_epi64(t1, t3), v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+/* 16 blocks of 32 in element order (e[k]: block 2k in the lower half, 2k+1 in the upper, as
+ * blocks16_32 takes them) -> e[v] lane p: quants 4v..4v+3 of block LANE32[p]. */
+INLINE void lanes32(__m512i e[8]) {
+    transpose4_lanes(e); /* lane L of e[i]: dword 4L+i of blocks 0,2,4,6 (L < 2) or 1,3,5,7 */
+    transpose4_lanes(e + 4);
+    for (int i = 0; i < 4; i++) {
+        const __m512i a = e[i], b = e[4 + i];
+        e[i] = _mm512_shuffle_i32x4(a, b, 0x88);     /* lanes 0, 2 of a, then of b */
+        e[4 + i] = _mm512_shuffle_i32x4(a, b, 0xDD); /* lanes 1, 3 */
+    }
+}
+/* 16 blocks of 16 in element order (v[k]: blocks 4k..4k+3, one per 128-bit lane) -> v[j] lane
+ * p: quants 4j..4j+3 of block LANE16[p]. */
+INLINE void lanes16(__m512i v[4]) { transpose4_lanes(v); }
+
+/* Groups of a row of k elements: 16 legacy blocks, two Q4_K/Q5_K super-blocks, or one super-block
+ * of 16 blocks of 16. */
+INLINE int64_t sb_groups(int type, int64_t k) {
+    const se_type_traits *t = &se_types[type];
+    return t->blck == SE_QK ? (k / SE_QK + 15) / 16 : t->sub_blck == 32 ? (k / SE_QK_K + 1) / 2 : k / SE_QK_K;
+}
+/* The blocks of legacy group g (16 but in a row's last group). */
+INLINE int sb_count(int64_t k, int64_t g) { return (int)(k / SE_QK - 16 * g < 16 ? k / SE_QK - 16 * g : 16); }
+/* A legacy group of at most 8 blocks (SmolLM2's rows of 18 blocks end with 2, Gemma-3's of 20
+ * with 4) is packed: its blocks sit in lanes 0-7 (LANE32), so vector v holds quants 4v..4v+3 in
+ * lanes 0-7 and quants 16+4v.. in lanes 8-15, and 4 vectors carry the group; the two halves of
+ * the integer sums are added before the float steps. Unpacked, its 8 blocks of padding would cost
+ * as much as a whole group. */
+INLINE int sb_packed(int type, int64_t k, int64_t g) { return se_types[type].blck == SE_QK && sb_count(k, g) <= 8; }
+INLINE int sb_vectors(int type, int packed) { return packed || se_types[type].sub_blck == 16 ? 4 : 8; }
+/* Element order (e[j]: blocks 2j, 2j+1, j < 4; blocks 0-7 only) -> packed (above). */
+INLINE void lanes32_packed(__m512i e[4]) {
+    transpose4_lanes(e); /* lane L of e[i]: dword 4L+i of blocks 0,2,4,6 (L < 2) or 1,3,5,7 */
+    for (int i = 0; i < 4; i++) e[i] = _mm512_shuffle_i32x4(e[i], e[i], 0xD8); /* lanes 0, 2, 1, 3 */
+}
+
+/* Group g of one activation row (k elements of type's act_type) into lanes. */
+INLINE void sb_act_group(int type, int64_t k, const uint8_t *a, int64_t g, sb_act *o) {
+    const se_type_traits *t = &se_types[type], *at = &se_types[t->act_type];
+    const __m512i zero = _mm512_setzero_si512();
+    const int packed = sb_packed(type, k, g), nv = sb_vectors(type, packed);
+    __m512i e[8];
+    o->bias = zero;
+    o->s = _mm512_setzero_ps();
+    if (t->blck == SE_QK) {
+        const int asz = at->size, cnt = sb_count(k, g);
+        const uint8_t *y = a + 16 * g * asz + at->qs_offset;
+        for (int j = 0; j < (packed ? 4 : 8); j++) /* zero past the row's end */
+            e[j] = 2 * j >= cnt ? zero
+                 : 2 * j + 1 >= cnt ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(y + 2 * j * asz)))
+                                    : load2x32(y + 2 * j * asz, y + (2 * j + 1) * asz);
+        if (packed) lanes32_packed(e);
+        else lanes32(e);
+        const __m512i h = heads16(a + 16 * g * asz, asz, cnt, packed ? 4 : 8);
+        o->d = low_halves(h);
+        if (t->has_min) o->s = high_halves(h);
+        if (t->q_offset) {
+            __m512i sum = zero;
+            for (int j = 0; j < nv; j++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8((char)t->q_offset), e[j]);
+            if (packed) sum = _mm512_add_epi32(sum, _mm512_shuffle_i32x4(sum, sum, 0x4E));
+            o->bias = _mm512_sub_epi32(zero, sum);
+        }
+    } else if (t->sub_blck == 32) {
+        const se_blk_q8_K *ya = (const se_blk_q8_K *)a + 2 * g;
+        const int two = 2 * g + 1 < k / SE_QK_K;
+        const se_blk_q8_K *yb = two ? ya + 1 : ya;
+        for (int j = 0; j < 4; j++) {
+            e[j] = _mm512_loadu_si512(ya->qs + 64 * j);
+            e[4 + j] = two ? _mm512_loadu_si512(yb->qs + 64 * j) : zero;
+        }
+        lanes32(e);
+        q45_act_scales(ya, yb, two, &o->d, &o->s);
+    } else {
+        const se_blk_q8_K *y = (const se_blk_q8_K *)a + g;
+        for (int j = 0; j < 4; j++) e[j] = _mm512_loadu_si512(y->qs + 64 * j);
+        lanes16(e);
+        const __m512i bs = _mm512_permutexvar_epi32(_mm512_loadu_si512(LANE16),
+                                                    _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)y->bsums)));
+        o->d = _mm512_set1_ps(y->d);
+        if (t->has_min) o->s = _mm512_mul_ps(o->d, _mm512_cvtepi32_ps(bs));
+        if (t->q_offset) o->bias = _mm512_sub_epi32(zero, _mm512_slli_epi32(bs, __builtin_ctz((unsigned)t->q_offset)));
+    }
+    for (int j = 0; j < nv; j++) o->q[j] = e[j];
+}
+
+/* The quants of a legacy group of Q4_0/Q4_1/Q5_0/Q5_1 in lanes, straight from the packed bytes:
+ * z[m] lane L holds the 16 bytes of block LANE32[4L + m], so that after the transpose z[j] lane p
+ * holds bytes 4j..4j+3 of block LANE32[p]: quants 4j.. (low nibbles) and 16+4j.. (high
+ * nibbles). Packed (cnt <= 8), both halves of z[m] hold blocks LANE32[4L + m] for L < 2, and
+ * vector j takes its low nibbles in lanes 0-7 and its high ones in lanes 8-15. */
+INLINE void sb_nibbles(int type, const uint8_t *b, int cnt, int packed, __m512i q[8]) {
+    const se_type_traits *t = &se_types[type];
+    const int ws = t->size;
+#define B(i) (const __m128i *)(b + ((i) < cnt ? (i) : cnt - 1) * ws + t->qs_offset) /* past the end: the last again */
+    __m512i z[4];
+    for (int m = 0; m < 4; m++) {
+        const __m256i lo = _mm256_loadu2_m128i(B(2 * m + 1), B(2 * m));
+        z[m] = packed ? _mm512_broadcast_i64x4(lo) : _mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_loadu2_m128i(B(2 * m + 9), B(2 * m + 8)), 1);
+    }
+#undef B
+    transpose4_lanes(z);
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i up = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1); /* packed: high nibbles up */
+    for (int j = 0; j < 4; j++) {
+        if (packed) {
+            q[j] = _mm512_and_si512(_mm512_srlv_epi16(z[j], up), m4);
+        } else {
+            q[j] = _mm512_and_si512(z[j], m4);
+            q[4 + j] = _mm512_and_si512(_mm512_srli_epi16(z[j], 4), m4);
+        }
+    }
+    if (t->qh_offset) { /* the fifth bit of quant e is bit e of the block's qh */
+        __m512i qh = packed ? heads16(b + t->qh_offset, ws, cnt, 4) : heads16(b + t->qh_offset, ws, cnt, 8);
+        if (packed) qh = _mm512_shuffle_i32x4(qh, qh, 0x44); /* blocks of lanes 0-7 in both halves */
+        for (int j = 0; j < (packed ? 4 : 8); j++) {
+            /* byte n of each lane takes bit e = 4j+n (+16 in a packed upper half): bit e%8 of byte e/8 */
+            const int e0 = 4 * j;
+            __m512i byte = _mm512_set1_epi8((char)(e0 / 8));
+            if (packed) byte = _mm512_add_epi8(byte, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi8(2), 1));
+            const __m512i spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(_mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0), byte));
+            const __mmask64 hi = _mm512_test_epi8_mask(spread, _mm512_set1_epi32(0x08040201 << (e0 % 8)));
+            q[j] = _mm512_mask_add_epi8(q[j], hi, q[j], _mm512_set1_epi8(16));
+        }
+    }
+}
+
+/* Group g of one weight row into lanes (packed: sb_packed's, a constant once inlined): its quants
+ * q, scales wd and mins wm (the tiles' values: blocks past the row's end get zero scales). */
+INLINE void sb_weight_group(int type, const int packed, int64_t k, const uint8_t *x, int64_t g, __m512i q[8], __m512 *wd,
+                            __m512 *wm) {
+    const se_type_traits *t = &se_types[type];
+    if (t->blck == SE_QK) {
+        const int ws = t->size, cnt = sb_count(k, g);
+        const uint8_t *b = x + 16 * g * ws;
+        if (type == SE_Q8_0) {
+            for (int j = 0; j < (packed ? 4 : 8); j++)
+                q[j] = unpack2(type, b + (2 * j < cnt ? 2 * j : cnt - 1) * ws, b + (2 * j + 1 < cnt ? 2 * j + 1 : cnt - 1) * ws);
+            if (packed) lanes32_packed(q);
+            else lanes32(q);
+        } else {
+            sb_nibbles(type, b, cnt, packed, q);
+        }
+        const __m512i h = packed ? heads16(b, ws, cnt, 4) : heads16(b, ws, cnt, 8); /* a constant nv: fewer loads */
+        *wd = low_halves(h), *wm = high_halves(h);
+    } else if (t->sub_blck == 32) {
+        const int two = 2 * g + 1 < k / SE_QK_K;
+        const uint8_t *xa = x + 2 * g * t->size, *xb = two ? xa + t->size : xa;
+        unpack_q45_K(type, xa, q);
+        unpack_q45_K(type, xb, q + 4);
+        lanes32(q);
+        q45_scales(xa, xb, two, wd, wm);
+    } else {
+        k16_block b;
+        unpack_k16(type, x + g * t->size, &b);
+        lanes16(b.q);
+        for (int j = 0; j < 4; j++) q[j] = b.q[j];
+        k16_scales(type, &b, wd, wm);
+    }
+}
+
+/* Group g of one weight row x nt tokens, added to acc[c] (nt and packed: constants once inlined,
+ * so that the loops unroll and the accumulators stay in registers). */
+INLINE void sb_group(int type, const int nt, const int packed, int64_t k, const uint8_t *x, int64_t g,
+                     const sb_act *side, int64_t ng, __m512 *acc) {
+    const se_type_traits *t = &se_types[type];
+    const int nv = sb_vectors(type, packed);
+    __m512i q[8];
+    __m512 wd, wm;
+    sb_weight_group(type, packed, k, x, g, q, &wd, &wm);
+#pragma GCC unroll 8
+    for (int c = 0; c < nt; c++) {
+        const sb_act *s = side + c * ng + g;
+        /* two chains for the adds' latency: integer sums, exact in any order */
+        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < nv; j += 2) {
+            i0 = _mm512_dpbusd_epi32(i0, q[j], s->q[j]);
+            i1 = _mm512_dpbusd_epi32(i1, q[j + 1], s->q[j + 1]);
+        }
+        __m512i isum = _mm512_add_epi32(i0, i1);
+        if (packed) isum = _mm512_add_epi32(isum, _mm512_shuffle_i32x4(isum, isum, 0x4E));
+        if (t->q_offset) isum = _mm512_add_epi32(isum, s->bias);
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd, s->d), acc[c]);
+        if (t->has_min) acc[c] = _mm512_fmadd_ps(wm, s->s, acc[c]);
+    }
+}
+
+/* One weight row x nt tokens: out[c], from the tokens' groups side[c * ng + g]. */
+INLINE void sb_row(int type, const int nt, int64_t k, const uint8_t *x, const sb_act *side, int64_t ng, float *out) {
+    __m512 acc[SB_TOKENS];
+#pragma GCC unroll 8
+    for (int c = 0; c < nt; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        if (sb_packed(type, k, g)) sb_group(type, nt, 1, k, x, g, side, ng, acc);
+        else sb_group(type, nt, 0, k, x, g, side, ng, acc);
+    }
+    hsum_tiles(acc, nt, out);
+}
+
+/* se_matmul for a few tokens (se_gemm_fn's contract): the activations into lanes once, then each
+ * weight row (the one-token path's prefetch ahead of it) against SB_TOKENS tokens at a time. */
+INLINE int small_batch(int type, int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,
+                       float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    const int64_t ng = sb_groups(type, k);
+    sb_act *side = se_thread_scratch((size_t)n_tok * (size_t)ng * sizeof(sb_act));
+    if (!side) return -1;
+    for (int c = 0; c < n_tok; c++)
+        for (int64_t g = 0; g < ng; g++) sb_act_group(type, k, (const uint8_t *)act + (size_t)c * arow, g, side + c * ng + g);
+    const int64_t ahead = (int64_t)(SE_PREFETCH_BYTES / wrow) + 1;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *x = (const uint8_t *)W + (size_t)r * wrow;
+        if (r + ahead < r1)
+            for (size_t o = 0; o < wrow; o += 64) __builtin_prefetch(x + (size_t)ahead * wrow + o);
+        for (int c0 = 0; c0 < n_tok; c0 += SB_TOKENS) {
+            const int nt = n_tok - c0 < SB_TOKENS ? n_tok - c0 : SB_TOKENS;
+            const sb_act *s = side + c0 * ng;
+            float out[SB_TOKENS];
+            switch (nt) { /* a constant token count for each: the loops over tokens unroll */
+            case 1: sb_row(type, 1, k, x, s, ng, out); break;
+            case 2: sb_row(type, 2, k, x, s, ng, out); break;
+            case 3: sb_row(type, 3, k, x, s, ng, out); break;
+            case 4: sb_row(type, 4, k, x, s, ng, out); break;
+            case 5: sb_row(type, 5, k, x, s, ng, out); break;
+            case 6: sb_row(type, 6, k, x, s, ng, out); break;
+            case 7: sb_row(type, 7, k, x, s, ng, out); break;
+            default: sb_row(type, 8, k, x, s, ng, out); break;
+            }
+            for (int c = 0; c < nt; c++) y[(c0 + c) * ldy + r] = out[c];
+        }
+    }
+    return 0;
 }
 
 /* ---------------------------------------------------------------- float weights x f32 */
@@ -805,6 +1091,47 @@ static int gemm_q6_K(int64_t k, const void *W, size_t wrow, const void *act, siz
     return gemm(SE_Q6_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 
+static int small_q4_0(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    return small_batch(SE_Q4_0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int small_q4_1(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    return small_batch(SE_Q4_1, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int small_q5_0(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    return small_batch(SE_Q5_0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int small_q5_1(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    return small_batch(SE_Q5_1, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int small_q8_0(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    return small_batch(SE_Q8_0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int small_q2_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    return small_batch(SE_Q2_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int small_q3_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    return small_batch(SE_Q3_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int small_q4_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    return small_batch(SE_Q4_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int small_q5_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    return small_batch(SE_Q5_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+static int small_q6_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    return small_batch(SE_Q6_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+}
+
 /* Legacy and float types, whose kernels take several rows: tg_rows 4, pp_rows 2. */
 INLINE void multi_row_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
                            int nc, float *out) {
@@ -903,17 +1230,17 @@ static float dot_q5_K(int64_t n, const void *w, const void *a) { float o; k_quan
 static float dot_q6_K(int64_t n, const void *w, const void *a) { float o; k_quant_tile(SE_Q6_K, n, w, a, 0, 1, &o); return o; }
 
 const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {
-    [SE_Q4_0] = { .dot = dot_q4_0, .tile = tile_q4_0, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q4_0 },
-    [SE_Q4_1] = { .dot = dot_q4_1, .tile = tile_q4_1, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q4_1 },
-    [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q5_0 },
-    [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q5_1 },
-    [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q8_0,
+    [SE_Q4_0] = { .dot = dot_q4_0, .tile = tile_q4_0, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q4_0, .small = small_q4_0 },
+    [SE_Q4_1] = { .dot = dot_q4_1, .tile = tile_q4_1, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q4_1, .small = small_q4_1 },
+    [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q5_0, .small = small_q5_0 },
+    [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q5_1, .small = small_q5_1 },
+    [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 2, .gemm = gemm_q8_0, .small = small_q8_0,
                   .from_float = q8_0_from_float },
-    [SE_Q2_K] = { .dot = dot_q2_K, .tile = tile_q2_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q2_K },
-    [SE_Q3_K] = { .dot = dot_q3_K, .tile = tile_q3_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q3_K },
-    [SE_Q4_K] = { .dot = dot_q4_K, .tile = tile_q4_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q4_K },
-    [SE_Q5_K] = { .dot = dot_q5_K, .tile = tile_q5_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q5_K },
-    [SE_Q6_K] = { .dot = dot_q6_K, .tile = tile_q6_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q6_K },
+    [SE_Q2_K] = { .dot = dot_q2_K, .tile = tile_q2_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q2_K, .small = small_q2_K },
+    [SE_Q3_K] = { .dot = dot_q3_K, .tile = tile_q3_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q3_K, .small = small_q3_K },
+    [SE_Q4_K] = { .dot = dot_q4_K, .tile = tile_q4_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q4_K, .small = small_q4_K },
+    [SE_Q5_K] = { .dot = dot_q5_K, .tile = tile_q5_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q5_K, .small = small_q5_K },
+    [SE_Q6_K] = { .dot = dot_q6_K, .tile = tile_q6_K, .tg_rows = 1, .pp_rows = 1, .gemm = gemm_q6_K, .small = small_q6_K },
     [SE_F32] = { .dot = dot_f32, .tile = tile_f32, .tg_rows = 4, .pp_rows = 2 },
     [SE_F16] = { .dot = dot_f16, .tile = tile_f16, .tg_rows = 4, .pp_rows = 2 },
     [SE_BF16] = { .dot = dot_bf16, .tile = tile_bf16, .tg_rows = 4, .pp_rows = 2 },
