@@ -9,7 +9,9 @@ bench/results/load-<stamp>.md (and .jsonl, one load-test result a line).
 A server is LABEL=KIND[:PYTHONPATH]: KIND `infer` (`infer serve -np <largest concurrency>`, the
 reference engine), `infer-unbatched` (the same with --no-batching: one context per slot, each in
 its own thread) or `llama-cpp-python` (`python -m llama_cpp.server`); PYTHONPATH, when given,
-is put first on the server's import path (an older checkout of stdengine: "before"). Every
+is put first on the server's import path and is its working directory (an older checkout of
+stdengine: "before"; its stdengine package, while stdengine.reference, the C engine, is the
+installed one's: an editable install maps it to its own checkout). Every
 request is a streamed completion of a fresh prompt of -p tokens, greedy, exactly -n tokens
 (min_tokens and ignore_eos); --requests-per R sends R x concurrency requests (at least 4) per run.
 """
@@ -67,7 +69,10 @@ class Served:
         if pythonpath:
             env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.log = open(log, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # `python -m` puts its working directory first on the import path, before PYTHONPATH: a
+        # server run from a checkout would import that checkout's stdengine, not the given one's
+        cwd = pythonpath or None
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         port = cmd[cmd.index("--port") + 1]
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180

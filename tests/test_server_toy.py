@@ -305,6 +305,56 @@ def test_slot_pool_queues_then_refuses() -> None:
     asyncio.run(scenario())
 
 
+def test_courier_delivers_in_order_with_one_wakeup_per_burst() -> None:
+    from stdengine.server.slots import Courier
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        courier = Courier(loop)
+        got: list[Any] = []
+        wakeups = 0
+        real = loop.call_soon_threadsafe
+
+        def counted(*args: Any) -> Any:
+            nonlocal wakeups
+            wakeups += 1
+            return real(*args)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+
+        def burst(start: int) -> None:  # from worker threads, as the slots post their tokens
+            for i in range(start, start + 50):
+                courier.post(got.append, i)
+
+        threads = [threading.Thread(target=burst, args=(k * 50,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        await asyncio.sleep(0.05)
+        assert sorted(got) == list(range(200))
+        for k in range(4):  # each thread's calls in the order it posted them
+            assert [x for x in got if k * 50 <= x < (k + 1) * 50] == list(range(k * 50, (k + 1) * 50))
+        assert wakeups == 1  # the loop did not run while the threads posted: one wake-up for all
+        courier.post(got.append, "late")  # a post after a delivery wakes the loop again
+        await asyncio.sleep(0.05)
+        assert got[-1] == "late" and wakeups == 2
+
+    asyncio.run(scenario())
+
+
+def test_text_frames_equal_the_whole_chunks_encoding() -> None:
+    from stdengine.server import api
+    from stdengine.server.completion import TextFrames, _sse
+
+    for kind in ("chat", "text"):
+        for usage in (False, True):
+            reply = api.Reply(kind, 'mo"del', "fp", include_usage=usage)  # type: ignore[arg-type]
+            frame = TextFrames(reply)
+            for text in ("a", ' "quoted" \\ back', "line\nbreak\t", "héllo ✓ 🙂", "\x00\x1f", "</script>"):
+                assert frame(text) == _sse(reply.chunk(text)), (kind, usage, text)
+
+
 def test_request_parsing_is_strict() -> None:
     from stdengine.errors import InvalidRequest as Bad
     from stdengine.server import api

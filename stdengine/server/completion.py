@@ -271,6 +271,7 @@ async def stream_body(request: Request, run: Run, item: Event, reply: api.Reply)
             yield _sse(reply.chunk(role=True))
         elif reply.echo is not None and not isinstance(item, PromptLogprobs):
             yield _sse(reply.chunk(reply.echo))
+        text_frame = TextFrames(reply)
         # with tools, what is sent of the answer is the CallStream's to say (a text, or calls)
         calls_stream = tools.CallStream(reply.tools) if reply.tools is not None else None
         while True:
@@ -280,10 +281,12 @@ async def stream_body(request: Request, run: Run, item: Event, reply: api.Reply)
             elif isinstance(item, TokenEvent) and calls_stream is not None:
                 for chunk in calls_stream.feed(item.text):
                     yield _sse(reply.chunk(**chunk))
+            elif isinstance(item, TokenEvent) and reply.logprobs is not None:
+                if item.text or item.token is not None:
+                    yield _sse(reply.chunk(item.text, logprobs=reply.logprobs.tokens([item])))
             elif isinstance(item, TokenEvent):
-                lp = reply.logprobs.tokens([item]) if reply.logprobs is not None else None
-                if item.text or (lp is not None and item.token is not None):
-                    yield _sse(reply.chunk(item.text, logprobs=lp))
+                if item.text:
+                    yield text_frame(item.text)
             else:
                 calls = None
                 if calls_stream is not None:
@@ -330,5 +333,23 @@ class ClosingStream(StreamingResponse):
                 cleanup()
 
 
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
 def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+    return b"data: " + _json(obj) + b"\n\n"
+
+
+class TextFrames:
+    """The SSE frame of a chunk that carries only text, as _sse(reply.chunk(text)) makes it, by
+    encoding the text alone between the stream's fixed head and tail: a streamed token costs one
+    string's encoding instead of building and encoding the whole chunk."""
+
+    MARK = "\x00text\x00"  # JSON writes it \u0000text\u0000, which nothing else in a chunk is
+
+    def __init__(self, reply: api.Reply) -> None:
+        self.head, _, self.tail = _sse(reply.chunk(self.MARK)).partition(_json(self.MARK))
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + _json(text) + self.tail

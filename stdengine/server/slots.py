@@ -8,7 +8,8 @@ An engine instance has one context (KV cache, sampler), so one request at a time
 requests take turns. A request that finds every slot busy waits in a queue of bounded length; one
 more is refused with 503 at once, so a flood of clients cannot pile up unbounded work.
 
-Everything here except `Generation._run` runs on the event loop thread, so the pool needs no lock.
+Everything here except `Generation._run` (and `Courier.post`, which it calls) runs on the event
+loop thread, so the pool needs no lock.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -33,6 +34,38 @@ class ClientGone(Exception):
     """The client closed the connection while its request was waiting or running."""
 
 
+class Courier:
+    """Carries calls from worker threads to one event loop, with one wake-up of the loop for all
+    the calls posted before it runs.
+
+    Each wake-up (call_soon_threadsafe) writes to the loop's self-pipe and makes the loop thread
+    runnable; on 2 cores that thread then takes a core from the engine's compute threads. With
+    continuous batching the N slots' tokens of a step come out within microseconds of each other:
+    they go to the loop together, in one wake-up and one loop iteration, in the order posted."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._calls: list[tuple[Callable[[Any], object], Any]] = []
+
+    def post(self, fn: Callable[[Any], object], arg: Any) -> None:
+        """Run fn(arg) on the loop soon (from any thread)."""
+        with self._lock:
+            self._calls.append((fn, arg))
+            if len(self._calls) > 1:
+                return  # the first of these calls has a wake-up on its way
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _deliver(self) -> None:  # on the loop
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, arg in calls:
+            fn(arg)
+
+
 class SlotPool:
     def __init__(self, contexts: list[Engine], queue_size: int) -> None:
         if not contexts:
@@ -43,6 +76,14 @@ class SlotPool:
         self._waiters: deque[asyncio.Future[Engine]] = deque()
         # One worker thread per slot: a generation holds its slot for as long as its thread runs.
         self.executor = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix="infer-slot")
+        self._courier: Courier | None = None
+
+    def courier(self) -> Courier:
+        """The workers' courier to the running loop (the one that serves this pool)."""
+        loop = asyncio.get_running_loop()
+        if self._courier is None or self._courier.loop is not loop:
+            self._courier = Courier(loop)
+        return self._courier
 
     @property
     def total(self) -> int:
@@ -149,7 +190,7 @@ class Generation:
     """One request's generate() on one slot's context, run in that slot's worker thread.
 
     The thread hands each event (or the exception that ended generation) to the loop through an
-    asyncio queue, then END. cancel() makes it stop at the next token: the engine's generator is
+    asyncio queue, then END, all by the pool's Courier. cancel() makes it stop at the next token: the engine's generator is
     closed there, and the slot is released as the thread leaves."""
 
     def __init__(
@@ -164,6 +205,7 @@ class Generation:
         self.request = request
         self.score = score  # an echo with logprobs: score these tokens (ids, top_n) first
         self.loop = asyncio.get_running_loop()
+        self.courier = pool.courier()
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self._cancel = threading.Event()
         self.finished = False  # END was received
@@ -195,10 +237,7 @@ class Generation:
         yield from self.ctx.generate(self.request)
 
     def _put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        self.courier.post(self.queue.put_nowait, item)
 
     def _run(self) -> None:  # in the worker thread
         events = None
@@ -217,8 +256,5 @@ class Generation:
                     close()  # stop the engine's generator where it is
                 except Exception as e:
                     self._put(e)
-            try:
-                self.loop.call_soon_threadsafe(self.pool.release, self.ctx)
-            except RuntimeError:
-                pass
+            self.courier.post(self.pool.release, self.ctx)  # before END: see finish()
             self._put(END)
