@@ -391,3 +391,49 @@ def test_statistics_leave_the_logits_bit_identical(f32_models: dict[str, Path]) 
         ctx.close()
     assert plain.tobytes() == counted.tobytes()
     assert counts.tolist() == [20] * 12 and np.all(sums > 0)
+
+
+# ---- the kernels on what the quantizer writes -------------------------------------------------
+
+
+@pytest.mark.parametrize("t", ["q2_K", "q3_K"])
+def test_every_isa_multiplies_our_kquants_to_float_rounding(t: str, smollm2_path: Path) -> None:
+    """SmolLM2's ffn_down (the matrices its Q2_K and Q3_K files hold in these types), quantized by
+    our quantizer, times Q8_K activations on every SIMD path and batch path (one row, tiles, GEMM):
+    within float rounding (1e-6 of sum|w*a|, about 8 float32 epsilons) of float64 numpy on
+    gguf.quants' decoding of the weights and numpy's of the path's own activations.
+
+    The integer dot products are exact on every path, so a larger error is a kernel defect (a
+    wrong scale, a wrong bit, a lost block), not rounding. Activations are Gaussian: with
+    outliers, a path that adds the offset term of Q3_K in float separately (AVX2, as ggml does)
+    loses a few more bits to cancellation (spec/quantize.md, "Across ISAs")."""
+    from isa import using_isa
+    from stdengine.reference import kernels as K
+
+    gt = gguf.GGMLQuantizationType[t.upper()]
+    src = {x.name: x for x in gguf.GGUFReader(str(smollm2_path)).tensors}
+    rng = np.random.default_rng(23)
+    before = K.isa()
+    isas = [name for name in K.ISAS if K.set_isa(name)]  # the paths this CPU can run
+    K.set_isa(before)
+    for layer in (0, 29):
+        w = src[f"blk.{layer}.ffn_down.weight"]
+        k = int(w.shape[0])
+        x = gguf.quants.dequantize(np.asarray(w.data), w.tensor_type).reshape(-1, k)[:96]
+        raw = q.quantize(t, x)
+        wd = gguf.quants.dequantize(raw, gt).astype(np.float64).reshape(-1, k)
+        a = rng.standard_normal((K.gemm_min_tokens() + 20, k)).astype(np.float32)
+        for name in isas:
+            with using_isa(name):
+                act = K.quantize(gguf.GGMLQuantizationType.Q8_K, a).reshape(len(a), k // 256, 292)
+                ad = act[:, :, 0:4].copy().view(np.float32).astype(np.float64) * act[:, :, 4:260].view(
+                    np.int8
+                )
+                ad = ad.reshape(len(a), k)
+                want, mag = ad @ wd.T, np.abs(ad) @ np.abs(wd).T
+                for n_tok in (1, 3, len(a)):  # generation, tiles, the GEMM
+                    got = np.concatenate(
+                        [K.matmul(gt, raw, k, a[i : i + n_tok]) for i in range(0, len(a), n_tok)]
+                    )
+                    err = float((np.abs(got - want) / mag).max())
+                    assert err <= 1e-6, f"{t} blk.{layer} {name} batch {n_tok}: {err:.2e} of sum|w*a|"
