@@ -46,6 +46,14 @@ static inline int round_clamp(float v, int lo, int hi) {
     return (int)((v + 12582912.0f) - 12582912.0f);
 }
 
+/* round_clamp as a float, without branches (so that loops of it vectorise): the same value,
+ * NaN included (it fails both comparisons and lands on lo). */
+static inline float round_clamp_f(float v, float lo, float hi) {
+    float c = v > hi ? hi : v;
+    c = c > lo ? c : lo;
+    return (c + 12582912.0f) - 12582912.0f;
+}
+
 /* Importance of each of n elements. A weight error e_i changes a matmul's output by e_i·a_i, so
  * the output's mean squared error is sum_i e_i^2·E[a_i^2]: with an imatrix (E[a_i^2] per column)
  * that is the weight; without one every column counts the same (plain squared error, which also
@@ -57,62 +65,61 @@ static void importance(int n, const float *im, float *w) {
         for (int i = 0; i < n; i++) w[i] = 1.0f;
 }
 
+/* Speed without changing a bit of the result. A fit's candidates are independent: each one's
+ * integers are rounded first, then the sums of every candidate are taken together, element by
+ * element (the compiler vectorises across candidates; each candidate's sums still add the same
+ * products in the same order), and the best is chosen in the candidates' order as before. w·x is
+ * taken once per block (the same floats each candidate used to compute). The refinement stops
+ * when re-rounding gives the integers it already has (the same error, which is never kept, as
+ * only a strictly better fit is). Blocks and sub-blocks have at most 32 elements. */
+enum { MAXC = 2 * 12 + 2 }; /* candidates: 2·(n_steps + 1) for sym_fit, 2·n_steps + 1 for asym_fit */
+
 /* x ≈ d·L, L in [qmin, qmax]; returns d (0 for a zero block) and fills L. */
 static float sym_fit(int n, const float *x, const float *w, int qmin, int qmax, int8_t *L) {
-    if (n <= 0 || n > QKK) return 0;
+    if (n <= 0 || n > QK) return 0;
     float amax = 0, m = 0;
     for (int i = 0; i < n; i++)
         if (fabsf(x[i]) > amax) amax = fabsf(x[i]), m = x[i];
     memset(L, 0, (size_t)n);
     if (amax < 1e-30f) return 0;
-    int8_t t[QKK];
-    float best = 0, best_d = 0;
+    float wx[QK], lt[QK][MAXC], sxl[MAXC] = {0}, sll[MAXC] = {0};
+    for (int i = 0; i < n; i++) wx[i] = w[i] * x[i];
     /* the largest |x| lands on (or just inside) one end of the integer range */
-    const int ns = n_steps(qmax - qmin);
-    for (int k = 0; k < 2 * (ns + 1); k++) {
-        float c = k <= ns ? (float)qmin + 0.1f * (float)k : (float)qmax - 0.1f * (float)(k - ns - 1);
-        float inv = c / m, sxl = 0, sll = 0;
-        for (int i = 0; i < n; i++) {
-            int l = round_clamp(x[i] * inv, qmin, qmax);
-            t[i] = (int8_t)l;
-            sxl += w[i] * x[i] * (float)l;
-            sll += w[i] * (float)(l * l);
-        }
-        /* for the least-squares d = sxl/sll, the error is sum w x^2 - sxl^2/sll */
-        if (sll > 0 && sxl * sxl / sll > best) best = sxl * sxl / sll, best_d = sxl / sll, memcpy(L, t, (size_t)n);
-    }
+    const int ns = n_steps(qmax - qmin), nc = 2 * (ns + 1);
+    float inv[MAXC];
+    for (int k = 0; k < nc; k++)
+        inv[k] = (k <= ns ? (float)qmin + 0.1f * (float)k : (float)qmax - 0.1f * (float)(k - ns - 1)) / m;
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < nc; k++) lt[i][k] = round_clamp_f(x[i] * inv[k], (float)qmin, (float)qmax);
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < nc; k++) sxl[k] += wx[i] * lt[i][k], sll[k] += w[i] * (lt[i][k] * lt[i][k]);
+    /* for the least-squares d = sxl/sll, the error is sum w x^2 - sxl^2/sll */
+    float best = 0, best_d = 0;
+    int bk = -1;
+    for (int k = 0; k < nc; k++)
+        if (sll[k] > 0 && sxl[k] * sxl[k] / sll[k] > best) best = sxl[k] * sxl[k] / sll[k], best_d = sxl[k] / sll[k], bk = k;
+    if (bk >= 0)
+        for (int i = 0; i < n; i++) L[i] = (int8_t)lt[i][bk];
+    int8_t t[QK];
     for (int it = 0; it < 4 && best_d != 0; it++) {
-        float inv = 1.0f / best_d, sxl = 0, sll = 0;
-        for (int i = 0; i < n; i++) {
-            int l = round_clamp(x[i] * inv, qmin, qmax);
-            t[i] = (int8_t)l;
-            sxl += w[i] * x[i] * (float)l;
-            sll += w[i] * (float)(l * l);
-        }
-        if (!(sll > 0 && sxl * sxl / sll > best * (1 + 1e-7f))) break;
-        best = sxl * sxl / sll, best_d = sxl / sll, memcpy(L, t, (size_t)n);
+        float inv = 1.0f / best_d, s1 = 0, s2 = 0;
+        for (int i = 0; i < n; i++) t[i] = (int8_t)round_clamp(x[i] * inv, qmin, qmax);
+        if (memcmp(t, L, (size_t)n) == 0) break;
+        for (int i = 0; i < n; i++) s1 += wx[i] * (float)t[i], s2 += w[i] * (float)(t[i] * t[i]);
+        if (!(s2 > 0 && s1 * s1 / s2 > best * (1 + 1e-7f))) break;
+        best = s1 * s1 / s2, best_d = s1 / s2, memcpy(L, t, (size_t)n);
     }
     return best_d;
 }
 
-/* The weighted least-squares d, m for x ≈ d·L + m given L (m <= 0 when nonpos); returns the error. */
-static float solve_dm(int n, const float *x, const float *w, const uint8_t *L, int nonpos, float *d, float *m) {
-    float sw = 0, sl = 0, sll = 0, sx = 0, slx = 0;
-    for (int i = 0; i < n; i++) {
-        float l = (float)L[i];
-        sw += w[i], sl += w[i] * l, sll += w[i] * l * l, sx += w[i] * x[i], slx += w[i] * l * x[i];
-    }
+/* The weighted least-squares d, m for x ≈ d·L + m from the sums sw = Σw, sx = Σw·x, sl = Σw·L,
+ * sll = Σw·L², slx = Σw·L·x (m <= 0 when nonpos). */
+static void solve_dm(float sw, float sx, float sl, float sll, float slx, int nonpos, float *d, float *m) {
     float det = sw * sll - sl * sl, dd = 0, mm = sx / sw;
     if (det > 0) dd = (sw * slx - sl * sx) / det, mm = (sll * sx - sl * slx) / det;
     if (nonpos && mm > 0) mm = 0, dd = sll > 0 ? slx / sll : 0;
     if (dd < 0) dd = 0, mm = nonpos && sx > 0 ? 0 : sx / sw;
-    float err = 0;
-    for (int i = 0; i < n; i++) {
-        float e = x[i] - dd * (float)L[i] - mm;
-        err += w[i] * e * e;
-    }
     *d = dd, *m = mm;
-    return err;
 }
 
 /* x ≈ d·L + m, L in [0, qmax] (m <= 0 when nonpos); fills L, d, m. */
@@ -121,26 +128,52 @@ static void asym_fit(int n, const float *x, const float *w, int qmax, int nonpos
     for (int i = 1; i < n; i++) lo = fminf(lo, x[i]), hi = fmaxf(hi, x[i]);
     if (nonpos && lo > 0) lo = 0;
     memset(L, 0, (size_t)n);
-    if (!(hi - lo > 1e-30f)) {
+    if (!(hi - lo > 1e-30f) || n > QK) {
         *d = 0, *m = nonpos && lo > 0 ? 0 : lo;
         return;
     }
-    uint8_t t[QKK];
+    float sw = 0, sx = 0;
+    for (int i = 0; i < n; i++) sw += w[i], sx += w[i] * x[i];
+    const int ns = n_steps(qmax), nc = 2 * ns + 1;
+    float lt[QK][MAXC], sl[MAXC] = {0}, sll[MAXC] = {0}, slx[MAXC] = {0}, err[MAXC] = {0}, dd[MAXC], mm[MAXC];
+    float is[MAXC];
+    for (int k = 0; k < nc; k++) is[k] = ((float)qmax + 0.1f * (float)(k - ns)) / (hi - lo);
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < nc; k++) lt[i][k] = round_clamp_f(is[k] * (x[i] - lo), 0, (float)qmax);
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < nc; k++) {
+            float wl = w[i] * lt[i][k];
+            sl[k] += wl, sll[k] += wl * lt[i][k], slx[k] += wl * x[i];
+        }
+    for (int k = 0; k < nc; k++) solve_dm(sw, sx, sl[k], sll[k], slx[k], nonpos, &dd[k], &mm[k]);
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < nc; k++) {
+            float e = x[i] - dd[k] * lt[i][k] - mm[k];
+            err[k] += w[i] * e * e;
+        }
     float best = INFINITY;
+    int bk = -1;
     *d = 0, *m = lo; /* kept if every candidate's error is NaN (non-finite input) */
-    const int ns = n_steps(qmax);
-    for (int k = -ns; k <= ns; k++) {
-        float is = ((float)qmax + 0.1f * (float)k) / (hi - lo), dd, mm;
-        for (int i = 0; i < n; i++) t[i] = (uint8_t)round_clamp(is * (x[i] - lo), 0, qmax);
-        float err = solve_dm(n, x, w, t, nonpos, &dd, &mm);
-        if (err < best) best = err, *d = dd, *m = mm, memcpy(L, t, (size_t)n);
-    }
+    for (int k = 0; k < nc; k++)
+        if (err[k] < best) best = err[k], *d = dd[k], *m = mm[k], bk = k;
+    if (bk >= 0)
+        for (int i = 0; i < n; i++) L[i] = (uint8_t)lt[i][bk];
+    uint8_t t[QK];
     for (int it = 0; it < 4 && *d > 0; it++) {
-        float inv = 1.0f / *d, dd, mm;
+        float inv = 1.0f / *d, s1 = 0, s2 = 0, s3 = 0, d1, m1, e1 = 0;
         for (int i = 0; i < n; i++) t[i] = (uint8_t)round_clamp((x[i] - *m) * inv, 0, qmax);
-        float err = solve_dm(n, x, w, t, nonpos, &dd, &mm);
-        if (!(err < best * (1 - 1e-7f))) break;
-        best = err, *d = dd, *m = mm, memcpy(L, t, (size_t)n);
+        if (memcmp(t, L, (size_t)n) == 0) break;
+        for (int i = 0; i < n; i++) {
+            float wl = w[i] * (float)t[i];
+            s1 += wl, s2 += wl * (float)t[i], s3 += wl * x[i];
+        }
+        solve_dm(sw, sx, s1, s2, s3, nonpos, &d1, &m1);
+        for (int i = 0; i < n; i++) {
+            float e = x[i] - d1 * (float)t[i] - m1;
+            e1 += w[i] * e * e;
+        }
+        if (!(e1 < best * (1 - 1e-7f))) break;
+        best = e1, *d = d1, *m = m1, memcpy(L, t, (size_t)n);
     }
 }
 
@@ -281,8 +314,10 @@ static void kquant_fit(const kspec *s, const float *x, const float *w, kfit *f, 
         const float *xj = x + j * s->sub, *wj = w + j * s->sub;
         int b_sc = f->D != 0 ? round_clamp(scale[j] / f->D, s->smin, s->smax) : 0;
         int b_mn = f->Dmin != 0 ? round_clamp(off[j] / f->Dmin, 0, s->smax) : 0;
-        int Lt[32];
-        float yt[32], best = INFINITY;
+        /* the candidate pairs, in the order they are compared; their errors summed together,
+         * element by element (each candidate's own sum in sub_round's order) */
+        int csc[9], cmn[9], nc = 0;
+        float ds[9], dm[9], inv[9], err[9] = {0};
         for (int a = -1; a <= 1; a++) {
             int sc = b_sc + a;
             if (sc < s->smin || sc > s->smax || (a != 0 && f->D == 0)) continue;
@@ -290,13 +325,25 @@ static void kquant_fit(const kspec *s, const float *x, const float *w, kfit *f, 
                 int mn = b_mn + b;
                 if (mn < 0 || mn > s->smax || (b != 0 && f->Dmin == 0)) continue;
                 /* as gguf.quants and the kernels decode: (D·sc) and (Dmin·mn) in float */
-                float err = sub_round(s, xj, wj, f->D * (float)sc, f->Dmin * (float)mn, Lt, yt);
-                if (err < best) {
-                    best = err, f->sc[j] = sc, f->mn[j] = mn;
-                    memcpy(f->L + j * s->sub, Lt, sizeof(int) * (size_t)s->sub);
-                    memcpy(y + j * s->sub, yt, sizeof(float) * (size_t)s->sub);
-                }
+                csc[nc] = sc, cmn[nc] = mn, ds[nc] = f->D * (float)sc, dm[nc] = f->Dmin * (float)mn;
+                inv[nc] = ds[nc] != 0 ? 1.0f / ds[nc] : 0;
+                nc++;
             }
+        }
+        const float lmin = (float)s->qmin, lmax = (float)s->qmax, l0 = (float)clampi(0, s->qmin, s->qmax);
+        for (int i = 0; i < s->sub; i++)
+            for (int c = 0; c < nc; c++) {
+                float l = ds[c] != 0 ? round_clamp_f((xj[i] + dm[c]) * inv[c], lmin, lmax) : l0;
+                float e = xj[i] - (s->has_min ? ds[c] * l - dm[c] : ds[c] * l);
+                err[c] += wj[i] * e * e;
+            }
+        float best = INFINITY;
+        int bc = -1;
+        for (int c = 0; c < nc; c++)
+            if (err[c] < best) best = err[c], bc = c;
+        if (bc >= 0) {
+            f->sc[j] = csc[bc], f->mn[j] = cmn[bc];
+            sub_round(s, xj, wj, ds[bc], dm[bc], f->L + j * s->sub, y + j * s->sub);
         }
     }
 }
