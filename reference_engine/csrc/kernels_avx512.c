@@ -558,7 +558,7 @@ INLINE void sb_nibbles(int type, const uint8_t *b, int cnt, int packed, __m512i 
             __m512i byte = _mm512_set1_epi8((char)(e0 / 8));
             if (packed) byte = _mm512_add_epi8(byte, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi8(2), 1));
             const __m512i spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(_mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0), byte));
-            const __mmask64 hi = _mm512_test_epi8_mask(spread, _mm512_set1_epi32(0x08040201 << (e0 % 8)));
+            const __mmask64 hi = _mm512_test_epi8_mask(spread, _mm512_set1_epi32((int)(0x08040201u << (e0 % 8))));
             q[j] = _mm512_mask_add_epi8(q[j], hi, q[j], _mm512_set1_epi8(16));
         }
     }
