@@ -215,7 +215,14 @@ def interrupt_after_words(cmd: list[str], words: int) -> tuple[int, str, list[di
     status, everything it printed and its JSON log events."""
     import signal
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C's default action in the child even when this process ignores SIGINT (a run started in
+    # the background with `&` or nohup does): Python installs its handler only where it is not ignored
+    def default_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
+    )
     assert proc.stdout is not None
     seen = ""
     while len(seen.split()) <= words:  # one more: the last word seen is complete
