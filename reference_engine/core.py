@@ -242,11 +242,11 @@ def hparams_struct(hp: HParams) -> _HParams:
 
 
 def isa_name() -> str:
-    """The kernels' SIMD path in use: scalar, avx2 or avx512."""
+    """The kernels' SIMD path in use: scalar, avx2, avx512 or amx."""
     return api().se_isa_name().decode()
 
 
-ISAS = ("scalar", "avx2", "avx512")  # the kernels' SIMD paths, slowest first (kernels.c)
+ISAS = ("scalar", "avx2", "avx512", "amx")  # the kernels' SIMD paths, slowest first (kernels.c)
 
 
 def check_isa_env(env: Mapping[str, str] | None = None) -> None:
@@ -259,7 +259,7 @@ def check_isa_env(env: Mapping[str, str] | None = None) -> None:
     if want not in ISAS:
         raise ConfigError(
             f"INFER_REF_ISA={want!r} is not a SIMD path of the reference engine",
-            hint="set INFER_REF_ISA to scalar|avx2|avx512 (a path this CPU can run), or unset it for the best one",
+            hint="set INFER_REF_ISA to scalar|avx2|avx512|amx (a path this CPU can run), or unset it for the best one",
             key="INFER_REF_ISA",
         )
     # the C core read the same variable at start-up: it runs the wanted path or, when this CPU

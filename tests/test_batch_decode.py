@@ -21,7 +21,7 @@ from stdengine.errors import ContextOverflow, EngineFailure, InvalidRequest
 from stdengine.events import Emitter
 from stdengine.options import Options
 
-ISAS = ["scalar", "avx2", "avx512"]
+ISAS = ["scalar", "avx2", "avx512", "amx"]
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])

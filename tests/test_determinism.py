@@ -21,7 +21,7 @@ from stdengine.reference.model import Model
 
 pytestmark = pytest.mark.models
 
-ISAS = ["scalar", "avx2", "avx512"]
+ISAS = ["scalar", "avx2", "avx512", "amx"]
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])

@@ -383,6 +383,41 @@ def test_small_batches_equal_single_token(t, isa):
             np.testing.assert_array_equal(part[:, r0:r1], single[:6, r0:r1])
 
 
+@pytest.mark.parametrize("t", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", [1, 9, 37])
+def test_amx_gemm_equals_avx512(t, blocks):
+    """The AMX path's GEMM (integer sums from int8 tiles, then AVX-512's float operations in the
+    same order) gives AVX-512's output byte for byte: every batch size (full tiles of 16 tokens,
+    a partial last one, fewer than 16 on the GEMM), row range and row length. (Q2_K, Q3_K and
+    Q6_K keep AVX-512's GEMM on the AMX path: for them this checks the table's layering.)"""
+    if "amx" not in ISAS:
+        pytest.skip("this CPU cannot run the amx path")
+    rng = rng_for("amx", t, blocks)
+    rows, k = 37, block(t) * blocks
+    w = weights(t, rows, k, rng, sources(t)[-1])
+    x = rng.standard_normal((53, k)).astype(np.float32)
+    x[7, : block(t)] *= 100  # one block with a much larger range
+    cases = [
+        (0, 16, 0, rows),
+        (0, 53, 0, rows),
+        (3, 17, 0, rows),
+        (5, 31, 0, rows),
+        (1, 32, 3, 4),
+        (2, 50, 17, 37),
+    ]
+    cases += [(0, 16, 0, 16), (4, 33, 5, 21)]
+    res = {}
+    for name in ("avx512", "amx"):
+        with using_isa(name):
+            got = [K.matmul(t, w, k, x[lo : lo + n], r0, r1)[:, r0:r1] for lo, n, r0, r1 in cases]
+            K.set_gemm_min_tokens(2)  # a few tokens on the GEMM: tiles of fewer rows
+            got += [K.matmul(t, w, k, x[lo : lo + n]) for lo, n in ((0, 2), (3, 5), (9, 15))]
+            K.set_gemm_min_tokens(16)
+            res[name] = got
+    for i, (a, b) in enumerate(zip(res["avx512"], res["amx"], strict=True)):
+        assert a.tobytes() == b.tobytes(), f"{t.name} {blocks} blocks, case {i}"
+
+
 @pytest.mark.parametrize("t", QUANT_TYPES + [T.F16, T.F32], ids=lambda t: t.name)
 def test_isas_agree(t):
     """Every path gives the scalar path's dot up to float rounding (integer sums are exact)."""

@@ -69,7 +69,7 @@ def test_the_isa_is_in_info_and_model_loaded(tiny):
     log = io.StringIO()
     engine = load(tiny, log)
     try:
-        assert isa_name() in ("scalar", "avx2", "avx512")
+        assert isa_name() in ("scalar", "avx2", "avx512", "amx")
         assert engine.info().build == f"isa={isa_name()}"
         loaded = [json.loads(line) for line in log.getvalue().splitlines()]
         loaded = [e for e in loaded if e["event"] == "model.loaded"]
@@ -106,13 +106,14 @@ def cpu_flags() -> set[str]:
 
 def test_infer_engines_shows_the_isa_this_cpu_allows():
     """The best path this CPU's flags allow (the kernels' rule: AVX-512 with BW, VL and VNNI, or AVX2;
-    both with FMA and F16C), and a lower one when INFER_REF_ISA forces it."""
+    both with FMA and F16C; AMX on AVX-512 with AMX-TILE and AMX-INT8, which Linux lists only when
+    it supports them), and a lower one when INFER_REF_ISA forces it."""
     flags = cpu_flags()
     best = "scalar"
     if {"avx2", "fma", "f16c"} <= flags:
         best = "avx2"
         if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-            best = "avx512"
+            best = "amx" if {"amx_tile", "amx_int8"} <= flags else "avx512"
     assert engines_build(None) == f"isa={best}"
     assert engines_build("scalar") == "isa=scalar"
 
@@ -177,9 +178,10 @@ def test_infer_ref_isa_this_cpu_cannot_run_is_an_error(monkeypatch):
 
 def test_infer_ref_isa_above_this_cpu_fails_the_run(tiny):
     flags = cpu_flags()
-    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+    if avx512 and {"amx_tile", "amx_int8"} <= flags:
         pytest.skip("this CPU runs every path")
-    want = "avx512" if {"avx2", "fma", "f16c"} <= flags else "avx2"
+    want = "amx" if avx512 else "avx512" if {"avx2", "fma", "f16c"} <= flags else "avx2"
     r = infer_run("-m", str(tiny), "-n", "2", "-p", "hi", env={"INFER_REF_ISA": want})
     assert r.returncode == 2 and "cannot run" in r.stderr, r.stderr
 

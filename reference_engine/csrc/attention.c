@@ -127,9 +127,11 @@ static const attend_fn attend_kernels[SE_ISA_COUNT] = {
 #if defined(__x86_64__) && defined(__GNUC__)
     [SE_ISA_AVX2] = attend_rows_avx2,
     [SE_ISA_AVX512] = attend_rows_avx512,
+    [SE_ISA_AMX] = attend_rows_avx512, /* AMX is AVX-512 with another prompt GEMM */
 #else
     [SE_ISA_AVX2] = attend_rows_portable, /* never chosen off x86 */
     [SE_ISA_AVX512] = attend_rows_portable,
+    [SE_ISA_AMX] = attend_rows_portable,
 #endif
 };
 

@@ -554,7 +554,7 @@ static se_type_traits traits[SE_TYPE_COUNT];
 static se_isa_kernels tiles[SE_TYPE_COUNT]; /* the chosen ISA's tiles (tile NULL: none) */
 static se_isa isa_in_use = SE_ISA_SCALAR;
 static const char *const isa_names[SE_ISA_COUNT] = {
-    [SE_ISA_SCALAR] = "scalar", [SE_ISA_AVX2] = "avx2", [SE_ISA_AVX512] = "avx512",
+    [SE_ISA_SCALAR] = "scalar", [SE_ISA_AVX2] = "avx2", [SE_ISA_AVX512] = "avx512", [SE_ISA_AMX] = "amx",
 };
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
@@ -566,7 +566,7 @@ static se_isa cpu_best_isa(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return SE_ISA_AVX512;
+        return se_amx_usable() ? SE_ISA_AMX : SE_ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
         return SE_ISA_AVX2;
@@ -584,15 +584,17 @@ static void install(se_isa isa) {
         traits[t].dot = scalar_fns[t].dot;
     }
     memset(tiles, 0, sizeof tiles);
-    /* Layer the paths: AVX-512 falls back to AVX2 for a type it does not cover, then scalar. */
+    /* Layer the paths: AVX-512 falls back to AVX2 for a type it does not cover, then scalar;
+     * AMX replaces AVX-512's GEMMs only. */
     static const se_isa_kernels *const isa_kernels[SE_ISA_COUNT] = {
-        [SE_ISA_AVX2] = se_kernels_avx2, [SE_ISA_AVX512] = se_kernels_avx512,
+        [SE_ISA_AVX2] = se_kernels_avx2, [SE_ISA_AVX512] = se_kernels_avx512, [SE_ISA_AMX] = se_kernels_amx,
     };
     for (int level = SE_ISA_AVX2; level <= (int)isa; level++) {
         const se_isa_kernels *k = isa_kernels[level];
         for (int t = 0; t < SE_TYPE_COUNT; t++) {
             if (k[t].dot) traits[t].dot = k[t].dot;
             if (k[t].tile) tiles[t] = k[t];
+            else if (k[t].gemm && tiles[t].tile) tiles[t].gemm = k[t].gemm;
             if (k[t].from_float) traits[t].from_float = k[t].from_float;
         }
     }

@@ -40,13 +40,14 @@ typedef struct {
                                 * (q3_K's high bits, hmask, lead its block: its unpackers read them) */
 } se_type_traits;
 
-/* The SIMD paths, slowest first. */
-typedef enum { SE_ISA_SCALAR, SE_ISA_AVX2, SE_ISA_AVX512, SE_ISA_COUNT } se_isa;
+/* The SIMD paths, slowest first. AMX is AVX-512 whose prompt GEMM takes its integer sums from
+ * int8 tiles (kernels_avx512.c): every other kernel, and every result bit, is AVX-512's. */
+typedef enum { SE_ISA_SCALAR, SE_ISA_AVX2, SE_ISA_AVX512, SE_ISA_AMX, SE_ISA_COUNT } se_isa;
 
 /* Picks the SIMD path once, for the matmul kernels and the attention (which reads se_isa_in_use()).
- * Honours INFER_REF_ISA=scalar|avx2|avx512 (forces a lower path). */
+ * Honours INFER_REF_ISA=scalar|avx2|avx512|amx (forces a lower path). */
 void se_kernels_init(void);
-const char *se_isa_name(void);                 /* the path in use: "scalar", "avx2", "avx512" */
+const char *se_isa_name(void);                 /* the path in use: "scalar", "avx2", "avx512", "amx" */
 se_isa se_isa_in_use(void);                    /* the same as an index (after se_kernels_init) */
 const se_type_traits *se_traits(int type);     /* NULL for a type the engine does not know */
 size_t se_row_size(int type, int64_t n);       /* bytes of a row of n elements */
@@ -67,7 +68,7 @@ int se_gemm_min_tokens(void);
  * default, SE_GEMM_MIN_TOKENS). Returns the previous value. Not thread-safe, like se_set_isa. */
 int se_set_gemm_min_tokens(int n);
 
-/* Test hook: use the named path ("scalar", "avx2", "avx512"; NULL or "" = the best one here).
+/* Test hook: use the named path ("scalar", "avx2", "avx512", "amx"; NULL or "" = the best one here).
  * Returns 0, or -1 (path unchanged) when this CPU cannot run it. Not thread-safe: call it
  * between matmuls, never while a pool is running. Tests use it to check every path in one
  * process; INFER_REF_ISA does the same at start-up. */
@@ -179,9 +180,14 @@ typedef struct {
  * call and freed when the thread ends; NULL if out of memory. */
 void *se_thread_scratch(size_t n);
 
-/* Indexed by weight type; NULL entries fall back to the scalar code. */
+/* Indexed by weight type; NULL entries fall back to the scalar code. AMX's table has only GEMMs:
+ * the rest of each entry is AVX-512's (kernels.c layers the tables). */
 extern const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT];
 extern const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT];
+extern const se_isa_kernels se_kernels_amx[SE_TYPE_COUNT];
+/* 1 when this CPU has AMX-TILE and AMX-INT8 and Linux let the process use the tile data (asked
+ * once, on the first call: arch_prctl(ARCH_REQ_XCOMP_PERM)); 0 otherwise, and off x86. */
+int se_amx_usable(void);
 
 float se_fp16_to_fp32(uint16_t h);
 uint16_t se_fp32_to_fp16(float f);

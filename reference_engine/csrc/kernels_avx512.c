@@ -23,16 +23,24 @@
  * one vector whose lane p is block LANE[p] (blocks16_*), then take one fma per group. The
  * small-batch kernel holds blocks in lanes: lane p of every vector is block LANE[p] from the
  * start, so the integer sums need no reduction. The GEMM holds rows in lanes: it runs the 16 lane
- * chains one after another and adds them in the tree.
+ * chains one after another and adds them in the tree. The AMX path (SE_ISA_AMX: this file's
+ * kernels with another GEMM) takes the GEMM's integer block sums from int8 tiles instead of
+ * vpdpbusd; they are the same exact integers, and every float operation is the GEMM's, so its
+ * outputs are AVX-512's bit for bit.
  * Blocks past a row's end get zero scales: their fma adds an exact zero.
  */
+#define _GNU_SOURCE /* syscall */
 #define SE_KERNELS_INTERNAL
 #include "kernels.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#include <cpuid.h>
 #include <immintrin.h>
+#include <pthread.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -958,22 +966,96 @@ static void build_side(panel_shape sh, int64_t nb, const uint8_t *a, size_t arow
     }
 }
 
-/* One lane chain of the summation order for nt tokens: blocks b0, b0 + 16, ... of the panel. */
+/* ---------------------------------------------------------------- AMX: the GEMM's integer sums
+ * TDPBSUD (signed bytes x unsigned bytes -> int32, no saturation) computes every panel block's
+ * integer dots for up to 16 tokens x 16 rows in one instruction: tile A = the tokens' quants of
+ * the block (copied once per call into whole rows, amx_pack); tile B = the panel block
+ * as it is (BLK/4 rows of 64 bytes, row j = quants 4j..4j+3 of the 16 weight rows: the layout
+ * TDPBSUD wants); C[t][r] = the exact dot. The float part is the vpdpbusd path's (gemm_chain). */
+#define AMX_TOKENS 16                           /* rows of a tile: tokens per TDPBSUD */
+#define AMX_DOTS (AMX_TOKENS * PANEL_ROWS)       /* int32 sums per panel block (one C tile) */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")
+/* ldtilecfg's 64 bytes (palette 1) */
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
+
+/* Tiles 0 and 2: A (tokens x BLK bytes), 1 and 3: B (BLK/4 x 64 bytes), 4 to 7: C (tokens x 16
+ * int32). The configuration is the calling thread's; each GEMM call sets
+ * it (ldtilecfg), so that nothing depends on what the thread ran before, and gives the tiles back
+ * at its end (amx_release: the kernel then has no tile data to save on a context switch). */
+static __attribute__((noinline)) void amx_configure(int tokens, int blk) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 2; i++) { /* A and B, twice */
+        c.rows[2 * i] = (uint8_t)tokens, c.colsb[2 * i] = (uint16_t)blk;
+        c.rows[2 * i + 1] = (uint8_t)(blk / 4), c.colsb[2 * i + 1] = 64;
+    }
+    for (int i = 4; i < 8; i++) c.rows[i] = (uint8_t)tokens, c.colsb[i] = 64; /* C, four times */
+    /* ldtilecfg written here: gcc 12's _tile_loadconfig tells the compiler that it reads 8 bytes,
+     * and the stores of the other 56 are then dropped as dead (a #GP, SIGSEGV, at run time) */
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));
+}
+
+/* Every block's sums for one group of tokens: dots + b * AMX_DOTS, row t (64 bytes) = token t's
+ * sums for the panel's 16 rows. tok: the group's quants, block b's at tok + b * tokens * blk
+ * (amx_pack). Not inlined: the call orders the tile instructions (whose asm tells the compiler
+ * nothing of the memory they read) after the stores of the panel and before gemm_chain's loads. */
+static __attribute__((noinline)) void amx_dots(int blk, int tokens, const uint8_t *panel, int64_t nb,
+                                               const uint8_t *tok, int32_t *dots) {
+    const size_t bsz = (size_t)blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float), asz = (size_t)tokens * blk;
+    /* four blocks in flight: a C tile is zeroed, multiplied into and stored, one after the other;
+     * with two, this loop took about 50 ns a block against 38 (one profile each, loaded machine) */
+#define AMX_BLOCK(A, B, C, b)                                    \
+    _tile_loadd(A, tok + (size_t)(b) * asz, blk);                \
+    _tile_loadd(B, panel + (size_t)(b) * bsz, 64);               \
+    _tile_zero(C);                                               \
+    _tile_dpbsud(C, A, B)
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        AMX_BLOCK(0, 1, 4, b);
+        AMX_BLOCK(2, 3, 5, b + 1);
+        _tile_stored(4, dots + (size_t)b * AMX_DOTS, 64);
+        AMX_BLOCK(0, 1, 6, b + 2);
+        _tile_stored(5, dots + (size_t)(b + 1) * AMX_DOTS, 64);
+        AMX_BLOCK(2, 3, 7, b + 3);
+        _tile_stored(6, dots + (size_t)(b + 2) * AMX_DOTS, 64);
+        _tile_stored(7, dots + (size_t)(b + 3) * AMX_DOTS, 64);
+    }
+    for (; b < nb; b++) {
+        AMX_BLOCK(0, 1, 4, b);
+        _tile_stored(4, dots + (size_t)b * AMX_DOTS, 64);
+    }
+#undef AMX_BLOCK
+}
+
+static __attribute__((noinline)) void amx_release(void) { _tile_release(); }
+#pragma GCC pop_options
+
+/* One lane chain of the summation order for nt tokens: blocks b0, b0 + 16, ... of the panel.
+ * Block b's integer sums come from vpdpbusd on the panel, or (dots != NULL: the AMX path) from
+ * dots + b * AMX_DOTS, where row t holds token t's 16 sums (the bias not yet added): the same
+ * exact integers, so the float operations that follow, and their bits, are the same. */
 INLINE void gemm_chain(int blk, int min, int nt, const uint8_t *panel, int64_t nb, int64_t b0, const uint8_t *a,
-                       size_t arow, const int32_t *qoff, const side_t *side, __m512 *acc) {
+                       size_t arow, const int32_t *qoff, const side_t *side, const int32_t *dots, __m512 *acc) {
     const size_t bsz = (size_t)blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
     for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = b0; b < nb; b += 16) {
         const uint8_t *p = panel + (size_t)b * bsz;
         __m512i w[8];
-        for (int j = 0; j < blk / 4; j++) w[j] = _mm512_load_si512(p + 64 * j);
+        if (!dots)
+            for (int j = 0; j < blk / 4; j++) w[j] = _mm512_load_si512(p + 64 * j);
         const __m512 wd = _mm512_load_ps(p + blk * PANEL_ROWS);
         const __m512 wm = _mm512_load_ps(p + blk * PANEL_ROWS + 64);
         for (int t = 0; t < nt; t++) {
             const side_t *st = side + (size_t)t * nb + b;
-            const uint8_t *q = a + (size_t)t * arow + qoff[b];
             __m512i sum = min ? _mm512_setzero_si512() : _mm512_set1_epi32(st->bias);
-            for (int j = 0; j < blk / 4; j++) sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32((int)ld32(q + 4 * j)));
+            if (dots) {
+                sum = _mm512_add_epi32(sum, _mm512_load_si512(dots + (size_t)b * AMX_DOTS + 16 * t));
+            } else {
+                const uint8_t *q = a + (size_t)t * arow + qoff[b];
+                for (int j = 0; j < blk / 4; j++) sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32((int)ld32(q + 4 * j)));
+            }
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(wd, _mm512_set1_ps(st->d)), acc[t]);
             if (min) acc[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(st->s), acc[t]);
         }
@@ -984,17 +1066,18 @@ INLINE void gemm_chain(int blk, int min, int nt, const uint8_t *panel, int64_t n
  * summation order with rows in lanes: the 16 lane chains, added as they come in hsum16's tree
  * ((c0 + c2) + (c1 + c3) per quad of chains, then (q0 + q2) + (q1 + q3)). */
 INLINE void gemm_tile(int blk, int min, int nt, const uint8_t *panel, int64_t nb, const uint8_t *a, size_t arow,
-                      const int32_t *qoff, const side_t *side, float *y, int64_t ldy, __mmask16 mask) {
+                      const int32_t *qoff, const side_t *side, const int32_t *dots, float *y, int64_t ldy,
+                      __mmask16 mask) {
     const int *lane = blk == 16 ? LANE16 : LANE32;
     __m512 half[2][4], quad[4], x[4], z[4];
     for (int h = 0; h < 2; h++)
         for (int j = 0; j < 2; j++) {
             const int qd = h + 2 * j; /* quads 0 and 2 make the first half, 1 and 3 the second */
-            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd], a, arow, qoff, side, x);
-            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd + 2], a, arow, qoff, side, z);
+            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd], a, arow, qoff, side, dots, x);
+            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd + 2], a, arow, qoff, side, dots, z);
             for (int t = 0; t < nt; t++) quad[t] = _mm512_add_ps(x[t], z[t]);
-            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd + 1], a, arow, qoff, side, x);
-            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd + 3], a, arow, qoff, side, z);
+            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd + 1], a, arow, qoff, side, dots, x);
+            gemm_chain(blk, min, nt, panel, nb, lane[4 * qd + 3], a, arow, qoff, side, dots, z);
             for (int t = 0; t < nt; t++) {
                 quad[t] = _mm512_add_ps(quad[t], _mm512_add_ps(x[t], z[t]));
                 half[h][t] = j ? _mm512_add_ps(half[h][t], quad[t]) : quad[t];
@@ -1003,18 +1086,67 @@ INLINE void gemm_tile(int blk, int min, int nt, const uint8_t *panel, int64_t nb
     for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy, mask, _mm512_add_ps(half[0][t], half[1][t]));
 }
 
-INLINE int gemm(int type, int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
-                int64_t ldy, int64_t r0, int64_t r1) {
+/* Tokens [t, t_end) x one panel, 4 at a time. dots (AMX) holds the integer sums of the tokens
+ * from t_dots on (see gemm_chain). */
+INLINE void gemm_tokens(panel_shape sh, const uint8_t *panel, int64_t nb, const uint8_t *a, size_t arow,
+                        const int32_t *qoff, const side_t *side, const int32_t *dots, int t_dots, int t, int t_end,
+                        float *y, int64_t ldy, __mmask16 mask) {
+    for (; t < t_end; t += 4) {
+        const int nt = t_end - t < 4 ? t_end - t : 4;
+        const uint8_t *at = a + (size_t)t * arow;
+        const side_t *st = side + (size_t)t * nb;
+        const int32_t *dt = dots ? dots + 16 * (t - t_dots) : NULL;
+        float *yt = y + t * ldy;
+        switch (nt) { /* a constant token count for each: the loops over tokens unroll */
+        case 1: gemm_tile(sh.blk, sh.min, 1, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
+        case 2: gemm_tile(sh.blk, sh.min, 2, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
+        case 3: gemm_tile(sh.blk, sh.min, 3, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
+        case 4: gemm_tile(sh.blk, sh.min, 4, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
+        }
+    }
+}
+
+/* The AMX path's tokens go in groups of mt (a tile's rows); the last group starts at n_tok - mt,
+ * overlapping the one before, so that every tile has mt rows (the overlap's sums are computed
+ * again, not used again). */
+INLINE int amx_group_start(int g, int mt, int n_tok) { return g * mt + mt > n_tok ? n_tok - mt : g * mt; }
+
+/* Each group's activation quants, block by block: block b of group g is mt rows of blk bytes at
+ * tok + (g * nb + b) * mt * blk, so that a tile loads 8 or 16 whole cache lines (in place, a
+ * block's rows lie an activation row apart and often across two lines). One copy per call; on the
+ * loaded 2-core Xeon where it was written, no faster or slower than loading in place, within the
+ * noise. */
+static void amx_pack(int blk, int mt, int n_tok, int64_t nb, const uint8_t *a, size_t arow, const int32_t *qoff,
+                     uint8_t *tok) {
+    for (int g = 0; g * mt < n_tok; g++) {
+        const uint8_t *at = a + (size_t)amx_group_start(g, mt, n_tok) * arow;
+        for (int64_t b = 0; b < nb; b++, tok += (size_t)mt * blk)
+            for (int t = 0; t < mt; t++) memcpy(tok + (size_t)t * blk, at + (size_t)t * arow + qoff[b], (size_t)blk);
+    }
+}
+
+/* The whole GEMM (se_gemm_fn), its integer sums from vpdpbusd or (amx) from int8 tiles. */
+INLINE int gemm(int type, int amx, int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,
+                float *y, int64_t ldy, int64_t r0, int64_t r1) {
     const panel_shape sh = shape_of(type);
     const int64_t nb = k / sh.blk;
     const size_t bsz = (size_t)sh.blk * PANEL_ROWS + 2 * PANEL_ROWS * sizeof(float);
     const size_t panel_size = (size_t)nb * bsz, side_size = (size_t)n_tok * nb * sizeof(side_t);
-    uint8_t *panel = se_thread_scratch(panel_size + side_size + (size_t)nb * sizeof(int32_t));
+    const int mt = n_tok < AMX_TOKENS ? n_tok : AMX_TOKENS, groups = (n_tok + mt - 1) / mt; /* amx */
+    const size_t dots_size = amx ? (size_t)nb * AMX_DOTS * sizeof(int32_t) : 0;
+    const size_t tok_size = amx ? ((size_t)groups * mt * k + 63) / 64 * 64 : 0;
+    uint8_t *panel = se_thread_scratch(panel_size + dots_size + tok_size + side_size + (size_t)nb * sizeof(int32_t));
     if (!panel) return -1;
-    side_t *side = (side_t *)(panel + panel_size);
-    int32_t *qoff = (int32_t *)(panel + panel_size + side_size);
+    int32_t *dots = amx ? (int32_t *)(panel + panel_size) : NULL; /* 64-byte aligned: bsz is 64k */
+    uint8_t *tok = panel + panel_size + dots_size;
+    side_t *side = (side_t *)(tok + tok_size);
+    int32_t *qoff = (int32_t *)((uint8_t *)side + side_size);
     const uint8_t *a = act;
     build_side(sh, nb, a, arow, n_tok, side, qoff);
+    if (amx) {
+        amx_pack(sh.blk, mt, n_tok, nb, a, arow, qoff, tok);
+        amx_configure(mt, sh.blk);
+    }
     /* A few tokens (a step of batched decoding) are as memory-bound as one: ask for the weight
      * rows SE_PREFETCH_BYTES ahead, as se_matmul does for one token. A prompt's compute hides
      * the memory by itself. */
@@ -1028,18 +1160,22 @@ INLINE int gemm(int type, int64_t k, const void *W, size_t wrow, const void *act
             for (size_t o = 0; o < (size_t)n_ahead * wrow; o += 64) __builtin_prefetch(p + o);
         }
         build_panel(type, sh, (const uint8_t *)W + (size_t)r * wrow, wrow, nr, k, panel);
-        for (int t = 0; t < n_tok; t += 4) {
-            const int nt = n_tok - t < 4 ? n_tok - t : 4;
-            const uint8_t *at = a + (size_t)t * arow;
-            const side_t *st = side + (size_t)t * nb;
-            float *yt = y + t * ldy + r;
-            switch (nt) { /* a constant token count for each: the loops over tokens unroll */
-            case 1: gemm_tile(sh.blk, sh.min, 1, panel, nb, at, arow, qoff, st, yt, ldy, mask); break;
-            case 2: gemm_tile(sh.blk, sh.min, 2, panel, nb, at, arow, qoff, st, yt, ldy, mask); break;
-            case 3: gemm_tile(sh.blk, sh.min, 3, panel, nb, at, arow, qoff, st, yt, ldy, mask); break;
-            case 4: gemm_tile(sh.blk, sh.min, 4, panel, nb, at, arow, qoff, st, yt, ldy, mask); break;
-            }
+        if (!amx) {
+            gemm_tokens(sh, panel, nb, a, arow, qoff, side, NULL, 0, 0, n_tok, y + r, ldy, mask);
+            continue;
         }
+        for (int g = 0, done = 0; g < groups; g++) {
+            const int t0 = amx_group_start(g, mt, n_tok);
+            amx_dots(sh.blk, mt, panel, nb, tok + (size_t)g * mt * k, dots);
+            gemm_tokens(sh, panel, nb, a, arow, qoff, side, dots, t0, done, t0 + mt, y + r, ldy, mask);
+            done = t0 + mt;
+        }
+    }
+    if (amx) {
+        amx_release();
+        /* gcc 12 puts no vzeroupper before this function's return when it calls amx_release: the
+         * dirty upper halves then made the SSE code that follows (expf in the FFN) about 20x slower */
+        _mm256_zeroupper();
     }
     return 0;
 }
@@ -1052,43 +1188,43 @@ INLINE int gemm(int type, int64_t k, const void *W, size_t wrow, const void *act
 
 static int gemm_q4_0(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
-    return gemm(SE_Q4_0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    return gemm(SE_Q4_0, 0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 static int gemm_q4_1(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
-    return gemm(SE_Q4_1, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    return gemm(SE_Q4_1, 0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 static int gemm_q5_0(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
-    return gemm(SE_Q5_0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    return gemm(SE_Q5_0, 0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 static int gemm_q5_1(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
-    return gemm(SE_Q5_1, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    return gemm(SE_Q5_1, 0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 static int gemm_q8_0(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
-    return gemm(SE_Q8_0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    return gemm(SE_Q8_0, 0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 static int gemm_q2_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
-    return gemm(SE_Q2_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    return gemm(SE_Q2_K, 0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 static int gemm_q3_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
-    return gemm(SE_Q3_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    return gemm(SE_Q3_K, 0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 static int gemm_q4_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
-    return gemm(SE_Q4_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    return gemm(SE_Q4_K, 0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 static int gemm_q5_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
-    return gemm(SE_Q5_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    return gemm(SE_Q5_K, 0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 static int gemm_q6_K(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
                      int64_t ldy, int64_t r0, int64_t r1) {
-    return gemm(SE_Q6_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    return gemm(SE_Q6_K, 0, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
 
 static int small_q4_0(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
@@ -1131,6 +1267,21 @@ static int small_q6_K(int64_t k, const void *W, size_t wrow, const void *act, si
                       int64_t ldy, int64_t r0, int64_t r1) {
     return small_batch(SE_Q6_K, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);
 }
+
+/* The AMX path's GEMMs: the same code with its integer sums from tiles. */
+#define AMX_GEMM(T)                                                                                              \
+    static int amx_gemm_##T(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,     \
+                            float *y, int64_t ldy, int64_t r0, int64_t r1) {                                     \
+        return gemm(SE_##T, 1, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);                                    \
+    }
+AMX_GEMM(Q4_0)
+AMX_GEMM(Q4_1)
+AMX_GEMM(Q5_0)
+AMX_GEMM(Q5_1)
+AMX_GEMM(Q8_0)
+AMX_GEMM(Q4_K)
+AMX_GEMM(Q5_K)
+#undef AMX_GEMM
 
 /* Legacy and float types, whose kernels take several rows: tg_rows 4, pp_rows 2. */
 INLINE void multi_row_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
@@ -1248,6 +1399,37 @@ const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {
     [SE_Q8_K] = { .from_float = q8_K_from_float },
 };
 
+/* Only the GEMMs: kernels.c keeps AVX-512's tiles, dots, small-batch kernels and quantizers. The
+ * types with blocks of 16 (Q2_K, Q3_K, Q6_K) keep AVX-512's GEMM too: there a tile does half the
+ * products for the same C store and the same float work per block, and it measured slower than
+ * vpdpbusd (Q6_K 0.66-0.87x, one thread, 512 tokens, Xeon Emerald Rapids; gemm() runs them right,
+ * should a CPU make them pay). */
+const se_isa_kernels se_kernels_amx[SE_TYPE_COUNT] = {
+    [SE_Q4_0] = { .gemm = amx_gemm_Q4_0 }, [SE_Q4_1] = { .gemm = amx_gemm_Q4_1 },
+    [SE_Q5_0] = { .gemm = amx_gemm_Q5_0 }, [SE_Q5_1] = { .gemm = amx_gemm_Q5_1 },
+    [SE_Q8_0] = { .gemm = amx_gemm_Q8_0 }, [SE_Q4_K] = { .gemm = amx_gemm_Q4_K },
+    [SE_Q5_K] = { .gemm = amx_gemm_Q5_K },
+};
+
+/* AMX needs the CPU's AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25) and Linux's
+ * permission: it keeps the 8 KiB of tile data out of a process's saved state until the process
+ * asks (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a tile instruction before that
+ * is SIGILL. The permission is the whole process's, so one request serves every thread. */
+static int amx_ok;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static void amx_ask(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 25 & 1)) return;
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    amx_ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+int se_amx_usable(void) {
+    pthread_once(&amx_once, amx_ask);
+    return amx_ok;
+}
+
 #else
 const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {{0}};
+const se_isa_kernels se_kernels_amx[SE_TYPE_COUNT] = {{0}};
+int se_amx_usable(void) { return 0; }
 #endif

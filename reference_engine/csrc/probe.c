@@ -177,7 +177,7 @@ static void probe_thread(void *arg, int ith, int nth) {
         }
     } else {
 #ifdef PROBE_X86
-        if (j->isa == SE_ISA_AVX512) work = macs_avx512(j->iters, &sink);
+        if (j->isa >= SE_ISA_AVX512) work = macs_avx512(j->iters, &sink); /* AMX: its vector part */
         else if (j->isa == SE_ISA_AVX2) work = macs_avx2(j->iters, &sink);
 #endif
     }
