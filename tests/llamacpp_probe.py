@@ -1,11 +1,12 @@
 """Before any test touches llama.cpp in process, check in a subprocess that it runs on this CPU.
 
-llama-cpp-python built for other instructions (AMX on a guest that cannot run it, AVX-512 on a CPU
-without it) dies with SIGILL, and in process that kills the whole pytest run with no summary. The
-probe imports llama_cpp, loads a model and decodes one batch in a child process (about a second and a half);
-if the child dies by a signal, conftest.py replaces `llama_cpp` in this process with a module
-whose every attribute fails with the probe's message, and fails every `llamacpp`-marked test
-with it: those tests fail, the others run, and the summary says why."""
+llama-cpp-python built for other instructions (AVX-512 on a CPU without it), or with AMX by GCC 12
+(README, "llama.cpp with AMX"), dies with SIGILL, and in process that kills the whole pytest run
+with no summary. The probe imports llama_cpp, loads a model and decodes one batch in a child
+process (about a second and a half); if the child dies by a signal, conftest.py replaces
+`llama_cpp` in this process with a module whose every attribute fails with the probe's message,
+and fails every `llamacpp`-marked test with it: those tests fail, the others run, and the summary
+says why."""
 
 from __future__ import annotations
 

@@ -69,8 +69,9 @@ def _install_log_callback(verbose: bool) -> None:
 # The CPU features that decide whether a llama.cpp build runs on an x86 machine, in the order
 # shown. llama.cpp's system info lists only the features a build has ("AVX512 = 1 | ..."); one it
 # lacks is shown here as 0. A native build (pip's default) on an Intel Xeon with AMX has
-# AMX_INT8=1 and died with SIGILL in ggml's AMX matmul on such a machine (a KVM guest); a build
-# with AVX_VNNI=1 cannot run on AMD Zen 4. README, "The llama.cpp extra on x86", says how to build.
+# AMX_INT8=1; made with GCC 12 it dies with SIGILL in ggml's AMX matmul (the compiler drops the
+# tile shapes: bench/amx_tilecfg.c), and it runs only where AMX exists; a build with AVX_VNNI=1
+# cannot run on AMD Zen 4. README, "The llama.cpp extra on x86", says how to build either.
 BUILD_FEATURES = ("AVX2", "AVX512", "AVX512_VNNI", "AVX_VNNI", "AMX_INT8")
 
 
