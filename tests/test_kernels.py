@@ -418,6 +418,58 @@ def test_amx_gemm_equals_avx512(t, blocks):
         assert a.tobytes() == b.tobytes(), f"{t.name} {blocks} blocks, case {i}"
 
 
+TILE_CONFIG_C = r"""
+#include <stdint.h>
+#include <string.h>
+/* ldtilecfg / sttilecfg of the calling thread, as another library in the process would use them */
+void load_config(const uint8_t *cfg) { __asm__ volatile("ldtilecfg %0" ::"m"(*(const uint8_t(*)[64])cfg)); }
+void store_config(uint8_t *cfg) { __asm__ volatile("sttilecfg %0" : "=m"(*(uint8_t(*)[64])cfg)); }
+"""
+
+
+def test_amx_gemm_leaves_the_threads_tile_configuration_as_it_found_it(tmp_path):
+    """Another library in the process may configure a thread's AMX tiles once and rely on them
+    (llama.cpp's AMX matmul does: when the reference GEMM released the tiles, llama.cpp's next
+    tileloadd on that thread raised SIGILL in `infer bench vs-llamacpp`). After an AMX GEMM the
+    calling thread has the configuration it had before, or none if it had none."""
+    import ctypes
+    import threading
+
+    if "amx" not in ISAS:
+        pytest.skip("this CPU cannot run the amx path")
+    src, lib_path = tmp_path / "tilecfg.c", tmp_path / "tilecfg.so"
+    src.write_text(TILE_CONFIG_C)
+    subprocess.run(
+        ["gcc", "-O1", "-shared", "-fPIC", "-mamx-tile", str(src), "-o", str(lib_path)], check=True
+    )
+    lib = ctypes.CDLL(str(lib_path))
+    rng = rng_for("amx-tilecfg")
+    k = block(T.Q8_0) * 4
+    w = weights(T.Q8_0, 16, k, rng, sources(T.Q8_0)[-1])
+    x = rng.standard_normal((32, k)).astype(np.float32)
+    theirs = bytearray(64)
+    theirs[0] = 1  # palette 1; tile 0: 8 rows of 32 bytes, tile 5: 3 rows of 12
+    theirs[16:18], theirs[48] = (32).to_bytes(2, "little"), 8
+    theirs[26:28], theirs[53] = (12).to_bytes(2, "little"), 3
+    seen: dict[str, bytes] = {}
+
+    def run(name: str, before: bytearray | None) -> None:  # on a new thread: no configuration yet
+        if before is not None:
+            lib.load_config((ctypes.c_uint8 * 64).from_buffer(before))
+        K.matmul(T.Q8_0, w, k, x)  # 32 tokens: the AMX GEMM, on this thread
+        after = bytearray(64)
+        lib.store_config((ctypes.c_uint8 * 64).from_buffer(after))
+        seen[name] = bytes(after)
+
+    with using_isa("amx"):
+        for name, before in (("configured", theirs), ("none", None)):
+            th = threading.Thread(target=run, args=(name, before))
+            th.start()
+            th.join()
+    assert seen["configured"] == bytes(theirs)
+    assert seen["none"] == bytes(64)  # released: no configuration, no tile data
+
+
 @pytest.mark.parametrize("t", QUANT_TYPES + [T.F16, T.F32], ids=lambda t: t.name)
 def test_isas_agree(t):
     """Every path gives the scalar path's dot up to float rounding (integer sums are exact)."""

@@ -981,8 +981,8 @@ typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; u
 
 /* Tiles 0 and 2: A (tokens x BLK bytes), 1 and 3: B (BLK/4 x 64 bytes), 4 to 7: C (tokens x 16
  * int32). The configuration is the calling thread's; each GEMM call sets
- * it (ldtilecfg), so that nothing depends on what the thread ran before, and gives the tiles back
- * at its end (amx_release: the kernel then has no tile data to save on a context switch). */
+ * it (ldtilecfg), so that nothing depends on what the thread ran before, and at its end puts back
+ * what the thread had (amx_restore). */
 static __attribute__((noinline)) void amx_configure(int tokens, int blk) {
     amx_config c;
     memset(&c, 0, sizeof c);
@@ -1029,7 +1029,17 @@ static __attribute__((noinline)) void amx_dots(int blk, int tokens, const uint8_
 #undef AMX_BLOCK
 }
 
-static __attribute__((noinline)) void amx_release(void) { _tile_release(); }
+/* The thread's tile configuration before a GEMM (all zero when it had none), and back to it after:
+ * another library in the process may have configured this thread's tiles once and rely on it
+ * (llama.cpp's AMX matmul does, per thread: with the tiles released under it, its next tileloadd
+ * raised SIGILL when both engines ran in one process). Its tile data is not kept, nor relied on:
+ * a kernel loads its tiles each call. With no configuration to put back, the tiles are released
+ * (the kernel then has no tile data to save on a context switch). */
+static __attribute__((noinline)) void amx_save(amx_config *c) { __asm__ volatile("sttilecfg %0" : "=m"(*c)); }
+static __attribute__((noinline)) void amx_restore(const amx_config *c) {
+    if (c->palette) __asm__ volatile("ldtilecfg %0" ::"m"(*c));
+    else _tile_release();
+}
 #pragma GCC pop_options
 
 /* One lane chain of the summation order for nt tokens: blocks b0, b0 + 16, ... of the panel.
@@ -1143,8 +1153,10 @@ INLINE int gemm(int type, int amx, int64_t k, const void *W, size_t wrow, const 
     int32_t *qoff = (int32_t *)((uint8_t *)side + side_size);
     const uint8_t *a = act;
     build_side(sh, nb, a, arow, n_tok, side, qoff);
+    amx_config saved;
     if (amx) {
         amx_pack(sh.blk, mt, n_tok, nb, a, arow, qoff, tok);
+        amx_save(&saved);
         amx_configure(mt, sh.blk);
     }
     /* A few tokens (a step of batched decoding) are as memory-bound as one: ask for the weight
@@ -1172,8 +1184,8 @@ INLINE int gemm(int type, int amx, int64_t k, const void *W, size_t wrow, const 
         }
     }
     if (amx) {
-        amx_release();
-        /* gcc 12 puts no vzeroupper before this function's return when it calls amx_release: the
+        amx_restore(&saved);
+        /* gcc 12 puts no vzeroupper before this function's return when it calls amx_restore: the
          * dirty upper halves then made the SSE code that follows (expf in the FFN) about 20x slower */
         _mm256_zeroupper();
     }
