@@ -37,7 +37,9 @@ core = Extension(
     include_dirs=[str(CSRC), str(GENERATED)],
     # an edited header (or kernel file) rebuilds the sources
     depends=sorted(str(p) for p in [*CSRC.glob("*.h"), *CSRC.glob("*.cl")]),
-    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-fno-math-errno", "-pthread"],
+    # -ffp-contract=off: a multiply and an add fuse only where a kernel says so (the determinism
+    # contract, spec/reference-engine.md); -std=c11 implies it, this keeps it if -std changes
+    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-fno-math-errno", "-ffp-contract=off", "-pthread"],
     extra_link_args=["-pthread", "-lm", "-ldl"],  # dlopen: the OpenCL loader, found at run time
 )
 

@@ -63,8 +63,10 @@ void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const flo
  * The kernel (attention_kernel.h), once per SIMD level: the level the matmul kernels use
  * (kernels.c chooses it from the CPU, or INFER_REF_ISA), so the portable path is tested the same
  * way. Only these functions are compiled for AVX2 or AVX-512 (by the pragmas): the library is
- * built with portable flags. Multiplies and adds may fuse (FMA) in this file only: the pragma
- * below turns on the contraction that -std=c11 turns off everywhere else.
+ * built with portable flags. A multiply and an add fuse (FMA) only where the kernel says so
+ * (ATT_FMA): left to the compiler (-ffp-contract=fast), the fusing differed between the kernel's
+ * instances for 1 to 4 rows once the optimiser saw the loops differently (built without -fwrapv,
+ * SmolLM2's logits differed by up to 0.97 between one token at a time and a batch).
  */
 
 /* One query row: what it reads and writes, and the key positions [lo, hi) it sees. */
@@ -79,31 +81,35 @@ typedef void (*attend_fn)(const att_row *rows, int n, const float *kc, const flo
 #define SE_INLINE static inline __attribute__((always_inline))
 #define ATT_CAT(a, b) a##b
 
-#pragma GCC optimize("fp-contract=fast")
 #pragma GCC diagnostic ignored "-Wpsabi" /* wide vectors returned from inlined helpers: see the kernel */
 
 #define ATT_VL 4
 #define ATT_IOTA {0, 1, 2, 3}
 #define ATT_ROWS 2
 #define ATT_NAME(x) ATT_CAT(x, _portable)
+#define ATT_FMA(a, b, c) ((a) * (b) + (c)) /* not fused: the portable path has no FMA to count on */
 #include "attention_kernel.h"
 #undef ATT_VL
 #undef ATT_IOTA
 #undef ATT_ROWS
 #undef ATT_NAME
+#undef ATT_FMA
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 #define ATT_VL 8
 #define ATT_IOTA {0, 1, 2, 3, 4, 5, 6, 7}
 #define ATT_ROWS 4
 #define ATT_NAME(x) ATT_CAT(x, _avx2)
+#define ATT_FMA(a, b, c) ((vf)_mm256_fmadd_ps((a), (b), (c)))
 #include "attention_kernel.h"
 #undef ATT_VL
 #undef ATT_IOTA
 #undef ATT_ROWS
 #undef ATT_NAME
+#undef ATT_FMA
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -112,11 +118,13 @@ typedef void (*attend_fn)(const att_row *rows, int n, const float *kc, const flo
 #define ATT_IOTA {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
 #define ATT_ROWS 4
 #define ATT_NAME(x) ATT_CAT(x, _avx512)
+#define ATT_FMA(a, b, c) ((vf)_mm512_fmadd_ps((a), (b), (c)))
 #include "attention_kernel.h"
 #undef ATT_VL
 #undef ATT_IOTA
 #undef ATT_ROWS
 #undef ATT_NAME
+#undef ATT_FMA
 #pragma GCC pop_options
 #endif
 

@@ -4,7 +4,8 @@
  *   ATT_VL     floats per vector (16 AVX-512, 8 AVX2, 4 portable), dividing TILE;
  *   ATT_IOTA   the lanes' indices {0, 1, ..., ATT_VL - 1};
  *   ATT_ROWS   query rows per block at most (what the registers hold);
- *   ATT_NAME   a suffix for this level's names: ATT_NAME(attend_rows) is what it defines.
+ *   ATT_NAME   a suffix for this level's names: ATT_NAME(attend_rows) is what it defines;
+ *   ATT_FMA    ATT_FMA(a, b, c) = a * b + c on vectors, fused where the level has FMA.
  * See attention.c for the layout (key tiles of TILE positions transposed, value rows) and the
  * algorithm (online softmax over a block of query rows).
  */
@@ -47,17 +48,18 @@ SE_INLINE vf ATT_NAME(exp)(const vf *xp) {
     const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
     vi ok = *xp >= -87.3f;
     vf x = SELECT(ok, *xp, SPLAT(0));
-    vf t = x * 1.44269502f + magic;
+    vf t = ATT_FMA(x, SPLAT(1.44269502f), SPLAT(magic));
     vf k = t - magic;
-    vf r = (x - k * 0.693145751953125f) - k * 1.42860677e-6f; /* ln2 in two parts: k * hi is exact */
+    /* ln2 in two parts: k * hi is exact */
+    vf r = ATT_FMA(k, SPLAT(-1.42860677e-6f), ATT_FMA(k, SPLAT(-0.693145751953125f), x));
     vf p = SPLAT(1.0f / 5040);
-    p = p * r + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    p = ATT_FMA(p, r, SPLAT(1.0f / 720));
+    p = ATT_FMA(p, r, SPLAT(1.0f / 120));
+    p = ATT_FMA(p, r, SPLAT(1.0f / 24));
+    p = ATT_FMA(p, r, SPLAT(1.0f / 6));
+    p = ATT_FMA(p, r, SPLAT(0.5f));
+    p = ATT_FMA(p, r, SPLAT(1.0f));
+    p = ATT_FMA(p, r, SPLAT(1.0f));
     vi scale = ((vi)t - (vi)SPLAT(magic) + 127) << 23;
     return (vf)((vi)(p * (vf)scale) & ok);
 }
@@ -72,7 +74,7 @@ SE_INLINE void ATT_NAME(pv)(float *const *out, const int nr, const int cw, int c
     for (int k = 0; k < nk; k++)
         for (int j = 0; j < cw; j++) {
             vf vk = LOAD(v + (int64_t)k * hd + c0 + j * ATT_VL);
-            for (int r = 0; r < nr; r++) o[r * cw + j] += p[r][k] * vk;
+            for (int r = 0; r < nr; r++) o[r * cw + j] = ATT_FMA(SPLAT(p[r][k]), vk, o[r * cw + j]);
         }
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < cw; j++) STORE(out[r] + c0 + j * ATT_VL, o[r * cw + j]);
@@ -109,11 +111,12 @@ SE_INLINE void ATT_NAME(block)(const att_row *rw, const int nr, const float *kc,
             for (int j = 0; j < w; j++)
                 for (int v = 0; v < NV; v++) {
                     vf k = LOAD(kt + (d + j) * TILE + v * ATT_VL);
-                    for (int r = 0; r < nr; r++) s[(r * w + j) * NV + v] += q[r][d + j] * k;
+                    for (int r = 0; r < nr; r++) s[(r * w + j) * NV + v] = ATT_FMA(SPLAT(q[r][d + j]), k, s[(r * w + j) * NV + v]);
                 }
         for (; d < hd; d++)
             for (int v = 0; v < NV; v++)
-                for (int r = 0; r < nr; r++) s[r * w * NV + v] += q[r][d] * LOAD(kt + d * TILE + v * ATT_VL);
+                for (int r = 0; r < nr; r++)
+                    s[r * w * NV + v] = ATT_FMA(SPLAT(q[r][d]), LOAD(kt + d * TILE + v * ATT_VL), s[r * w * NV + v]);
         /* online softmax: p = exp(s - max so far); the earlier sum and output scale by corr */
         int masked = p0 < lo_all || p0 + TILE > hi_all;
         for (int r = 0; r < nr; r++) {
