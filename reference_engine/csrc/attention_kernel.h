@@ -23,7 +23,7 @@ typedef float vfu __attribute__((vector_size(4 * ATT_VL), aligned(4), may_alias)
 #define LOAD(p) (*(const vfu *)(p))
 #define STORE(p, x) (*(vfu *)(p) = (x))
 #define SELECT(m, a, b) ((vf)(((vi)(a) & (m)) | ((vi)(b) & ~(m)))) /* m ? a : b */
-#define SPLAT(x) ((vf){0} + (x))
+#define SPLAT(x) ((x) - (vf){0}) /* a broadcast: x - 0 is x exactly, so no arithmetic (0 + x is not: -0) */
 
 /* The helpers take vectors by address: GCC notes an ABI change for wide vector parameters,
  * although these are always inlined, and the note cannot be turned off. */

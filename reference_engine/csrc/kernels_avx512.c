@@ -711,7 +711,7 @@ INLINE void float_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr,
  * Byte for byte the scalar code's results: the same float operations, and roundf's halfway
  * cases (away from zero) rebuilt from a truncation, since the vector rounding mode is to even. */
 
-INLINE __m512 roundf16(__m512 v) {
+INLINE __m512 round_away16(__m512 v) {
     const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
     const __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(v, _mm512_set1_ps(-0.0f)));
@@ -724,8 +724,8 @@ INLINE float quant_block32(const float *x, int8_t *qs, int *sum) {
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float d = amax / 127, id = d ? 1 / d : 0;
     const __m512 vid = _mm512_set1_ps(id);
-    const __m512i q0 = _mm512_cvtps_epi32(roundf16(_mm512_mul_ps(v0, vid)));
-    const __m512i q1 = _mm512_cvtps_epi32(roundf16(_mm512_mul_ps(v1, vid)));
+    const __m512i q0 = _mm512_cvtps_epi32(round_away16(_mm512_mul_ps(v0, vid)));
+    const __m512i q1 = _mm512_cvtps_epi32(round_away16(_mm512_mul_ps(v1, vid)));
     _mm_storeu_si128((__m128i *)qs, _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128((__m128i *)(qs + 16), _mm512_cvtepi32_epi8(q1));
     *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
