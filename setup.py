@@ -39,7 +39,15 @@ core = Extension(
     depends=sorted(str(p) for p in [*CSRC.glob("*.h"), *CSRC.glob("*.cl")]),
     # -ffp-contract=off: a multiply and an add fuse only where a kernel says so (the determinism
     # contract, spec/reference-engine.md); -std=c11 implies it, this keeps it if -std changes
-    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-fno-math-errno", "-ffp-contract=off", "-pthread"],
+    extra_compile_args=[
+        "-O3",
+        "-std=c11",
+        "-Wall",
+        "-Wextra",
+        "-fno-math-errno",
+        "-ffp-contract=off",
+        "-pthread",
+    ],
     extra_link_args=["-pthread", "-lm", "-ldl"],  # dlopen: the OpenCL loader, found at run time
 )
 
