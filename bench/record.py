@@ -240,7 +240,8 @@ class MachineProbe:
                 " per thread" if level == "l2" else ""
             )
             out.append(f"read bandwidth, {level.upper()} ({size}): {per_thread(figures, 'GB/s')}")
-        out.append(f"int8 multiply-accumulate ({self.isa}): {per_thread(self.int8_gmacs, 'GMAC/s')}")
+        path = "avx512; the AMX tiles are not probed" if self.isa == "amx" else self.isa
+        out.append(f"int8 multiply-accumulate ({path}): {per_thread(self.int8_gmacs, 'GMAC/s')}")
         caches = ", ".join(
             f"L{level} {_mib_or_kib(size)}" for level, size in sorted(self.cache_bytes.items())
         )

@@ -142,6 +142,14 @@ def test_bounds_of_tg_and_pp_tests(tmp_path):
     # pp+tg has no single limit; a thread count the probe did not measure has none
     assert roofline.bound(_record("reference", 512, 128), cost, _probe()) is None
     assert roofline.bound(_record("reference", 512, 0, threads=4), cost, _probe()) is None
+    # AMX tiles multiply faster than the vector rate the probe measures: no pp limit for them,
+    # while their tg tests (memory-bound) keep theirs
+    for engine, build in (("reference", "isa=amx"), ("llamacpp", "CPU AVX512=1 AMX_INT8=1")):
+        on_tiles = dict(_record(engine, 512, 0, threads=1), engine_build=build)
+        assert roofline.bound(on_tiles, cost, _probe()) is None
+        assert roofline.bound(dict(_record(engine, 0, 4), engine_build=build), cost, _probe()) is not None
+    vector = dict(_record("llamacpp", 512, 0, threads=1), engine_build="CPU AVX512=1 AMX_INT8=0")
+    assert roofline.bound(vector, cost, _probe()) is not None
 
 
 def test_the_report_table_has_both_engines_limits_and_fractions(tmp_path):
