@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import statistics
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,7 @@ def stdengine_commit() -> str:
 PROBE_READ_BYTES = 256 << 20  # every cache-resident figure reads this much per repetition
 PROBE_DRAM_BYTES = (256 << 20, 1 << 30)  # the DRAM buffer: 4x the L3, within these bounds
 PROBE_MAC_ITERS = 1 << 21  # trips of the int8 loop per thread (12 or 6 instructions each)
+PROBE_AMX_ITERS = 1 << 18  # rounds of the AMX loop per thread (four tile products each)
 PROBE_REPS = 5
 
 
@@ -218,13 +219,15 @@ def cache_sizes(cpu: int = 0) -> dict[int, int]:
 class MachineProbe:
     """What the C probe (reference_engine/csrc/probe.c) measured: read bandwidth in GB/s (1e9
     bytes per second) per memory level and thread count, and int8 multiply-accumulates per second
-    (billions, all threads) of the SIMD path `isa` the reference engine's kernels use."""
+    (billions, all threads) of the SIMD path `isa` the reference engine's kernels use (on the amx
+    path: its AVX-512 vectors in int8_gmacs, its tiles in amx_gmacs)."""
 
     isa: str
     cache_bytes: dict[int, int]  # level -> bytes (cache_sizes)
     buffer_bytes: dict[str, int]  # level -> the probe's buffer (probe_buffers; L2's is per thread)
     read_gbs: dict[str, dict[int, float]]  # "dram" / "l3" / "l2" -> threads -> GB/s
     int8_gmacs: dict[int, float]  # threads -> GMAC/s (0: the scalar path, which has none)
+    amx_gmacs: dict[int, float] = field(default_factory=dict)  # the same on AMX tiles; empty without
 
     def lines(self) -> list[str]:
         """The description, one line per figure, for a report."""
@@ -240,8 +243,10 @@ class MachineProbe:
                 " per thread" if level == "l2" else ""
             )
             out.append(f"read bandwidth, {level.upper()} ({size}): {per_thread(figures, 'GB/s')}")
-        path = "avx512; the AMX tiles are not probed" if self.isa == "amx" else self.isa
+        path = "avx512 vectors" if self.isa == "amx" else self.isa
         out.append(f"int8 multiply-accumulate ({path}): {per_thread(self.int8_gmacs, 'GMAC/s')}")
+        if self.amx_gmacs:
+            out.append(f"int8 multiply-accumulate (amx tiles): {per_thread(self.amx_gmacs, 'GMAC/s')}")
         caches = ", ".join(
             f"L{level} {_mib_or_kib(size)}" for level, size in sorted(self.cache_bytes.items())
         )
@@ -285,10 +290,13 @@ def machine_probe(threads: tuple[int, ...] = (1, 2)) -> MachineProbe:
     c.se_probe_read_gbs.restype = ctypes.c_double
     c.se_probe_int8_gmacs.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int32]
     c.se_probe_int8_gmacs.restype = ctypes.c_double
+    c.se_probe_amx_gmacs.argtypes = c.se_probe_int8_gmacs.argtypes
+    c.se_probe_amx_gmacs.restype = ctypes.c_double
     caches = cache_sizes()
     read: dict[str, dict[int, float]] = {}
     buffers = probe_buffers(caches)
     macs: dict[int, float] = {}
+    amx: dict[int, float] = {}
     for t in threads:
         for level, size in buffers.items():
             total = size * t if level == "l2" else size
@@ -298,7 +306,9 @@ def machine_probe(threads: tuple[int, ...] = (1, 2)) -> MachineProbe:
                 raise MemoryError(f"the machine probe could not allocate {total} bytes or start {t} threads")
             read.setdefault(level, {})[t] = gbs
         macs[t] = float(c.se_probe_int8_gmacs(t, PROBE_MAC_ITERS, PROBE_REPS))
-    return MachineProbe(isa_name(), caches, buffers, read, macs)
+        if isa_name() == "amx":
+            amx[t] = float(c.se_probe_amx_gmacs(t, PROBE_AMX_ITERS, PROBE_REPS))
+    return MachineProbe(isa_name(), caches, buffers, read, macs, amx)
 
 
 def build_of(engine_name: str, build: str, version: str) -> tuple[str, int]:

@@ -17,9 +17,9 @@ costs. `infer bench vs-llamacpp` prints a roofline table beside its results (ren
   per token; the output head runs once per decode call of n_batch tokens (only the last token's
   logits are asked for), so its MACs are spread over them. Attention is not counted (a float
   product that grows with the depth): the limit is an upper bound. limit = int8 MAC throughput /
-  MACs per token. The probe measures the vector dot products (AVX-512 VNNI or AVX2); a build that
-  multiplies on AMX tiles (the reference engine's `isa=amx`, llama.cpp's `AMX_INT8=1`) goes
-  faster than that, the tiles' rate is not probed, so its pp tests get no limit.
+  MACs per token: the vector dot products' (AVX-512 VNNI or AVX2), or the AMX tiles' for a build
+  that multiplies on them (the reference engine's `isa=amx`, llama.cpp's `AMX_INT8=1`); where
+  the tiles' rate was not probed, such a build's pp tests get no limit.
 
 The KV cache's element size is the record's type_k / type_v, except for engines whose cache has
 one type whatever the flags say (ENGINE_KV_TYPE: the reference engine's is f32). Reached = the
@@ -154,7 +154,7 @@ class Bound:
 
     kind: str  # "tg" or "pp"
     per_token: float
-    resource: str  # "DRAM", "L3" or "int8"
+    resource: str  # "DRAM", "L3", "int8" (vectors) or "AMX int8" (tiles)
     machine: float
 
     @property
@@ -176,7 +176,7 @@ def _on_amx_tiles(record: dict[str, Any]) -> bool:
 
 def bound(record: dict[str, Any], cost: ModelCost, probe: MachineProbe) -> Bound | None:
     """The limit of one benchmark record's test; None for pp+tg tests, thread counts the probe
-    did not measure and pp tests on AMX tiles."""
+    did not measure and pp tests on AMX tiles when it did not measure them."""
     threads = int(record["n_threads"])
     n_prompt, n_gen, depth = (int(record[f]) for f in ("n_prompt", "n_gen", "n_depth"))
     if n_gen > 0 and n_prompt == 0:
@@ -191,11 +191,10 @@ def bound(record: dict[str, Any], cost: ModelCost, probe: MachineProbe) -> Bound
             return Bound("tg", per_token, "L3", l3)
         return Bound("tg", per_token, "DRAM", dram) if dram else None
     if n_prompt > 0 and n_gen == 0:
-        if _on_amx_tiles(record):
-            return None
-        macs = probe.int8_gmacs.get(threads)
+        tiles = _on_amx_tiles(record)
+        macs = (probe.amx_gmacs if tiles else probe.int8_gmacs).get(threads)
         per_token = pp_macs_per_token(cost, n_prompt, int(record.get("n_batch", 2048)))
-        return Bound("pp", per_token, "int8", macs) if macs else None
+        return Bound("pp", per_token, "AMX int8" if tiles else "int8", macs) if macs else None
     return None
 
 
@@ -207,7 +206,7 @@ def _per_token(b: Bound) -> str:
 
 
 def _machine(b: Bound) -> str:
-    return f"{b.resource} {b.machine:.1f} GB/s" if b.kind == "tg" else f"int8 {b.machine:.0f} GMAC/s"
+    return f"{b.resource} {b.machine:.1f} GB/s" if b.kind == "tg" else f"{b.resource} {b.machine:.0f} GMAC/s"
 
 
 def _achieved(b: Bound, ts: float) -> str:

@@ -6,6 +6,7 @@ sizes (q8_0: 34 bytes per 32 elements, f16 2 bytes, f32 4), not against the modu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -142,14 +143,17 @@ def test_bounds_of_tg_and_pp_tests(tmp_path):
     # pp+tg has no single limit; a thread count the probe did not measure has none
     assert roofline.bound(_record("reference", 512, 128), cost, _probe()) is None
     assert roofline.bound(_record("reference", 512, 0, threads=4), cost, _probe()) is None
-    # AMX tiles multiply faster than the vector rate the probe measures: no pp limit for them,
-    # while their tg tests (memory-bound) keep theirs
+    # a build on AMX tiles: the tiles' rate bounds its pp tests (none when it was not probed),
+    # a build on vectors keeps the vector rate; tg tests (memory-bound) are the same for both
+    tiles = dataclasses.replace(_probe(), amx_gmacs={1: 1000.0})
+    vector = dict(_record("llamacpp", 512, 0, threads=1), engine_build="CPU AVX512=1 AMX_INT8=0")
+    assert roofline.bound(vector, cost, tiles).machine == 100.0
     for engine, build in (("reference", "isa=amx"), ("llamacpp", "CPU AVX512=1 AMX_INT8=1")):
         on_tiles = dict(_record(engine, 512, 0, threads=1), engine_build=build)
+        b = roofline.bound(on_tiles, cost, tiles)
+        assert b is not None and b.resource == "AMX int8" and b.machine == 1000.0
         assert roofline.bound(on_tiles, cost, _probe()) is None
-        assert roofline.bound(dict(_record(engine, 0, 4), engine_build=build), cost, _probe()) is not None
-    vector = dict(_record("llamacpp", 512, 0, threads=1), engine_build="CPU AVX512=1 AMX_INT8=0")
-    assert roofline.bound(vector, cost, _probe()) is not None
+        assert roofline.bound(dict(_record(engine, 0, 4), engine_build=build), cost, tiles).kind == "tg"
 
 
 def test_the_report_table_has_both_engines_limits_and_fractions(tmp_path):
@@ -197,3 +201,6 @@ def test_machine_probe_measures_every_level_and_thread_count():
     assert probe.isa == isa_name()
     assert probe.int8_gmacs[1] > 0 if probe.isa != "scalar" else probe.int8_gmacs[1] == 0
     assert any("int8 multiply-accumulate" in line for line in probe.lines())
+    # the tiles' figure only on the amx path (where the kernels multiply on them)
+    assert (probe.amx_gmacs[1] > 0) if probe.isa == "amx" else probe.amx_gmacs == {}
+    assert any("(amx tiles)" in line for line in probe.lines()) == (probe.isa == "amx")

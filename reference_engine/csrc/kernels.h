@@ -49,6 +49,8 @@ typedef enum { SE_ISA_SCALAR, SE_ISA_AVX2, SE_ISA_AVX512, SE_ISA_AMX, SE_ISA_COU
 void se_kernels_init(void);
 const char *se_isa_name(void);                 /* the path in use: "scalar", "avx2", "avx512", "amx" */
 se_isa se_isa_in_use(void);                    /* the same as an index (after se_kernels_init) */
+/* The machine probe's AMX rate (probe.c): the MACs of iters rounds of tile products; 0 off x86. */
+uint64_t se_amx_probe_macs(int64_t iters);
 const se_type_traits *se_traits(int type);     /* NULL for a type the engine does not know */
 size_t se_row_size(int type, int64_t n);       /* bytes of a row of n elements */
 

@@ -1040,6 +1040,32 @@ static __attribute__((noinline)) void amx_restore(const amx_config *c) {
     if (c->palette) __asm__ volatile("ldtilecfg %0" ::"m"(*c));
     else _tile_release();
 }
+
+/* The machine probe's AMX figure (probe.c): iters rounds of four independent TDPBSUD, each 16 x 16
+ * int32 sums of 64 byte products (16384 MACs), on tiles loaded once; the thread's tile
+ * configuration is put back after. Returns the MACs done. Only where se_amx_usable(). */
+uint64_t se_amx_probe_macs(int64_t iters) {
+    static const uint8_t zero[16 * 64] __attribute__((aligned(64)));
+    amx_config saved;
+    amx_save(&saved);
+    amx_configure(16, 64);
+    _tile_loadd(0, zero, 64);
+    _tile_loadd(1, zero, 64);
+    _tile_loadd(2, zero, 64);
+    _tile_loadd(3, zero, 64);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t i = 0; i < iters; i++) {
+        _tile_dpbsud(4, 0, 1);
+        _tile_dpbsud(5, 2, 3);
+        _tile_dpbsud(6, 0, 3);
+        _tile_dpbsud(7, 2, 1);
+    }
+    amx_restore(&saved);
+    return (uint64_t)iters * 4 * 16 * 16 * 64;
+}
 #pragma GCC pop_options
 
 /* One lane chain of the summation order for nt tokens: blocks b0, b0 + 16, ... of the panel.
@@ -1444,4 +1470,5 @@ int se_amx_usable(void) {
 const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {{0}};
 const se_isa_kernels se_kernels_amx[SE_TYPE_COUNT] = {{0}};
 int se_amx_usable(void) { return 0; }
+uint64_t se_amx_probe_macs(int64_t iters) { return (void)iters, 0; }
 #endif

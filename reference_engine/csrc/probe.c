@@ -16,7 +16,11 @@
  *     the matmul kernels chose (kernels.c; INFER_REF_ISA): AVX-512 VNNI vpdpbusd (64 u8 x s8
  *     MACs per instruction, 12 accumulators, so the instruction's latency is hidden) or AVX2
  *     vpmaddubsw + vpmaddwd + vpaddd (32 MACs per three, the AVX2 kernels' sequence). `iters`
- *     loop trips per thread. 0 on the scalar path, which has no int8 dot product.
+ *     loop trips per thread. 0 on the scalar path, which has no int8 dot product. On the amx
+ *     path, its AVX-512 part: the vector figure.
+ *   se_probe_amx_gmacs(threads, iters, reps): the same for AMX tiles: TDPBSUD into four C tiles
+ *     from tiles loaded once (16384 MACs each); `iters` rounds of four per thread. 0 where the
+ *     process cannot use AMX (the CPU lacks it, Linux refused, or INFER_REF_ISA chose a lower path).
  * Both return a negative number when the buffer or the threads cannot be had.
  */
 #include "engine.h"
@@ -35,6 +39,7 @@
 
 SE_API double se_probe_read_gbs(int64_t bytes, int32_t threads, int32_t passes, int32_t reps);
 SE_API double se_probe_int8_gmacs(int32_t threads, int64_t iters, int32_t reps);
+SE_API double se_probe_amx_gmacs(int32_t threads, int64_t iters, int32_t reps);
 
 static double now_s(void) {
     struct timespec ts;
@@ -153,6 +158,7 @@ typedef struct {
     /* macs */
     int64_t iters;
     se_isa isa;
+    int amx; /* tiles rather than vectors */
     /* out */
     double seconds;
     uint64_t work[SE_PROBE_MAX_THREADS]; /* per thread: bytes read or MACs done */
@@ -177,7 +183,8 @@ static void probe_thread(void *arg, int ith, int nth) {
         }
     } else {
 #ifdef PROBE_X86
-        if (j->isa >= SE_ISA_AVX512) work = macs_avx512(j->iters, &sink); /* AMX: its vector part */
+        if (j->amx) work = se_amx_probe_macs(j->iters);
+        else if (j->isa >= SE_ISA_AVX512) work = macs_avx512(j->iters, &sink); /* AMX: its vector part */
         else if (j->isa == SE_ISA_AVX2) work = macs_avx2(j->iters, &sink);
 #endif
     }
@@ -231,11 +238,11 @@ double se_probe_read_gbs(int64_t bytes, int32_t threads, int32_t passes, int32_t
     return gbs;
 }
 
-double se_probe_int8_gmacs(int32_t threads, int64_t iters, int32_t reps) {
+static double probe_macs(int32_t threads, int64_t iters, int32_t reps, int amx) {
     if (bad_threads(threads) || iters < 1 || reps < 1) return -1.0;
     se_kernels_init();
     se_isa isa = se_isa_in_use();
-    if (isa == SE_ISA_SCALAR) return 0.0;
+    if (isa == SE_ISA_SCALAR || (amx && isa != SE_ISA_AMX)) return 0.0;
     se_pool *pool = se_pool_new(threads);
     probe_job *j = malloc(sizeof *j);
     double gmacs = -1.0;
@@ -245,9 +252,13 @@ double se_probe_int8_gmacs(int32_t threads, int64_t iters, int32_t reps) {
         j->pool = pool;
         j->iters = iters;
         j->isa = isa;
+        j->amx = amx;
         gmacs = run_best(j, threads, reps);
     }
     free(j);
     if (pool) se_pool_free(pool);
     return gmacs;
 }
+
+double se_probe_int8_gmacs(int32_t threads, int64_t iters, int32_t reps) { return probe_macs(threads, iters, reps, 0); }
+double se_probe_amx_gmacs(int32_t threads, int64_t iters, int32_t reps) { return probe_macs(threads, iters, reps, 1); }
