@@ -128,7 +128,7 @@ static void asym_fit(int n, const float *x, const float *w, int qmax, int nonpos
     for (int i = 1; i < n; i++) lo = fminf(lo, x[i]), hi = fmaxf(hi, x[i]);
     if (nonpos && lo > 0) lo = 0;
     memset(L, 0, (size_t)n);
-    if (!(hi - lo > 1e-30f) || n > QK) {
+    if (!(hi - lo > 1e-30f) || n < 1 || n > QK) {
         *d = 0, *m = nonpos && lo > 0 ? 0 : lo;
         return;
     }
