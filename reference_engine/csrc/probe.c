@@ -21,7 +21,7 @@
  *   se_probe_amx_gmacs(threads, iters, reps): the same for AMX tiles: TDPBSUD into four C tiles
  *     from tiles loaded once (16384 MACs each); `iters` rounds of four per thread. 0 where the
  *     process cannot use AMX (the CPU lacks it, Linux refused, or INFER_REF_ISA chose a lower path).
- * Both return a negative number when the buffer or the threads cannot be had.
+ * Each returns a negative number when the buffer or the threads cannot be had.
  */
 #include "engine.h"
 #include "kernels.h"
