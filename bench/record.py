@@ -281,9 +281,9 @@ def machine_probe(threads: tuple[int, ...] = (1, 2)) -> MachineProbe:
     from stdengine.reference.core import isa_name
 
     c = lib()
-    if not hasattr(c, "se_probe_read_gbs"):
+    if not all(hasattr(c, f) for f in ("se_probe_read_gbs", "se_probe_amx_gmacs")):
         raise RuntimeError(
-            "the reference engine's C core was built before the machine probe: rebuild it "
+            "the reference engine's C core was built before this machine probe: rebuild it "
             "(pip install ., or python setup.py build_ext --inplace in a checkout)"
         )
     c.se_probe_read_gbs.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
@@ -295,6 +295,7 @@ def machine_probe(threads: tuple[int, ...] = (1, 2)) -> MachineProbe:
     caches = cache_sizes()
     read: dict[str, dict[int, float]] = {}
     buffers = probe_buffers(caches)
+    isa = isa_name()
     macs: dict[int, float] = {}
     amx: dict[int, float] = {}
     for t in threads:
@@ -306,9 +307,9 @@ def machine_probe(threads: tuple[int, ...] = (1, 2)) -> MachineProbe:
                 raise MemoryError(f"the machine probe could not allocate {total} bytes or start {t} threads")
             read.setdefault(level, {})[t] = gbs
         macs[t] = float(c.se_probe_int8_gmacs(t, PROBE_MAC_ITERS, PROBE_REPS))
-        if isa_name() == "amx":
+        if isa == "amx":
             amx[t] = float(c.se_probe_amx_gmacs(t, PROBE_AMX_ITERS, PROBE_REPS))
-    return MachineProbe(isa_name(), caches, buffers, read, macs, amx)
+    return MachineProbe(isa, caches, buffers, read, macs, amx)
 
 
 def build_of(engine_name: str, build: str, version: str) -> tuple[str, int]:

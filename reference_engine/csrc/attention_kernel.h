@@ -24,6 +24,7 @@ typedef float vfu __attribute__((vector_size(4 * ATT_VL), aligned(4), may_alias)
 #define STORE(p, x) (*(vfu *)(p) = (x))
 #define SELECT(m, a, b) ((vf)(((vi)(a) & (m)) | ((vi)(b) & ~(m)))) /* m ? a : b */
 #define SPLAT(x) ((x) - (vf){0}) /* a broadcast: x - 0 is x exactly, so no arithmetic (0 + x is not: -0) */
+#define MAC(acc, x, v) ((acc) = ATT_FMA(SPLAT(x), (v), (acc))) /* acc += x * v: a scalar x, a vector v */
 
 /* The helpers take vectors by address: GCC notes an ABI change for wide vector parameters,
  * although these are always inlined, and the note cannot be turned off. */
@@ -74,7 +75,7 @@ SE_INLINE void ATT_NAME(pv)(float *const *out, const int nr, const int cw, int c
     for (int k = 0; k < nk; k++)
         for (int j = 0; j < cw; j++) {
             vf vk = LOAD(v + (int64_t)k * hd + c0 + j * ATT_VL);
-            for (int r = 0; r < nr; r++) o[r * cw + j] = ATT_FMA(SPLAT(p[r][k]), vk, o[r * cw + j]);
+            for (int r = 0; r < nr; r++) MAC(o[r * cw + j], p[r][k], vk);
         }
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < cw; j++) STORE(out[r] + c0 + j * ATT_VL, o[r * cw + j]);
@@ -111,12 +112,11 @@ SE_INLINE void ATT_NAME(block)(const att_row *rw, const int nr, const float *kc,
             for (int j = 0; j < w; j++)
                 for (int v = 0; v < NV; v++) {
                     vf k = LOAD(kt + (d + j) * TILE + v * ATT_VL);
-                    for (int r = 0; r < nr; r++) s[(r * w + j) * NV + v] = ATT_FMA(SPLAT(q[r][d + j]), k, s[(r * w + j) * NV + v]);
+                    for (int r = 0; r < nr; r++) MAC(s[(r * w + j) * NV + v], q[r][d + j], k);
                 }
         for (; d < hd; d++)
             for (int v = 0; v < NV; v++)
-                for (int r = 0; r < nr; r++)
-                    s[r * w * NV + v] = ATT_FMA(SPLAT(q[r][d]), LOAD(kt + d * TILE + v * ATT_VL), s[r * w * NV + v]);
+                for (int r = 0; r < nr; r++) MAC(s[r * w * NV + v], q[r][d], LOAD(kt + d * TILE + v * ATT_VL));
         /* online softmax: p = exp(s - max so far); the earlier sum and output scale by corr */
         int masked = p0 < lo_all || p0 + TILE > hi_all;
         for (int r = 0; r < nr; r++) {
@@ -196,3 +196,4 @@ static void ATT_NAME(attend_rows)(const att_row *rows, int n, const float *kc, c
 #undef STORE
 #undef SELECT
 #undef SPLAT
+#undef MAC
