@@ -43,7 +43,7 @@ def _logits(model, tokens, *, threads=2, ubatch=512, pieces=None, reuse_prefix=N
     with Context(model, n_ctx=1024, n_threads=threads, n_batch=max(ubatch, 64), n_ubatch=ubatch) as ctx:
         start = 0
         if reuse_prefix is not None:
-            ctx.decode(tokens, all_logits=True)
+            ctx.decode(tokens)  # only the cache is kept: no logits rows (the output head is slow on scalar)
             ctx.truncate(reuse_prefix)
             start = reuse_prefix
         rows, i = [], start
