@@ -11,9 +11,13 @@ reference engine), `infer-unbatched` (the same with --no-batching: one context p
 its own thread) or `llama-cpp-python` (`python -m llama_cpp.server`); PYTHONPATH, when given,
 is put first on the server's import path and is its working directory (an older checkout of
 stdengine: "before"; its stdengine package, while stdengine.reference, the C engine, is the
-installed one's: an editable install maps it to its own checkout). Every
-request is a streamed completion of a fresh prompt of -p tokens, greedy, exactly -n tokens
-(min_tokens and ignore_eos); --requests-per R sends R x concurrency requests (at least 4) per run.
+installed one's: an editable install maps it to its own checkout). KIND `llama-server` is
+llama.cpp's own server (`-np <largest concurrency>`, continuous batching, the context of every
+slot together: -c slots x per-slot context), LABEL=llama-server:BINARY (default: llama-server on
+PATH; README, "Serving many users at once", says how to build it from the llama-cpp-python
+source). Every request is a streamed completion of a fresh prompt of -p tokens, greedy, exactly
+-n tokens (min_tokens and ignore_eos); --requests-per R sends R x concurrency requests (at least
+4) per run.
 """
 
 from __future__ import annotations
@@ -42,7 +46,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(kind: str, model: Path, port: int, n_seq: int, n_ctx: int, threads: int) -> list[str]:
+def server_command(
+    kind: str, model: Path, port: int, n_seq: int, n_ctx: int, threads: int, binary: str = ""
+) -> list[str]:
+    if kind == "llama-server":  # its -c is shared by the slots: each gets c / np
+        return [
+            *(binary or "llama-server", "-m", str(model), "--host", "127.0.0.1", "--port", str(port)),
+            *("-np", str(n_seq), "-c", str(n_ctx * n_seq), "-t", str(threads), "-tb", str(threads)),
+            "--no-webui",
+        ]
     if kind in ("infer", "infer-unbatched"):
         return [
             *(sys.executable, "-m", "stdengine.cli.main", "serve", "-e", "reference", "-m", str(model)),
@@ -56,7 +68,9 @@ def server_command(kind: str, model: Path, port: int, n_seq: int, n_ctx: int, th
             *("--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads)),
             *("--n_threads_batch", str(threads), "--interrupt_requests", "False"),
         ]
-    raise SystemExit(f"unknown server kind {kind!r} (infer, infer-unbatched or llama-cpp-python)")
+    raise SystemExit(
+        f"unknown server kind {kind!r} (infer, infer-unbatched, llama-cpp-python or llama-server)"
+    )
 
 
 class Served:
@@ -116,9 +130,11 @@ def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
         path = resolve_model(model)
         for spec in args.server:
             label, _, rest = spec.partition("=")
-            kind, _, pythonpath = rest.partition(":")
-            cmd = server_command(kind, path, _free_port(), max(concurrencies), n_ctx, args.threads)
-            served = Served(cmd, pythonpath or None, Path(tempfile.mkdtemp()) / "server.log")
+            kind, _, where = rest.partition(":")  # PYTHONPATH, or llama-server's binary
+            binary = where if kind == "llama-server" else ""
+            cmd = server_command(kind, path, _free_port(), max(concurrencies), n_ctx, args.threads, binary)
+            pythonpath = None if kind == "llama-server" else where or None
+            served = Served(cmd, pythonpath, Path(tempfile.mkdtemp()) / "server.log")
             try:
                 for c in concurrencies:
                     argv = [

@@ -25,7 +25,7 @@ from stdengine.options import Options
 
 ALIAS = "smollm2-135m-instruct"
 N_CTX = 2048  # holds the induction case (about 1220 positions)
-# the families a fault's checks belong to, run for the fault and for the correct engine
+# the families the faults' checks belong to, all run for the correct engine
 FAMILIES = "tokenizer.ids:*|tokenizer.roundtrip:*|logits.kl:*|generation.*"
 
 
