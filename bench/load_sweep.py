@@ -86,7 +86,14 @@ class Served:
         # `python -m` puts its working directory first on the import path, before PYTHONPATH: a
         # server run from a checkout would import that checkout's stdengine, not the given one's
         cwd = pythonpath or None
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        except FileNotFoundError:
+            self.log.close()
+            raise SystemExit(
+                f"no such program: {cmd[0]} (llama-server: give its path as LABEL=llama-server:BINARY; README, "
+                '"Serving many users at once", says how to build it)'
+            ) from None
         port = cmd[cmd.index("--port") + 1]
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -205,7 +212,12 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m stdengine.bench.load_sweep", description=__doc__.splitlines()[0]
     )
     ap.add_argument("-m", "--model", action="append", required=True, help="catalogue alias or GGUF path")
-    ap.add_argument("--server", action="append", required=True, help="LABEL=KIND[:PYTHONPATH]")
+    ap.add_argument(
+        "--server",
+        action="append",
+        required=True,
+        help="LABEL=KIND[:PYTHONPATH], or LABEL=llama-server[:BINARY]",
+    )
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("-p", "--n-prompt", type=int, default=32)
     ap.add_argument("-n", "--n-gen", type=int, default=128)
