@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -50,8 +51,14 @@ def server_command(
     kind: str, model: Path, port: int, n_seq: int, n_ctx: int, threads: int, binary: str = ""
 ) -> list[str]:
     if kind == "llama-server":  # its -c is shared by the slots: each gets c / np
+        program = shutil.which(binary or "llama-server")
+        if program is None:
+            raise SystemExit(
+                f"no such program: {binary or 'llama-server'} (give its path as LABEL=llama-server:BINARY; "
+                'README, "Serving many users at once", says how to build it)'
+            )
         return [
-            *(binary or "llama-server", "-m", str(model), "--host", "127.0.0.1", "--port", str(port)),
+            *(program, "-m", str(model), "--host", "127.0.0.1", "--port", str(port)),
             *("-np", str(n_seq), "-c", str(n_ctx * n_seq), "-t", str(threads), "-tb", str(threads)),
             "--no-webui",
         ]
@@ -86,14 +93,7 @@ class Served:
         # `python -m` puts its working directory first on the import path, before PYTHONPATH: a
         # server run from a checkout would import that checkout's stdengine, not the given one's
         cwd = pythonpath or None
-        try:
-            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        except FileNotFoundError:
-            self.log.close()
-            raise SystemExit(
-                f"no such program: {cmd[0]} (llama-server: give its path as LABEL=llama-server:BINARY; README, "
-                '"Serving many users at once", says how to build it)'
-            ) from None
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         port = cmd[cmd.index("--port") + 1]
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -138,9 +138,8 @@ def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
         for spec in args.server:
             label, _, rest = spec.partition("=")
             kind, _, where = rest.partition(":")  # PYTHONPATH, or llama-server's binary
-            binary = where if kind == "llama-server" else ""
+            binary, pythonpath = (where, None) if kind == "llama-server" else ("", where or None)
             cmd = server_command(kind, path, _free_port(), max(concurrencies), n_ctx, args.threads, binary)
-            pythonpath = None if kind == "llama-server" else where or None
             served = Served(cmd, pythonpath, Path(tempfile.mkdtemp()) / "server.log")
             try:
                 for c in concurrencies:
