@@ -4,14 +4,17 @@ For each file type: quantize the F32 source with our tool and with llama.cpp's
 (llama_cpp.llama_model_quantize with llama_model_quantize_default_params), then run the source
 and both outputs through llama.cpp over one held-out text and report the mean KL divergence of
 each output's next-token distribution from the source's, and the perplexity of the text.
-llama.cpp evaluates all three, so the comparison measures the quantizers, not the engines.
+llama.cpp evaluates all three, so the comparison measures the quantizers, not the engines. The
+text is --windows consecutive windows of --tokens tokens (each from an empty context, starting
+with BOS where the model has one): one window of 384 by default; near-lossless types differ by
+less than one window's noise, so their ratios need more.
 
 The sources are the catalogue models dequantized to F32 by `infer quantize --type F32`; they were
 quantized once already (SmolLM2 Q4_1, Gemma-3 Q4_K_M), so "the source" means that dequantized
 model, not the original bf16 weights.
 
     python bench/quantize_quality.py [--models smollm2-135m-instruct gemma-3-270m] [--types Q4_K_M ...]
-        [--imatrix-text FILE [--imatrix-chunks N]]
+        [--tokens 384] [--windows 1] [--imatrix-text FILE [--imatrix-chunks N]]
 
 With --imatrix-text, both quantizers get the same importance matrix: the reference engine's
 activation statistics of the F32 source over that text (reference_engine/imatrix.py, written as
@@ -30,6 +33,7 @@ import ctypes
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,10 +77,19 @@ def log_probs(path: Path, tokens: list[int]) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
 
 
-def compare(ref: np.ndarray, lp: np.ndarray, tokens: list[int]) -> dict[str, float]:
+def kl_nll(ref: np.ndarray, lp: np.ndarray, tokens: list[int]) -> tuple[float, float]:
+    """Mean KL of lp's distributions from ref's, and mean negative log-likelihood of the text."""
     kl = (np.exp(ref) * (ref - lp)).sum(axis=1)
-    nll = -lp[np.arange(len(tokens) - 1), tokens[1:]]
-    return {"kl": float(kl.mean()), "ppl": float(np.exp(nll.mean()))}
+    return float(kl.mean()), float(-lp[np.arange(len(tokens) - 1), tokens[1:]].mean())
+
+
+def compare(refs: list[np.ndarray], path: Path, windows: list[list[int]]) -> dict[str, Any]:
+    """KL and perplexity of path's model over the windows (of equal length, so the means of their
+    means), and each window's KL."""
+    kls, nlls = zip(
+        *(kl_nll(ref, log_probs(path, w), w) for ref, w in zip(refs, windows, strict=True)), strict=True
+    )
+    return {"kl": float(np.mean(kls)), "ppl": float(np.exp(np.mean(nlls))), "kl_windows": list(kls)}
 
 
 def write_table(jsonl: Path) -> str:
@@ -124,7 +137,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"])
     ap.add_argument("--types", nargs="+", default=list(TYPES))
-    ap.add_argument("--tokens", type=int, default=384, help="tokens of held-out text")
+    ap.add_argument("--tokens", type=int, default=384, help="tokens of held-out text per window")
+    ap.add_argument(
+        "--windows", type=int, default=1, help="consecutive windows of the text, each from an empty context"
+    )
     ap.add_argument("--work", type=Path, default=Path("/tmp/stdengine-quantize-quality"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--text", type=Path, default=HELD_OUT)
@@ -152,8 +168,13 @@ def main() -> None:
         if not src.exists():
             quantize_model(resolve_model(model, pull=False), src, "F32")
         vocab = llama_cpp.Llama(str(src), vocab_only=True, verbose=False)
-        tokens = vocab.tokenize(text.encode(), add_bos=True)[: args.tokens]
-        ref = log_probs(src, tokens)
+        stream = vocab.tokenize(text.encode(), add_bos=True)
+        head = stream[:1] if stream[0] == vocab.token_bos() else []  # each window starts with BOS
+        body, span = stream[len(head) :], args.tokens - len(head)
+        windows = [head + body[i * span : (i + 1) * span] for i in range(args.windows)]
+        if len(windows[-1]) < args.tokens:
+            raise SystemExit(f"{args.text} has too few tokens for {args.windows} windows of {args.tokens}")
+        refs = [log_probs(src, w) for w in windows]
         imatrix, imatrix_note = None, None
         if args.imatrix_text:
             imatrix, imatrix_note = make_imatrix(src, args.imatrix_text, args.imatrix_chunks, args)
@@ -167,16 +188,15 @@ def main() -> None:
             row = {
                 "model": model,
                 "type": ft,
-                "tokens": len(tokens),
+                "tokens": args.tokens,
+                "windows": args.windows,
                 "imatrix": imatrix_note,
-                "ours": compare(ref, log_probs(ours, tokens), tokens)
-                | {"bytes": ours.stat().st_size, "s": t1 - t0},
-                "llama.cpp": compare(ref, log_probs(theirs, tokens), tokens)
-                | {"bytes": theirs.stat().st_size, "s": t2 - t1},
+                "ours": compare(refs, ours, windows) | {"bytes": ours.stat().st_size, "s": t1 - t0},
+                "llama.cpp": compare(refs, theirs, windows) | {"bytes": theirs.stat().st_size, "s": t2 - t1},
             }
             if imatrix is not None:
                 quantize_model(src, ours, ft, threads=args.threads)
-                row["ours_no_imatrix"] = compare(ref, log_probs(ours, tokens), tokens)
+                row["ours_no_imatrix"] = compare(refs, ours, windows)
             row["kl_ratio"] = row["ours"]["kl"] / max(row["llama.cpp"]["kl"], 1e-12)
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -187,7 +207,8 @@ def main() -> None:
             )
             ours.unlink()
             theirs.unlink()
-        print(f"{model}: source ppl {compare(ref, ref, tokens)['ppl']:.3f}", flush=True)
+        nll = np.mean([kl_nll(ref, ref, w)[1] for ref, w in zip(refs, windows, strict=True)])
+        print(f"{model}: source ppl {np.exp(nll):.3f}", flush=True)
     print(write_table(out))
 
 

@@ -70,6 +70,35 @@ def test_error_beats_round_to_nearest(t: str, qmax: int, block: int) -> None:
     assert ours < _naive_rel_rmse(x, qmax, block)
 
 
+def _best_weighted_fit(x: np.ndarray, w: np.ndarray, qmin: int, qmax: int) -> float:
+    """The weighted squared error of the best of 1601 scales per 32-element block (numpy, float64):
+    for each scale the integers rounded and clipped to [qmin, qmax], then the weighted
+    least-squares scale for those integers. A dense brute force, independent of the quantizer's
+    own candidates."""
+    b = x.reshape(-1, 1, 32).astype(np.float64)
+    wb = np.tile(w.reshape(-1, 32), (x.shape[0], 1))[:, None, :].astype(np.float64)
+    amax = np.abs(b).max(axis=2, keepdims=True)
+    t = np.concatenate([np.linspace(qmin * 1.5, qmin / 2, 801), np.linspace(qmax / 2, qmax * 1.5, 800)])
+    d = amax / t.reshape(1, -1, 1)  # the largest |x| on, inside or beyond either end
+    L = np.clip(np.round(b / d), qmin, qmax)
+    ds = (wb * b * L).sum(2, keepdims=True) / np.maximum((wb * L * L).sum(2, keepdims=True), 1e-300)
+    return float((wb * (b - ds * L) ** 2).sum(2).min(axis=1).sum())
+
+
+@pytest.mark.parametrize("t,qmin,qmax", [("q4_0", -8, 7), ("q5_0", -16, 15)])
+def test_imatrix_fit_is_as_good_as_a_dense_scale_search(t: str, qmin: int, qmax: int) -> None:
+    # Real imatrices are skewed (Gemma-3's blk.13.attn_q: one column 2500x the median). A small
+    # value in a heavy column must not round to 0 because the block's largest value, in a light
+    # column, set the scale: the fit has to consider clipping that value.
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((8, 512)) * 0.02).astype(np.float32)
+    im = np.exp(rng.standard_normal(512)).astype(np.float32)
+    im[rng.choice(512, 8, replace=False)] *= 1000
+    _, dec = q.quantize(t, x, imatrix=im, decoded=True)
+    ours = float((im * (x.astype(np.float64) - dec) ** 2).sum())
+    assert ours <= 1.02 * _best_weighted_fit(x, im, qmin, qmax)
+
+
 def test_threads_do_not_change_the_bytes() -> None:
     x = _blocks(np.random.default_rng(4), 37, 256)
     for t in TYPES:
