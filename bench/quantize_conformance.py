@@ -1,9 +1,10 @@
 """Conformance of SmolLM2 files made by `infer quantize` (issue 23's "done when").
 
-    python -m stdengine.bench.quantize_conformance [--types Q3_K_M Q2_K Q2_K-pure]
+    python -m stdengine.bench.quantize_conformance [--types Q3_K_M Q2_K Q2_K-pure Q2_K-imatrix]
         [--engines reference llamacpp] [--work DIR] [--report DIR]
 
-For each type (a file type; `-pure` adds --pure):
+For each type (a file type; `-pure` adds --pure, `-imatrix` adds `--imatrix-from` the GFDL-1.3
+text, as bench/quantize_quality.py's imatrix runs):
 1. `infer quantize` makes WORK/smollm2-135m-instruct.TYPE.gguf from the catalogue SmolLM2 (its
    Q4_1 file: requantizing, with the warning). The tool's output is deterministic (the same bytes
    for any thread count), so the file's SHA256 is the same on every run of the same version.
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 MODEL = "smollm2-135m-instruct"
+IMATRIX_TEXT = "/usr/share/common-licenses/GFDL-1.3"
 
 
 def _infer(*args: str) -> int:
@@ -50,10 +52,15 @@ def main() -> int:
     src = resolve_model(MODEL, pull=False)
     failed = []
     for spec in args.types:
-        ft, pure = spec.removesuffix("-pure"), spec.endswith("-pure")
+        ft, *flags = spec.split("-")
+        options = {"pure": ["--pure"], "imatrix": ["--imatrix-from", IMATRIX_TEXT]}
+        if not set(flags) <= options.keys():
+            raise SystemExit(f"{spec}: a type may end in -pure and/or -imatrix")
         alias = f"{MODEL}-{spec.lower()}"
         path = args.work / f"{MODEL}.{spec}.gguf"
-        if _infer("quantize", str(src), str(path), "--type", ft, *(["--pure"] if pure else []), "--quiet"):
+        if _infer(
+            "quantize", str(src), str(path), "--type", ft, *[o for f in flags for o in options[f]], "--quiet"
+        ):
             raise SystemExit(f"infer quantize failed for {spec}")
         counts: dict[str, int] = {}
         for t in scan_gguf(path).tensors:
