@@ -6,15 +6,15 @@ and both outputs through llama.cpp over one held-out text and report the mean KL
 each output's next-token distribution from the source's, and the perplexity of the text.
 llama.cpp evaluates all three, so the comparison measures the quantizers, not the engines. The
 text is --windows consecutive windows of --tokens tokens (each from an empty context, starting
-with BOS where the model has one): one window of 384 by default; near-lossless types differ by
-less than one window's noise, so their ratios need more.
+with BOS where the model has one), by default four of 384: nearly lossless types differ by less
+than one window's noise.
 
 The sources are the catalogue models dequantized to F32 by `infer quantize --type F32`; they were
 quantized once already (SmolLM2 Q4_1, Gemma-3 Q4_K_M), so "the source" means that dequantized
 model, not the original bf16 weights.
 
     python bench/quantize_quality.py [--models smollm2-135m-instruct gemma-3-270m] [--types Q4_K_M ...]
-        [--tokens 384] [--windows 1] [--imatrix-text FILE [--imatrix-chunks N]]
+        [--tokens 384] [--windows 4] [--imatrix-text FILE [--imatrix-chunks N]]
 
 With --imatrix-text, both quantizers get the same importance matrix: the reference engine's
 activation statistics of the F32 source over that text (reference_engine/imatrix.py, written as
@@ -86,10 +86,12 @@ def kl_nll(ref: np.ndarray, lp: np.ndarray, tokens: list[int]) -> tuple[float, f
 def compare(refs: list[np.ndarray], path: Path, windows: list[list[int]]) -> dict[str, Any]:
     """KL and perplexity of path's model over the windows (of equal length, so the means of their
     means), and each window's KL."""
-    kls, nlls = zip(
-        *(kl_nll(ref, log_probs(path, w), w) for ref, w in zip(refs, windows, strict=True)), strict=True
-    )
-    return {"kl": float(np.mean(kls)), "ppl": float(np.exp(np.mean(nlls))), "kl_windows": list(kls)}
+    kls, nlls = [], []
+    for ref, w in zip(refs, windows, strict=True):
+        kl, nll = kl_nll(ref, log_probs(path, w), w)
+        kls.append(kl)
+        nlls.append(nll)
+    return {"kl": float(np.mean(kls)), "ppl": float(np.exp(np.mean(nlls))), "kl_windows": kls}
 
 
 def write_table(jsonl: Path) -> str:
@@ -139,7 +141,7 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=list(TYPES))
     ap.add_argument("--tokens", type=int, default=384, help="tokens of held-out text per window")
     ap.add_argument(
-        "--windows", type=int, default=1, help="consecutive windows of the text, each from an empty context"
+        "--windows", type=int, default=4, help="consecutive windows of the text, each from an empty context"
     )
     ap.add_argument("--work", type=Path, default=Path("/tmp/stdengine-quantize-quality"))
     ap.add_argument("--threads", type=int, default=2)
