@@ -1,0 +1,56 @@
+"""The screening bound of the output head (bench/head_screening.py, spec/reference-engine.md
+"Screening the output head"): every row's exact logit lies in the interval computed from the high
+bit plane, and the interval is the tightest one the plane allows (a low plane chosen against the
+input reaches each end). Checked with numpy's exact products on random Q8_0-shaped heads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from stdengine.bench.head_screening import Head, Screen
+
+MARGIN = 1e-3  # Screen.intervals widens each end by this much
+
+
+def random_head(rng: np.random.Generator, rows: int = 64, blocks: int = 4) -> Head:
+    d = rng.normal(0, 0.01, (rows, blocks))  # scales of either sign
+    q = rng.integers(-128, 128, (rows, blocks, 32)).astype(np.float64)
+    return Head(d, q)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 5, 6, 7])
+def test_every_exact_logit_is_inside_its_interval(bits):
+    rng = np.random.default_rng(bits)
+    head = random_head(rng)
+    x = rng.normal(0, 3, (8, 4 * 32)) * (rng.random((8, 4 * 32)) < 0.7)  # some exact zeros
+    lower, upper = Screen(head, bits).intervals(x)
+    exact = x @ head.matrix.T
+    assert (lower <= exact).all() and (exact <= upper).all()
+
+
+def test_eight_bits_leave_no_width():
+    rng = np.random.default_rng(8)
+    head = random_head(rng)
+    x = rng.normal(0, 3, (4, 4 * 32))
+    lower, upper = Screen(head, 8).intervals(x)
+    exact = x @ head.matrix.T
+    np.testing.assert_allclose(lower + MARGIN, exact, atol=1e-9)
+    np.testing.assert_allclose(upper - MARGIN, exact, atol=1e-9)
+
+
+@pytest.mark.parametrize("bits", [3, 5])
+def test_the_interval_is_tight(bits):
+    """A head whose low plane is all s-1 where d*x > 0 and 0 elsewhere reaches the upper end; the
+    opposite choice reaches the lower end: no narrower interval holds for every low plane."""
+    rng = np.random.default_rng(100 + bits)
+    s = 2 ** (8 - bits)
+    head = random_head(rng, rows=16)
+    x = rng.normal(0, 3, (1, 4 * 32))
+    hi = np.floor(head.q / s)
+    sign = np.sign(head.d[..., None] * x.reshape(1, 4, 32))  # [rows, blocks, 32]
+    for want, lo in (("upper", np.where(sign > 0, s - 1, 0)), ("lower", np.where(sign < 0, s - 1, 0))):
+        adversarial = Head(head.d, hi * s + lo)
+        lower, upper = Screen(adversarial, bits).intervals(x)
+        exact = x @ adversarial.matrix.T
+        end = upper - MARGIN if want == "upper" else lower + MARGIN
+        np.testing.assert_allclose(exact, end, rtol=1e-12, atol=1e-9)
