@@ -5,9 +5,12 @@ it has no Python API. SIMD paths are selected at run time (se_kernels_init in re
 so the flags here are portable ones.
 """
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 CSRC = Path("reference_engine/csrc")
 GENERATED = Path("build/generated")  # sources made here at build time (included by csrc/*.c)
@@ -51,4 +54,24 @@ core = Extension(
     extra_link_args=["-pthread", "-lm", "-ldl"],  # dlopen: the OpenCL loader, found at run time
 )
 
-setup(ext_modules=[core])
+
+class ParallelBuildExt(build_ext):
+    """Compiles the C files one per CPU at a time: the AVX-512 kernels (two files) take most of the
+    build, and setuptools would compile them one after the other."""
+
+    def build_extension(self, ext: Extension) -> None:
+        compile_one = self.compiler.compile
+
+        def compile_all(sources: list[str], *args: object, **kwargs: object) -> list[str]:
+            with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+                done = pool.map(lambda src: compile_one([src], *args, **kwargs), sources)
+                return [obj for objs in done for obj in objs]
+
+        self.compiler.compile = compile_all
+        try:
+            super().build_extension(ext)
+        finally:
+            del self.compiler.compile  # the compiler's own method again
+
+
+setup(ext_modules=[core], cmdclass={"build_ext": ParallelBuildExt})
