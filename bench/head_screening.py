@@ -1,6 +1,6 @@
 """How much of the output head an exact screen could skip: measured on the catalogue models.
 
-    python -m stdengine.bench.head_screening [--models A,B] [--bits 4,5,6]
+    python -m stdengine.bench.head_screening [--models A,B] [--schedules 4,5,4+5]
 
 Issue 22 asks for a screened output head: a cheap pass over a compact copy of the head gives
 every row's logit within a guaranteed bound, and only the rows whose upper bound can reach the
@@ -94,24 +94,26 @@ def engine_logits(path: str) -> np.ndarray:
 class Screen:
     """The b-bit high plane of a head, and the logit intervals it gives."""
 
+    MARGIN = 1e-3  # each end is widened by this: it covers the engine's float32 sums (~1e-5 here)
+
     def __init__(self, head: Head, bits: int) -> None:
         self.head, self.s = head, 2.0 ** (8 - bits)
         hi = np.floor(head.q / self.s)
         self.centre = (head.d[..., None] * hi * self.s).reshape(head.d.shape[0], -1)  # [V, n_embd]
+        # a negative scale swaps the ends of its block's interval
+        self.dpos, self.dneg = np.maximum(head.d, 0), np.minimum(head.d, 0)
 
     def intervals(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Lower and upper bounds of every row's logit for inputs x [n, n_embd] (exact arithmetic;
-        the engine's float rounding is far inside the margin below)."""
-        d, s = self.head.d, self.s
-        xb = x.reshape(x.shape[0], d.shape[1], 32)
+        """Lower and upper bounds of every row's logit for inputs x [n, n_embd] (exact arithmetic,
+        widened by MARGIN)."""
+        s = self.s
+        xb = x.reshape(x.shape[0], self.head.d.shape[1], 32)
         centre = x @ self.centre.T  # per position and row: sum over blocks of d * s * (hi . x_b)
         neg = np.minimum(xb, 0).sum(-1) * (s - 1)  # [n, nb]: the low plane's least contribution / d
         pos = np.maximum(xb, 0).sum(-1) * (s - 1)
-        dpos, dneg = np.maximum(d, 0), np.minimum(d, 0)  # a negative scale swaps the ends
-        lower = centre + neg @ dpos.T + pos @ dneg.T
-        upper = centre + pos @ dpos.T + neg @ dneg.T
-        margin = 1e-3  # covers the engine's float32 sums (~1e-5 here)
-        return lower - margin, upper + margin
+        lower = centre + neg @ self.dpos.T + pos @ self.dneg.T
+        upper = centre + pos @ self.dpos.T + neg @ self.dneg.T
+        return lower - self.MARGIN, upper + self.MARGIN
 
 
 @dataclass
@@ -132,8 +134,8 @@ def screen_chunk(
     the running are bounded again with each next plane (its extra bits read for them only).
     Returns the candidates [n, V] and the bytes read per position (the low plane of each
     candidate included)."""
-    nb = next(iter(screens.values())).head.d.shape[1]
-    cand = np.ones((x.shape[0], screens[schedule[0]].centre.shape[0]), dtype=bool)
+    V, nb = screens[schedule[0]].head.d.shape
+    cand = np.ones((x.shape[0], V), dtype=bool)
     read = cand.sum(1) * nb * 2.0  # the scales
     have = 0
     for bits in schedule:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from stdengine.bench.head_screening import Head, Screen
 
-MARGIN = 1e-3  # Screen.intervals widens each end by this much
+MARGIN = Screen.MARGIN  # Screen.intervals widens each end by this much
 
 
 def random_head(rng: np.random.Generator, rows: int = 64, blocks: int = 4) -> Head:
