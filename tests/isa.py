@@ -1,5 +1,6 @@
 """Running a test on one of the reference engine's SIMD paths, in process (as INFER_REF_ISA would
-choose it at start-up), then going back to the path in use before."""
+choose it at start-up), then going back to the path in use before; and which paths this CPU's
+flags allow (the kernels' rule, read independently from /proc/cpuinfo)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,49 @@ from collections.abc import Iterator
 import pytest
 from stdengine.reference import kernels as K
 
+# The CPU flags each path needs on top of the one below it (csrc/kernels.c, cpu_best_isa; Linux
+# lists amx_tile and amx_int8 only where it supports AMX).
+PATH_FLAGS = {
+    "scalar": set(),
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+    "amx": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"},
+}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    pytest.skip("no CPU flags in /proc/cpuinfo")
+
+
+def best_path() -> str:
+    """The best path this CPU's flags allow."""
+    flags = cpu_flags()
+    return [name for name, need in PATH_FLAGS.items() if need <= flags][-1]
+
+
+def refused(name: str) -> None:
+    """The C core refused path name: skip when this CPU lacks the path's flags (a CI run accepts
+    only that skip: tests/allowed_skips.txt), fail when it has them all."""
+    missing = sorted(PATH_FLAGS[name] - cpu_flags())
+    if not missing:
+        pytest.fail(f"the CPU lists every flag the {name} path needs, and the C core refused it")
+    pytest.skip(f"this CPU lacks {' '.join(missing)}, which the {name} path needs")
+
 
 @contextlib.contextmanager
 def using_isa(name: str) -> Iterator[str]:
-    """Run on the named path (skip when this CPU cannot), then go back to the one in use before
-    (INFER_REF_ISA's choice when one is forced, so that later tests in the process keep it)."""
+    """Run on the named path, then go back to the one in use before (INFER_REF_ISA's choice when
+    one is forced, so that later tests in the process keep it); refused() when the core refuses it."""
     before = K.isa()
     if not K.set_isa(name):
-        pytest.skip(f"this CPU cannot run the {name} path")
+        refused(name)
     try:
         assert K.isa() == name
         yield name

@@ -30,8 +30,8 @@ llm.eval([3])
 
 README_HINT = (
     "rebuild llama-cpp-python for this CPU as README.md says (section 'The llama.cpp extra on x86': "
-    'CMAKE_ARGS="-DGGML_NATIVE=OFF ..." pip install --no-cache-dir --force-reinstall --no-deps '
-    "'llama-cpp-python>=0.3'; without AMX, and without the AVX512 flags on a CPU that lacks AVX-512)"
+    'CMAKE_ARGS="$(sh .ci/llama-cmake-args)" pip install --no-cache-dir --force-reinstall --no-deps '
+    "'llama-cpp-python>=0.3': the instruction sets this CPU lists, without AMX)"
 )
 
 

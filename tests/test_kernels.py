@@ -20,7 +20,7 @@ from gguf.quants import dequantize as gg_dequantize  # noqa: E402
 from gguf.quants import quantize as gg_quantize  # noqa: E402
 
 try:
-    from isa import using_isa
+    from isa import refused, using_isa
     from stdengine.reference import kernels as K
 except Exception as e:  # the C core is not built, or the package is not installed
     pytest.skip(f"reference engine C core unavailable: {e}", allow_module_level=True)
@@ -82,7 +82,7 @@ def gemm_from_16_rows():
 @pytest.fixture(params=K.ISAS)
 def isa(request):
     if request.param not in ISAS:
-        pytest.skip(f"this CPU cannot run the {request.param} path")
+        refused(request.param)
     with using_isa(request.param):
         yield request.param
 
@@ -391,7 +391,7 @@ def test_amx_gemm_equals_avx512(t, blocks):
     a partial last one, fewer than 16 on the GEMM), row range and row length. (Q2_K, Q3_K and
     Q6_K keep AVX-512's GEMM on the AMX path: for them this checks the table's layering.)"""
     if "amx" not in ISAS:
-        pytest.skip("this CPU cannot run the amx path")
+        refused("amx")
     rng = rng_for("amx", t, blocks)
     rows, k = 37, block(t) * blocks
     w = weights(t, rows, k, rng, sources(t)[-1])
@@ -436,7 +436,7 @@ def test_amx_gemm_leaves_the_threads_tile_configuration_as_it_found_it(tmp_path)
     import threading
 
     if "amx" not in ISAS:
-        pytest.skip("this CPU cannot run the amx path")
+        refused("amx")
     src, lib_path = tmp_path / "tilecfg.c", tmp_path / "tilecfg.so"
     src.write_text(TILE_CONFIG_C)
     subprocess.run(

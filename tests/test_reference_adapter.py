@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from isa import PATH_FLAGS, best_path
 
 from stdengine.events import Emitter
 from stdengine.options import Options
@@ -93,28 +94,10 @@ def engines_build(env_isa: str | None) -> str:
     return str({r["name"]: r for r in json.loads(out)}["reference"]["build"])
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    pytest.skip("no CPU flags in /proc/cpuinfo")
-
-
 def test_infer_engines_shows_the_isa_this_cpu_allows():
-    """The best path this CPU's flags allow (the kernels' rule: AVX-512 with BW, VL and VNNI, or AVX2;
-    both with FMA and F16C; AMX on AVX-512 with AMX-TILE and AMX-INT8, which Linux lists only when
-    it supports them), and a lower one when INFER_REF_ISA forces it."""
-    flags = cpu_flags()
-    best = "scalar"
-    if {"avx2", "fma", "f16c"} <= flags:
-        best = "avx2"
-        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-            best = "amx" if {"amx_tile", "amx_int8"} <= flags else "avx512"
-    assert engines_build(None) == f"isa={best}"
+    """The best path this CPU's flags allow (the kernels' rule, tests/isa.py PATH_FLAGS), and a
+    lower one when INFER_REF_ISA forces it."""
+    assert engines_build(None) == f"isa={best_path()}"
     assert engines_build("scalar") == "isa=scalar"
 
 
@@ -177,11 +160,11 @@ def test_infer_ref_isa_this_cpu_cannot_run_is_an_error(monkeypatch):
 
 
 def test_infer_ref_isa_above_this_cpu_fails_the_run(tiny):
-    flags = cpu_flags()
-    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
-    if avx512 and {"amx_tile", "amx_int8"} <= flags:
+    paths = list(PATH_FLAGS)
+    best = paths.index(best_path())
+    if best == len(paths) - 1:
         pytest.skip("this CPU runs every path")
-    want = "amx" if avx512 else "avx512" if {"avx2", "fma", "f16c"} <= flags else "avx2"
+    want = paths[best + 1]
     r = infer_run("-m", str(tiny), "-n", "2", "-p", "hi", env={"INFER_REF_ISA": want})
     assert r.returncode == 2 and "cannot run" in r.stderr, r.stderr
 
