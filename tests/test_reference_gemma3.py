@@ -34,14 +34,18 @@ NEAR_TIE = 0.5
 
 def agreement(ref: np.ndarray, got: np.ndarray) -> tuple[float, float, int]:
     """(mean KL(llama.cpp || ours), top-1 agreement on the positions where llama.cpp's top-1
-    probability beats its second by >= 0.05, positions) in chunks: 262144-wide rows are big."""
+    probability beats its second by >= 0.1, positions) in chunks: 262144-wide rows are big.
+    Both engines are about 0.005 (mean KL) from the exact float64 forward pass on this text, so
+    a closer top two can flip either way: on the AMD EPYC without AVX-512, at position 590 the
+    exact pass's margin was 0.025, llama.cpp's 0.055, and ours chose the other token; at 595
+    llama.cpp chose against the exact pass and ours."""
     kls, hits = [], []
     for i in range(0, len(ref), 64):
         lp, lq = log_softmax(ref[i : i + 64]), log_softmax(got[i : i + 64])
         p = np.exp(lp)
         kls.append((p * (lp - lq)).sum(-1))
         top2 = np.sort(p, -1)[:, -2:]
-        confident = top2[:, 1] - top2[:, 0] >= 0.05
+        confident = top2[:, 1] - top2[:, 0] >= 0.1
         hits.append((ref[i : i + 64].argmax(-1) == got[i : i + 64].argmax(-1))[confident])
     return float(np.concatenate(kls).mean()), float(np.concatenate(hits).mean()), len(ref)
 
