@@ -58,6 +58,10 @@ class LocalEngine(Engine):
 
     takes_prompt_tokens = True
     eog_controls = True
+    # False for an engine whose logits depend on how the positions were split into batches
+    # (llama.cpp): a request whose answer must not change from one call to the next (greedy, or
+    # a fixed seed) then evaluates its prompt from the start instead of reusing the cache's prefix.
+    batch_invariant = True
     template: str | None
     events: Emitter
     bos_id: int | None
@@ -131,7 +135,8 @@ class LocalEngine(Engine):
         constraint = self._matcher(request)
         self._progress: tuple[int, float, float, int] | None = None
         t0 = now_ms()
-        prompt_n = self._prefill(prompt)
+        reproducible = s.temp <= 0 or s.seed != -1
+        prompt_n = self._prefill(prompt, reuse=self.batch_invariant or not reproducible)
         t1 = now_ms()
         self._progress = (prompt_n, t1 - t0, t1, 0)  # prompt_n, prompt_ms, start of generation, n_gen
         pt = Timings(prompt_n=prompt_n, prompt_ms=t1 - t0).to_dict()
@@ -248,11 +253,11 @@ class LocalEngine(Engine):
                 n_ctx=self.n_ctx(),
             )
 
-    def _prefill(self, prompt: list[int]) -> int:
-        """Evaluate the prompt, reusing the longest prefix the KV cache already holds; returns the
-        number of tokens evaluated (llama.cpp's prompt_n)."""
+    def _prefill(self, prompt: list[int], reuse: bool = True) -> int:
+        """Evaluate the prompt, reusing the longest prefix the KV cache already holds (none unless
+        reuse); returns the number of tokens evaluated (llama.cpp's prompt_n)."""
         common = 0
-        for a, b in zip(self.tokens, prompt, strict=False):
+        for a, b in zip(self.tokens if reuse else [], prompt, strict=False):
             if a != b:
                 break
             common += 1

@@ -372,3 +372,19 @@ def test_logprobs_are_log_softmax_of_the_engines_logits(engine) -> None:
     for t in range(1, len(prompt)):
         assert abs(scored.tokens[t].logprob - lp[t - 1][prompt[t]]) < 1e-4
         assert scored.top[t - 1][0].id == int(np.argmax(lp[t - 1]))
+
+
+def test_a_reproducible_request_evaluates_its_whole_prompt_again(smol) -> None:
+    """llama.cpp's logits depend on the batch's size, so a greedy or seeded request does not reuse
+    the cached prefix (its answer must not depend on what the context held): the same request
+    twice evaluates every prompt token both times and gives the same tokens. Randomly seeded
+    sampling reuses the prefix (only the last token is evaluated again)."""
+    prompt = smol.tokenize("The capital of France is")
+    smol.reset()
+    for sampling in (greedy(8), SamplingParams(temp=1.0, seed=42, n_predict=8)):
+        first = run(smol, GenerateRequest(prompt_tokens=prompt, sampling=sampling))
+        second = run(smol, GenerateRequest(prompt_tokens=prompt, sampling=sampling))
+        assert second[2].timings.prompt_n == len(prompt) and second[0] == first[0]
+    random = SamplingParams(temp=1.0, seed=-1, n_predict=8)
+    run(smol, GenerateRequest(prompt_tokens=prompt, sampling=random))
+    assert run(smol, GenerateRequest(prompt_tokens=prompt, sampling=random))[2].timings.prompt_n == 1

@@ -100,6 +100,7 @@ def _recent_errors() -> str:
 class LlamaCppEngine(LocalEngine):
     name = "llamacpp"
     description = "llama.cpp in-process through llama-cpp-python (GGUF; its CPU or GPU backends)"
+    batch_invariant = False  # a row's logits depend on the batch's size (README, "Reproducible answers")
     capabilities = frozenset(
         {"stream", "logits", "tokenize", "chat_template", "seed", "batch", "logprobs", "structured"}
     )
