@@ -10,8 +10,10 @@ from collections.abc import Iterator
 import pytest
 from stdengine.reference import kernels as K
 
-# The CPU flags each path needs on top of the one below it (csrc/kernels.c, cpu_best_isa; Linux
-# lists amx_tile and amx_int8 only where it supports AMX).
+from stdengine.recipes import _cpu_flags
+
+# All the CPU flags each path needs, from the lowest path to the highest (csrc/kernels.c,
+# cpu_best_isa; Linux lists amx_tile and amx_int8 only where it supports AMX).
 PATH_FLAGS = {
     "scalar": set(),
     "avx2": {"avx2", "fma", "f16c"},
@@ -21,14 +23,10 @@ PATH_FLAGS = {
 
 
 def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    pytest.skip("no CPU flags in /proc/cpuinfo")
+    flags = _cpu_flags()  # the recipes' reader of /proc/cpuinfo
+    if not flags:
+        pytest.skip("no CPU flags in /proc/cpuinfo")
+    return flags
 
 
 def best_path() -> str:
