@@ -59,8 +59,9 @@ void se_quantize_rows(int act_type, const float *x, int64_t k, int n_tok, void *
 
 /* y[t*ldy + r] = dot(W row r, activation row t) for r in [r0, r1), t in [0, n_tok).
  * W has rows of k elements of wtype; act was made by se_quantize_rows(traits(wtype)->act_type).
- * A batch of se_gemm_min_tokens() or more takes the path's GEMM where it has one (AVX-512), a
- * smaller one of 2 or more its small-batch kernel (AVX-512) or its tiles; every
+ * A batch of se_gemm_min_tokens() or more takes the path's GEMM where it has one, a smaller one
+ * of 2 or more its small-batch kernel where it has one (AVX-512; AVX2's legacy types have one
+ * kernel for both), else the tiles; every
  * path adds a row's products in one order (kernels_avx512.c), so a token's results are the same
  * bit for bit whatever the other tokens of the batch, its place in it, the path and the row range. */
 void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
@@ -158,7 +159,7 @@ typedef void (*se_tile_fn)(int64_t n, const void *w, size_t w_stride, int nr, co
 typedef int (*se_gemm_fn)(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,
                            float *y, int64_t ldy, int64_t r0, int64_t r1);
 /* From this many tokens on the GEMM (its panel of 16 unpacked weight rows serves every token)
- * takes a batch; below, the small-batch path where the ISA has one (AVX-512), else the tiles.
+ * takes a batch; below, the small-batch path where the ISA has one, else the tiles.
  * Batched decoding (se_decode_batch) makes steps of one token per sequence, so 2 to 15 rows are
  * the common case of a busy server. Measured (AMD Zen 4, 2 threads, in-process batched decoding):
  * the small-batch path beats the GEMM by 1.3-1.4x on steps of 8 and breaks even at 16. */

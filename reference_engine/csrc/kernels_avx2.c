@@ -48,7 +48,15 @@ INLINE __m256i fifth_bits(uint32_t h) {
     return _mm256_and_si256(x, _mm256_set1_epi8(16));
 }
 
-/* ---------------------------------------------------------------- legacy 32-blocks */
+/* ---------------------------------------------------------------- legacy 32-blocks
+ * The summation order of every legacy-type kernel of this path (the tiles, the dots and the
+ * batch kernel below), so that a token's outputs do not depend on the batch around it: a row's
+ * blocks go in groups of 8, block 8g + p in lane p. Each block's sum of products is an exact
+ * int32; then, group after group and lane by lane,
+ *     acc = fma(float(isum), dw * da, acc)     (dw, da: the blocks' fp16 scales as floats)
+ *     acc = fma(mw, sa, acc)                   (the _1 types: the min times the activations' s)
+ * with zero sums and scales in the lanes past the row's end; the output is hsum8(acc). Integer
+ * sums are exact in any order, so each kernel gets them its own way. */
 
 /* The 32 quants of a legacy block b as signed bytes (se_types gives the layout). */
 INLINE __m256i unpack1(int type, const uint8_t *b) {
@@ -59,61 +67,233 @@ INLINE __m256i unpack1(int type, const uint8_t *b) {
     return t->q_offset ? _mm256_sub_epi8(q, _mm256_set1_epi8((char)t->q_offset)) : q;
 }
 
-/* [d, m] of 4 blocks as fp16 pairs -> 8 floats. Reading 4 bytes from a block's start gives d and
- * the next field: m (or s) for the _1 types, the first quants otherwise (junk, never used). */
-INLINE __m256 scales4(const uint8_t *b, int size, int cnt) {
-    const uint8_t *last = b + (cnt - 1) * size; /* blocks past the row's end re-read its last block */
-    return _mm256_cvtph_ps(_mm_setr_epi32((int)ld32(b), (int)ld32(cnt > 1 ? b + size : last),
-                                          (int)ld32(cnt > 2 ? b + 2 * size : last),
-                                          (int)ld32(cnt > 3 ? b + 3 * size : last)));
+/* [x0 x1 x4 x5 | x2 x3 x6 x7] -> x0..x7 */
+INLINE __m256 deinterleave(__m256 v) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8)); }
+
+/* The first two fp16 fields of blocks b, b + size, ... (cnt of them, cnt <= 8) as floats in
+ * lanes: d, and m (the _1 types' min; Q8_1's s; for the other types two quants, never used).
+ * Zero in lanes cnt..7. */
+INLINE void scales8(const uint8_t *b, int size, int cnt, __m256 *d, __m256 *m) {
+    int32_t h[8];
+    for (int p = 0; p < 8; p++) h[p] = p < cnt ? (int32_t)ld32(b + p * size) : 0;
+    const __m256 x = _mm256_cvtph_ps(_mm_setr_epi32(h[0], h[1], h[2], h[3])); /* d0 m0 d1 m1 | d2 m2 d3 m3 */
+    const __m256 y = _mm256_cvtph_ps(_mm_setr_epi32(h[4], h[5], h[6], h[7]));
+    *d = deinterleave(_mm256_shuffle_ps(x, y, 0x88));
+    *m = deinterleave(_mm256_shuffle_ps(x, y, 0xDD));
 }
 
-/* nr weight rows x nc activation rows -> out[r * nc + c], nr * nc <= 8. Four blocks per step so
- * that the fp16 scales convert 8 at a time; a short last step re-reads the row's last block and
- * gives the copies a zero scale. */
+/* The float steps of one group (the order above). */
+INLINE __m256 group_step(int type, __m256i isum, __m256 wd, __m256 wm, __m256 ad, __m256 as, __m256 acc) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(wd, ad), acc);
+    return se_types[type].has_min ? _mm256_fmadd_ps(wm, as, acc) : acc;
+}
+
+/* Legacy block b's 32 quants times activation block a's, as 8 partial int32 sums. */
+INLINE __m256i block_products(int type, const uint8_t *b, const uint8_t *a) {
+    const se_type_traits *t = &se_types[type];
+    const __m256i q = unpack1(type, b);
+    const __m256i av = _mm256_loadu_si256((const __m256i *)(a + se_types[t->act_type].qs_offset));
+    return t->has_min ? dot_us8(q, av) : dot_us8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(av, q));
+}
+
+/* v[p]'s 8 lanes summed into lane p. */
+INLINE __m256i sum8x8(const __m256i v[8]) {
+    const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i ab = _mm256_hadd_epi32(a, b); /* v0..v3: their low halves' sums | their high halves' */
+    const __m256i cd = _mm256_hadd_epi32(c, d);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* One group of cnt blocks (w, a: its first blocks) of nr rows x nc tokens, added to acc[r * nc + c]. */
+INLINE void legacy_group(int type, const int cnt, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
+                         int nc, __m256 *acc) {
+    const int ws = se_types[type].size, asz = se_types[se_types[type].act_type].size;
+    __m256 ad[4], asv[4], wd[4], wm[4];
+    for (int c = 0; c < nc; c++) scales8(a + c * as, asz, cnt, &ad[c], &asv[c]);
+    for (int r = 0; r < nr; r++) scales8(w + r * wr, ws, cnt, &wd[r], &wm[r]);
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < nc; c++) {
+            __m256i v[8];
+            for (int p = 0; p < 8; p++)
+                v[p] = p < cnt ? block_products(type, w + r * wr + p * ws, a + c * as + p * asz) : _mm256_setzero_si256();
+            acc[r * nc + c] = group_step(type, sum8x8(v), wd[r], wm[r], ad[c], asv[c], acc[r * nc + c]);
+        }
+}
+
+/* nr weight rows x nc activation rows -> out[r * nc + c], nr * nc <= 4. */
 INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr, const uint8_t *a, size_t as,
                         int nc, float *out) {
-    const se_type_traits *wt = &se_types[type], *at = &se_types[wt->act_type];
-    const int is1 = wt->has_min; /* the _1 types: blocks add m * s */
-    const int ws = wt->size, asz = at->size, aq = at->qs_offset;
-    const int64_t nb = n / 32;
-    __m256 acc[8], accm[8];
-    for (int k = 0; k < nr * nc; k++) acc[k] = accm[k] = _mm256_setzero_ps();
+    const int ws = se_types[type].size, asz = se_types[se_types[type].act_type].size;
+    const int64_t nb = n / SE_QK;
+    __m256 acc[4];
+    for (int k = 0; k < nr * nc; k++) acc[k] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= nb; i += 8) legacy_group(type, 8, w + i * ws, wr, nr, a + i * asz, as, nc, acc);
+    if (i < nb) legacy_group(type, (int)(nb - i), w + i * ws, wr, nr, a + i * asz, as, nc, acc);
+    for (int k = 0; k < nr * nc; k++) out[k] = hsum8(acc[k]);
+}
 
-    for (int64_t i = 0; i < nb; i += 4) {
-        const int cnt = nb - i < 4 ? (int)(nb - i) : 4;
-        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(2 * cnt),
-                                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-        /* [d0*da0, m0*s0, d1*da1, m1*s1, ...] per (row, token), zero for the padding blocks */
-        __m256 s[8];
-        for (int c = 0; c < nc; c++) {
-            const __m256 ad = _mm256_and_ps(valid, scales4(a + c * as + i * asz, asz, cnt));
-            for (int r = 0; r < nr; r++) s[r * nc + c] = _mm256_mul_ps(scales4(w + r * wr + i * ws, ws, cnt), ad);
+/* ---------------------------------------------------------------- legacy batches (blocks in lanes)
+ * Two tokens or more (the steps of batched decoding, prompts). The tiles reduce every (block,
+ * token) product vector to one sum with horizontal adds. Here the activations are put into lanes
+ * once per matmul, and each weight row once per pass over the tokens, so that lane p of vector j
+ * holds quants 4j..4j+3 of block 8g + p (an 8 x 8 transpose of dwords): a block's products then
+ * add up in its own lane with plain vertical adds, in 16 bits while they fit (4-bit quants: 8
+ * products; 5-bit: 4), and the float steps are the tiles' on the same values: a token's outputs
+ * are its one-token outputs bit for bit. Weights go in as stored (unsigned, the offset taken back
+ * through the activations' sums), Q8_0's as |q| with q's sign moved onto the activations. */
+#define BATCH_ROWS 8   /* rows put into lanes at a time: they stay in L1 while the tokens pass */
+#define BATCH_TOKENS 4 /* tokens per pass over a row: their accumulators stay in registers */
+
+typedef struct { __m256i q[8]; __m256 d, s; __m256i bias; } batch_act; /* one token's group */
+typedef struct { __m256i q[8], qa[8]; __m256 d, m; } batch_row;         /* one row's group; qa: Q8_0's |q| */
+
+/* v[j] lane p <- v[p] lane j (8 x 8 dwords). */
+INLINE void transpose8(__m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int k = 0; k < 4; k++) {
+        t[2 * k] = _mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]);
+        t[2 * k + 1] = _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]);
+    }
+    for (int h = 0; h < 2; h++) { /* rows 4h..4h+3: u[4h + j] holds their dwords j | j + 4 */
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        v[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+}
+
+INLINE int group_count(int64_t nb, int64_t g) { return nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8; }
+
+/* Group g of one token's activations (nb blocks) into lanes, with its scales and, for a type
+ * stored with an offset, bias = -offset * sum(quants) per block. */
+INLINE void batch_act_group(int type, int64_t nb, const uint8_t *a, int64_t g, batch_act *o) {
+    const se_type_traits *t = &se_types[type], *at = &se_types[t->act_type];
+    const int cnt = group_count(nb, g);
+    const uint8_t *y = a + 8 * g * at->size;
+    __m256i e[8];
+    for (int p = 0; p < 8; p++)
+        e[p] = p < cnt ? _mm256_loadu_si256((const __m256i *)(y + p * at->size + at->qs_offset)) : _mm256_setzero_si256();
+    transpose8(e);
+    scales8(y, at->size, cnt, &o->d, &o->s);
+    __m256i sum = _mm256_setzero_si256();
+    if (t->q_offset && type != SE_Q8_0)
+        for (int j = 0; j < 8; j++) sum = _mm256_add_epi32(sum, dot_us8(_mm256_set1_epi8((char)t->q_offset), e[j]));
+    o->bias = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
+    for (int j = 0; j < 8; j++) o->q[j] = e[j];
+}
+
+/* Group g of one weight row (nb blocks) into lanes, with its scales. */
+INLINE void batch_row_group(int type, int64_t nb, const uint8_t *x, int64_t g, batch_row *o) {
+    const se_type_traits *t = &se_types[type];
+    const int cnt = group_count(nb, g);
+    const uint8_t *b = x + 8 * g * t->size;
+    __m256i e[8];
+    for (int p = 0; p < 8; p++) {
+        const uint8_t *q = b + p * t->size;
+        if (p >= cnt) e[p] = _mm256_setzero_si256();
+        else if (type == SE_Q8_0) e[p] = _mm256_loadu_si256((const __m256i *)(q + t->qs_offset));
+        else if (t->qh_offset) e[p] = _mm256_or_si256(nibbles(q + t->qs_offset), fifth_bits(ld32(q + t->qh_offset)));
+        else e[p] = nibbles(q + t->qs_offset);
+    }
+    transpose8(e);
+    for (int j = 0; j < 8; j++) {
+        o->q[j] = e[j];
+        if (type == SE_Q8_0) o->qa[j] = _mm256_sign_epi8(e[j], e[j]);
+    }
+    scales8(b, t->size, cnt, &o->d, &o->m);
+}
+
+/* The exact integer sums of a group's 8 blocks, in lanes. */
+INLINE __m256i batch_isum(int type, const batch_row *w, const batch_act *a) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (type == SE_Q8_0) { /* pairs of products reach 2 * 128 * 127: to 32 bits at once */
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            s0 = _mm256_add_epi32(s0, dot_us8(w->qa[j], _mm256_sign_epi8(a->q[j], w->q[j])));
+            s1 = _mm256_add_epi32(s1, dot_us8(w->qa[j + 1], _mm256_sign_epi8(a->q[j + 1], w->q[j + 1])));
         }
-        for (int j = 0; j < 4; j++) {
-            const int64_t b = i + (j < cnt ? j : cnt - 1);
-            const __m256i idx = _mm256_set1_epi32(2 * j);
-            for (int r = 0; r < nr; r++) {
-                const __m256i q = unpack1(type, w + r * wr + b * ws), qabs = _mm256_sign_epi8(q, q);
-                for (int c = 0; c < nc; c++) {
-                    const int k = r * nc + c;
-                    const __m256i av = _mm256_loadu_si256((const __m256i *)(a + c * as + b * asz + aq));
-                    const __m256i dp = is1 ? dot_us8(q, av) : dot_us8(qabs, _mm256_sign_epi8(av, q));
-                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_permutevar8x32_ps(s[k], idx), acc[k]);
+        return _mm256_add_epi32(s0, s1);
+    }
+    /* 16-bit sums of 2 products: at most 2 * 15 * 128 (4-bit quants: 8 add up in 16 bits) or
+     * 2 * 31 * 128 (5-bit: 4 do) */
+    __m256i p[2];
+    for (int h = 0; h < 2; h++) {
+        p[h] = _mm256_maddubs_epi16(w->q[4 * h], a->q[4 * h]);
+        for (int j = 1; j < 4; j++) p[h] = _mm256_add_epi16(p[h], _mm256_maddubs_epi16(w->q[4 * h + j], a->q[4 * h + j]));
+    }
+    const __m256i sum = se_types[type].qh_offset
+                          ? _mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones))
+                          : _mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones);
+    return se_types[type].q_offset ? _mm256_add_epi32(sum, a->bias) : sum;
+}
+
+/* hsum8 of acc[0..nt) into out[0..nt), with hsum8's operations. */
+INLINE void hsum8_tokens(const __m256 *acc, const int nt, float *out) {
+    if (nt < 4) {
+        for (int c = 0; c < nt; c++) out[c] = hsum8(acc[c]);
+        return;
+    }
+    __m128 m[4];
+    for (int c = 0; c < 4; c++) m[c] = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
+    _MM_TRANSPOSE4_PS(m[0], m[1], m[2], m[3]); /* m[i]: element i of each */
+    _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(m[0], m[2]), _mm_add_ps(m[1], m[3])));
+}
+
+/* One row's groups w[0..ng) x nt tokens (their groups a[c * ng + g]) -> out[c]. */
+INLINE void batch_row_tokens(int type, const int nt, const batch_row *w, int64_t ng, const batch_act *a, float *out) {
+    __m256 acc[BATCH_TOKENS];
+    for (int c = 0; c < nt; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++)
+        for (int c = 0; c < nt; c++) {
+            const batch_act *s = a + c * ng + g;
+            acc[c] = group_step(type, batch_isum(type, w + g, s), w[g].d, w[g].m, s->d, s->s, acc[c]);
+        }
+    hsum8_tokens(acc, nt, out);
+}
+
+/* se_matmul for two tokens or more (se_gemm_fn's contract). */
+INLINE int legacy_batch(int type, int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,
+                        float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    const int64_t nb = k / SE_QK, ng = (nb + 7) / 8;
+    const size_t side_bytes = (size_t)n_tok * (size_t)ng * sizeof(batch_act);
+    uint8_t *scratch = se_thread_scratch(side_bytes + BATCH_ROWS * (size_t)ng * sizeof(batch_row));
+    if (!scratch) return -1;
+    batch_act *side = (batch_act *)scratch;
+    batch_row *rows = (batch_row *)(scratch + side_bytes);
+    for (int c = 0; c < n_tok; c++)
+        for (int64_t g = 0; g < ng; g++) batch_act_group(type, nb, (const uint8_t *)act + (size_t)c * arow, g, side + c * ng + g);
+    const int64_t ahead = (int64_t)(SE_PREFETCH_BYTES / wrow) + 1;
+    for (int64_t rb = r0; rb < r1; rb += BATCH_ROWS) {
+        const int nr = r1 - rb < BATCH_ROWS ? (int)(r1 - rb) : BATCH_ROWS;
+        for (int i = 0; i < nr; i++) {
+            const uint8_t *x = (const uint8_t *)W + (size_t)(rb + i) * wrow;
+            if (rb + i + ahead < r1)
+                for (size_t o = 0; o < wrow; o += 64) __builtin_prefetch(x + (size_t)ahead * wrow + o);
+            for (int64_t g = 0; g < ng; g++) batch_row_group(type, nb, x, g, rows + i * ng + g);
+        }
+        for (int c0 = 0; c0 < n_tok; c0 += BATCH_TOKENS) {
+            const int nt = n_tok - c0 < BATCH_TOKENS ? n_tok - c0 : BATCH_TOKENS;
+            for (int i = 0; i < nr; i++) {
+                float out[BATCH_TOKENS];
+                const batch_row *w = rows + i * ng;
+                const batch_act *s = side + (size_t)c0 * ng;
+                switch (nt) { /* a constant token count for each: the loops unroll */
+                case 1: batch_row_tokens(type, 1, w, ng, s, out); break;
+                case 2: batch_row_tokens(type, 2, w, ng, s, out); break;
+                case 3: batch_row_tokens(type, 3, w, ng, s, out); break;
+                default: batch_row_tokens(type, 4, w, ng, s, out); break;
                 }
+                for (int c = 0; c < nt; c++) y[(c0 + c) * ldy + rb + i] = out[c];
             }
         }
-        if (is1)
-            for (int k = 0; k < nr * nc; k++) accm[k] = _mm256_add_ps(accm[k], s[k]);
     }
-    for (int k = 0; k < nr * nc; k++) {
-        out[k] = hsum8(acc[k]);
-        if (is1) {
-            float m[8];
-            _mm256_storeu_ps(m, accm[k]);
-            out[k] += (m[1] + m[3]) + (m[5] + m[7]);
-        }
-    }
+    return 0;
 }
 
 /* ---------------------------------------------------------------- K-quants */
@@ -476,6 +656,18 @@ static void tile_q6_K(int64_t n, const void *w, size_t wr, int nr, const void *a
     (void)wr, one_row_shapes(SE_Q6_K, n, w, nr, a, as, nc, out);
 }
 
+/* The batch kernels (legacy_batch), for se_matmul's small batches and its GEMM alike. */
+#define BATCH_FN(name, type)                                                                                      \
+    static int batch_##name(int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,     \
+                            float *y, int64_t ldy, int64_t r0, int64_t r1) {                                 \
+        return legacy_batch(type, k, W, wrow, act, arow, n_tok, y, ldy, r0, r1);                              \
+    }
+BATCH_FN(q4_0, SE_Q4_0)
+BATCH_FN(q4_1, SE_Q4_1)
+BATCH_FN(q5_0, SE_Q5_0)
+BATCH_FN(q5_1, SE_Q5_1)
+BATCH_FN(q8_0, SE_Q8_0)
+
 /* The dots: the 1 x 1 tile of each type. */
 static float dot_q4_0(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q4_0, n, w, 0, 1, a, 0, 1, &o); return o; }
 static float dot_q4_1(int64_t n, const void *w, const void *a) { float o; legacy_tile(SE_Q4_1, n, w, 0, 1, a, 0, 1, &o); return o; }
@@ -492,11 +684,11 @@ static float dot_q5_K(int64_t n, const void *w, const void *a) { float o; one_ro
 static float dot_q6_K(int64_t n, const void *w, const void *a) { float o; one_row_tile(SE_Q6_K, n, w, a, 0, 1, &o); return o; }
 
 const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
-    [SE_Q4_0] = { .dot = dot_q4_0, .tile = tile_q4_0, .tg_rows = 4, .pp_rows = 1 },
-    [SE_Q4_1] = { .dot = dot_q4_1, .tile = tile_q4_1, .tg_rows = 4, .pp_rows = 1 },
-    [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 1 },
-    [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 1 },
-    [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 1, .from_float = q8_0_from_float },
+    [SE_Q4_0] = { .dot = dot_q4_0, .tile = tile_q4_0, .tg_rows = 4, .pp_rows = 1, .small = batch_q4_0, .gemm = batch_q4_0 },
+    [SE_Q4_1] = { .dot = dot_q4_1, .tile = tile_q4_1, .tg_rows = 4, .pp_rows = 1, .small = batch_q4_1, .gemm = batch_q4_1 },
+    [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 1, .small = batch_q5_0, .gemm = batch_q5_0 },
+    [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 1, .small = batch_q5_1, .gemm = batch_q5_1 },
+    [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 1, .small = batch_q8_0, .gemm = batch_q8_0, .from_float = q8_0_from_float },
     [SE_Q2_K] = { .dot = dot_q2_K, .tile = tile_q2_K, .tg_rows = 1, .pp_rows = 1 },
     [SE_Q3_K] = { .dot = dot_q3_K, .tile = tile_q3_K, .tg_rows = 1, .pp_rows = 1 },
     [SE_Q4_K] = { .dot = dot_q4_K, .tile = tile_q4_K, .tg_rows = 1, .pp_rows = 1 },
