@@ -88,19 +88,35 @@ INLINE __m256 group_step(int type, __m256i isum, __m256 wd, __m256 wm, __m256 ad
     return se_types[type].has_min ? _mm256_fmadd_ps(wm, as, acc) : acc;
 }
 
-/* Legacy block b's 32 quants times activation block a's, as 8 partial int32 sums. */
-INLINE __m256i block_products(int type, const uint8_t *b, const uint8_t *a) {
+/* 1 when 16 products of the type's quants (as the tiles take them: the _1 types unsigned, the
+ * others signed with the sign moved onto the activations) fit in 16 bits: |q| <= 16. */
+INLINE int sums16_fit(int type) { return type == SE_Q4_0 || type == SE_Q4_1 || type == SE_Q5_0; }
+
+/* Legacy block b's 32 quants times activation block a's, as vpmaddubsw's 16 sums of 2 products. */
+INLINE __m256i block_pairs(int type, const uint8_t *b, const uint8_t *a) {
     const se_type_traits *t = &se_types[type];
     const __m256i q = unpack1(type, b);
     const __m256i av = _mm256_loadu_si256((const __m256i *)(a + se_types[t->act_type].qs_offset));
-    return t->has_min ? dot_us8(q, av) : dot_us8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(av, q));
+    return t->has_min ? _mm256_maddubs_epi16(q, av) : _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(av, q));
 }
 
-/* v[p]'s 8 lanes summed into lane p. */
-INLINE __m256i sum8x8(const __m256i v[8]) {
-    const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
-    const __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
-    const __m256i ab = _mm256_hadd_epi32(a, b); /* v0..v3: their low halves' sums | their high halves' */
+/* The products of 8 blocks (v[p]: block p's pairs) summed into lane p, exactly. Where 16 products
+ * fit in 16 bits, three rounds of 16-bit horizontal adds leave each half-block's sum in one word
+ * (the lower 128 bits: the blocks' first 16 quants, the upper: the rest); else 32-bit ones. */
+INLINE __m256i block_sums(int type, const __m256i v[8]) {
+    if (sums16_fit(type)) {
+        const __m256i a = _mm256_hadd_epi16(v[0], v[1]), b = _mm256_hadd_epi16(v[2], v[3]);
+        const __m256i c = _mm256_hadd_epi16(v[4], v[5]), d = _mm256_hadd_epi16(v[6], v[7]);
+        const __m256i r = _mm256_hadd_epi16(_mm256_hadd_epi16(a, b), _mm256_hadd_epi16(c, d));
+        return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(r)),
+                                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(r, 1)));
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i w[8];
+    for (int p = 0; p < 8; p++) w[p] = _mm256_madd_epi16(v[p], ones);
+    const __m256i a = _mm256_hadd_epi32(w[0], w[1]), b = _mm256_hadd_epi32(w[2], w[3]);
+    const __m256i c = _mm256_hadd_epi32(w[4], w[5]), d = _mm256_hadd_epi32(w[6], w[7]);
+    const __m256i ab = _mm256_hadd_epi32(a, b); /* blocks 0..3: their lower halves' sums | upper halves' */
     const __m256i cd = _mm256_hadd_epi32(c, d);
     return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
 }
@@ -112,12 +128,15 @@ INLINE void legacy_group(int type, const int cnt, const uint8_t *w, size_t wr, i
     __m256 ad[4], asv[4], wd[4], wm[4];
     for (int c = 0; c < nc; c++) scales8(a + c * as, asz, cnt, &ad[c], &asv[c]);
     for (int r = 0; r < nr; r++) scales8(w + r * wr, ws, cnt, &wd[r], &wm[r]);
+#pragma GCC unroll 4
     for (int r = 0; r < nr; r++)
+#pragma GCC unroll 4
         for (int c = 0; c < nc; c++) {
             __m256i v[8];
+#pragma GCC unroll 8
             for (int p = 0; p < 8; p++)
-                v[p] = p < cnt ? block_products(type, w + r * wr + p * ws, a + c * as + p * asz) : _mm256_setzero_si256();
-            acc[r * nc + c] = group_step(type, sum8x8(v), wd[r], wm[r], ad[c], asv[c], acc[r * nc + c]);
+                v[p] = p < cnt ? block_pairs(type, w + r * wr + p * ws, a + c * as + p * asz) : _mm256_setzero_si256();
+            acc[r * nc + c] = group_step(type, block_sums(type, v), wd[r], wm[r], ad[c], asv[c], acc[r * nc + c]);
         }
 }
 
@@ -149,6 +168,14 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
 typedef struct { __m256i q[8]; __m256 d, s; __m256i bias; } batch_act; /* one token's group */
 typedef struct { __m256i q[8], qa[8]; __m256 d, m; } batch_row;         /* one row's group; qa: Q8_0's |q| */
 
+/* Per 128 bits, the 4 x 4 dwords of v[0..3] transposed: dword p of v[j] <- dword j of v[p]. */
+INLINE void transpose4x4(__m256i v[4]) {
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    v[0] = _mm256_unpacklo_epi64(t0, t2), v[1] = _mm256_unpackhi_epi64(t0, t2);
+    v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
 /* v[j] lane p <- v[p] lane j (8 x 8 dwords). */
 INLINE void transpose8(__m256i v[8]) {
     __m256i t[8], u[8];
@@ -168,6 +195,19 @@ INLINE void transpose8(__m256i v[8]) {
     }
 }
 
+/* cnt blocks of 32 bytes (b, b + stride, ...; zero past cnt) into lanes: v[j] lane p holds bytes
+ * 4j..4j+3 of block p. Two 4 x 4 transposes of 128-bit halves: fewer shuffles than transpose8. */
+INLINE void blocks_into_lanes(const uint8_t *b, int stride, int cnt, __m256i v[8]) {
+    for (int h = 0; h < 2; h++) {
+        for (int m = 0; m < 4; m++) {
+            const __m128i lo = m < cnt ? _mm_loadu_si128((const __m128i *)(b + m * stride + 16 * h)) : _mm_setzero_si128();
+            const __m128i hi = m + 4 < cnt ? _mm_loadu_si128((const __m128i *)(b + (m + 4) * stride + 16 * h)) : _mm_setzero_si128();
+            v[4 * h + m] = _mm256_set_m128i(hi, lo);
+        }
+        transpose4x4(v + 4 * h);
+    }
+}
+
 INLINE int group_count(int64_t nb, int64_t g) { return nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8; }
 
 /* Group g of one token's activations (nb blocks) into lanes, with its scales and, for a type
@@ -177,9 +217,7 @@ INLINE void batch_act_group(int type, int64_t nb, const uint8_t *a, int64_t g, b
     const int cnt = group_count(nb, g);
     const uint8_t *y = a + 8 * g * at->size;
     __m256i e[8];
-    for (int p = 0; p < 8; p++)
-        e[p] = p < cnt ? _mm256_loadu_si256((const __m256i *)(y + p * at->size + at->qs_offset)) : _mm256_setzero_si256();
-    transpose8(e);
+    blocks_into_lanes(y + at->qs_offset, at->size, cnt, e);
     scales8(y, at->size, cnt, &o->d, &o->s);
     __m256i sum = _mm256_setzero_si256();
     if (t->q_offset && type != SE_Q8_0)
@@ -193,18 +231,29 @@ INLINE void batch_row_group(int type, int64_t nb, const uint8_t *x, int64_t g, b
     const se_type_traits *t = &se_types[type];
     const int cnt = group_count(nb, g);
     const uint8_t *b = x + 8 * g * t->size;
-    __m256i e[8];
-    for (int p = 0; p < 8; p++) {
-        const uint8_t *q = b + p * t->size;
-        if (p >= cnt) e[p] = _mm256_setzero_si256();
-        else if (type == SE_Q8_0) e[p] = _mm256_loadu_si256((const __m256i *)(q + t->qs_offset));
-        else if (t->qh_offset) e[p] = _mm256_or_si256(nibbles(q + t->qs_offset), fifth_bits(ld32(q + t->qh_offset)));
-        else e[p] = nibbles(q + t->qs_offset);
-    }
-    transpose8(e);
-    for (int j = 0; j < 8; j++) {
-        o->q[j] = e[j];
-        if (type == SE_Q8_0) o->qa[j] = _mm256_sign_epi8(e[j], e[j]);
+    if (type == SE_Q8_0) {
+        blocks_into_lanes(b + t->qs_offset, t->size, cnt, o->q);
+        for (int j = 0; j < 8; j++) o->qa[j] = _mm256_sign_epi8(o->q[j], o->q[j]);
+    } else if (!t->qh_offset) { /* 4 bits: the packed bytes into lanes, then the nibbles split */
+        __m256i z[4];
+        for (int m = 0; m < 4; m++) { /* blocks m and m + 4: the lower and upper 128 bits */
+            const __m128i lo = m < cnt ? _mm_loadu_si128((const __m128i *)(b + m * t->size + t->qs_offset)) : _mm_setzero_si128();
+            const __m128i hi = m + 4 < cnt ? _mm_loadu_si128((const __m128i *)(b + (m + 4) * t->size + t->qs_offset))
+                                           : _mm_setzero_si128();
+            z[m] = _mm256_set_m128i(hi, lo);
+        }
+        transpose4x4(z); /* z[j] lane p: packed bytes 4j..4j+3 of block p, quants 4j.. and 16 + 4j.. */
+        for (int j = 0; j < 4; j++) {
+            o->q[j] = _mm256_and_si256(z[j], _mm256_set1_epi8(15));
+            o->q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(z[j], 4), _mm256_set1_epi8(15));
+        }
+    } else { /* 5 bits: each block's quants in order, then into lanes */
+        for (int p = 0; p < 8; p++) {
+            const uint8_t *q = b + p * t->size;
+            o->q[p] = p < cnt ? _mm256_or_si256(nibbles(q + t->qs_offset), fifth_bits(ld32(q + t->qh_offset)))
+                              : _mm256_setzero_si256();
+        }
+        transpose8(o->q);
     }
     scales8(b, t->size, cnt, &o->d, &o->m);
 }
