@@ -89,7 +89,8 @@ INLINE __m256 group_step(int type, __m256i isum, __m256 wd, __m256 wm, __m256 ad
 }
 
 /* 1 when 16 products of the type's quants (as the tiles take them: the _1 types unsigned, the
- * others signed with the sign moved onto the activations) fit in 16 bits: |q| <= 16. */
+ * others signed with the sign moved onto the activations) fit in 16 bits: |q| <= 16, and the
+ * activation quantizers give |a| <= 127, so 16 * 16 * 127 = 32512 at most. */
 INLINE int sums16_fit(int type) { return type == SE_Q4_0 || type == SE_Q4_1 || type == SE_Q5_0; }
 
 /* Legacy block b's 32 quants times activation block a's, as vpmaddubsw's 16 sums of 2 products. */
@@ -149,7 +150,16 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
     for (int k = 0; k < nr * nc; k++) acc[k] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= nb; i += 8) legacy_group(type, 8, w + i * ws, wr, nr, a + i * asz, as, nc, acc);
-    if (i < nb) legacy_group(type, (int)(nb - i), w + i * ws, wr, nr, a + i * asz, as, nc, acc);
+    w += i * ws, a += i * asz;
+    switch (nb - i) { /* the last group's block count as a constant: its loops unroll */
+    case 1: legacy_group(type, 1, w, wr, nr, a, as, nc, acc); break;
+    case 2: legacy_group(type, 2, w, wr, nr, a, as, nc, acc); break;
+    case 3: legacy_group(type, 3, w, wr, nr, a, as, nc, acc); break;
+    case 4: legacy_group(type, 4, w, wr, nr, a, as, nc, acc); break;
+    case 5: legacy_group(type, 5, w, wr, nr, a, as, nc, acc); break;
+    case 6: legacy_group(type, 6, w, wr, nr, a, as, nc, acc); break;
+    case 7: legacy_group(type, 7, w, wr, nr, a, as, nc, acc); break;
+    }
     for (int k = 0; k < nr * nc; k++) out[k] = hsum8(acc[k]);
 }
 
