@@ -71,7 +71,9 @@ def test_model_loaded_warns_when_a_builtin_template_stands_in(gemma3_path):
 
 
 def test_readme_gemma_example_completes_the_text(gemma3_path):
-    # The README's Gemma line: raw completion of a base model continues the sentence.
-    r = infer(gemma3_path, "run", "--raw", "-p", "The Nile, the Amazon and the")
+    # The README's Gemma line: raw completion of a base model continues the sentence. The prompt
+    # leaves little choice: "The Nile, the Amazon and the" went on "Mediterranean are the world's
+    # most important ecosystems" on the AVX2 path, rounding's pick among near-ties.
+    r = infer(gemma3_path, "run", "--raw", "-p", "The Nile, the Amazon and the Yangtze are")
     assert r.returncode == 0, r.stderr
     assert "river" in r.stdout.lower(), r.stdout
