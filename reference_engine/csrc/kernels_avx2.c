@@ -205,17 +205,22 @@ INLINE void transpose8(__m256i v[8]) {
     }
 }
 
-/* cnt blocks of 32 bytes (b, b + stride, ...; zero past cnt) into lanes: v[j] lane p holds bytes
- * 4j..4j+3 of block p. Two 4 x 4 transposes of 128-bit halves: fewer shuffles than transpose8. */
-INLINE void blocks_into_lanes(const uint8_t *b, int stride, int cnt, __m256i v[8]) {
-    for (int h = 0; h < 2; h++) {
-        for (int m = 0; m < 4; m++) {
-            const __m128i lo = m < cnt ? _mm_loadu_si128((const __m128i *)(b + m * stride + 16 * h)) : _mm_setzero_si128();
-            const __m128i hi = m + 4 < cnt ? _mm_loadu_si128((const __m128i *)(b + (m + 4) * stride + 16 * h)) : _mm_setzero_si128();
-            v[4 * h + m] = _mm256_set_m128i(hi, lo);
-        }
-        transpose4x4(v + 4 * h);
+/* 16 bytes of each of cnt blocks (b, b + stride, ...; zero past cnt, cnt <= 8) into lanes: v[j]
+ * lane p holds bytes 4j..4j+3 of block p's 16 (blocks m and m + 4 share a vector, then one 4 x 4
+ * transpose per 128 bits: fewer shuffles than transpose8). */
+INLINE void halves_into_lanes(const uint8_t *b, int stride, int cnt, __m256i v[4]) {
+    for (int m = 0; m < 4; m++) {
+        const __m128i lo = m < cnt ? _mm_loadu_si128((const __m128i *)(b + m * stride)) : _mm_setzero_si128();
+        const __m128i hi = m + 4 < cnt ? _mm_loadu_si128((const __m128i *)(b + (m + 4) * stride)) : _mm_setzero_si128();
+        v[m] = _mm256_set_m128i(hi, lo);
     }
+    transpose4x4(v);
+}
+
+/* The same for 32 bytes of each block: v[j] lane p holds bytes 4j..4j+3 of block p. */
+INLINE void blocks_into_lanes(const uint8_t *b, int stride, int cnt, __m256i v[8]) {
+    halves_into_lanes(b, stride, cnt, v);
+    halves_into_lanes(b + 16, stride, cnt, v + 4);
 }
 
 INLINE int group_count(int64_t nb, int64_t g) { return nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8; }
@@ -246,13 +251,7 @@ INLINE void batch_row_group(int type, int64_t nb, const uint8_t *x, int64_t g, b
         for (int j = 0; j < 8; j++) o->qa[j] = _mm256_sign_epi8(o->q[j], o->q[j]);
     } else if (!t->qh_offset) { /* 4 bits: the packed bytes into lanes, then the nibbles split */
         __m256i z[4];
-        for (int m = 0; m < 4; m++) { /* blocks m and m + 4: the lower and upper 128 bits */
-            const __m128i lo = m < cnt ? _mm_loadu_si128((const __m128i *)(b + m * t->size + t->qs_offset)) : _mm_setzero_si128();
-            const __m128i hi = m + 4 < cnt ? _mm_loadu_si128((const __m128i *)(b + (m + 4) * t->size + t->qs_offset))
-                                           : _mm_setzero_si128();
-            z[m] = _mm256_set_m128i(hi, lo);
-        }
-        transpose4x4(z); /* z[j] lane p: packed bytes 4j..4j+3 of block p, quants 4j.. and 16 + 4j.. */
+        halves_into_lanes(b + t->qs_offset, t->size, cnt, z); /* z[j] lane p: quants 4j.. and 16 + 4j.. of block p */
         for (int j = 0; j < 4; j++) {
             o->q[j] = _mm256_and_si256(z[j], _mm256_set1_epi8(15));
             o->q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(z[j], 4), _mm256_set1_epi8(15));
