@@ -58,13 +58,19 @@ INLINE __m256i fifth_bits(uint32_t h) {
  * with zero sums and scales in the lanes past the row's end; the output is hsum8(acc). Integer
  * sums are exact in any order, so each kernel gets them its own way. */
 
-/* The 32 quants of a legacy block b as signed bytes (se_types gives the layout). */
-INLINE __m256i unpack1(int type, const uint8_t *b) {
+/* The 32 quants of a legacy block b as stored: Q8_0's int8, the others' 4 or 5 unsigned bits. */
+INLINE __m256i stored_quants(int type, const uint8_t *b) {
     const se_type_traits *t = &se_types[type];
     if (type == SE_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + t->qs_offset));
-    __m256i q = nibbles(b + t->qs_offset);
-    if (t->qh_offset) q = _mm256_or_si256(q, fifth_bits(ld32(b + t->qh_offset)));
-    return t->q_offset ? _mm256_sub_epi8(q, _mm256_set1_epi8((char)t->q_offset)) : q;
+    const __m256i q = nibbles(b + t->qs_offset);
+    return t->qh_offset ? _mm256_or_si256(q, fifth_bits(ld32(b + t->qh_offset))) : q;
+}
+
+/* The 32 quants of a legacy block b as signed bytes (se_types gives the layout). */
+INLINE __m256i unpack1(int type, const uint8_t *b) {
+    const __m256i q = stored_quants(type, b);
+    const int offset = type == SE_Q8_0 ? 0 : se_types[type].q_offset; /* Q8_0's is the AVX-512 flip's */
+    return offset ? _mm256_sub_epi8(q, _mm256_set1_epi8((char)offset)) : q;
 }
 
 /* [x0 x1 x4 x5 | x2 x3 x6 x7] -> x0..x7 */
@@ -186,22 +192,15 @@ INLINE void transpose4x4(__m256i v[4]) {
     v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
 }
 
-/* v[j] lane p <- v[p] lane j (8 x 8 dwords). */
+/* v[j] lane p <- v[p] lane j (8 x 8 dwords): rows 0-3 and 4-7 per 128 bits, then their halves
+ * swapped. */
 INLINE void transpose8(__m256i v[8]) {
-    __m256i t[8], u[8];
-    for (int k = 0; k < 4; k++) {
-        t[2 * k] = _mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]);
-        t[2 * k + 1] = _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]);
-    }
-    for (int h = 0; h < 2; h++) { /* rows 4h..4h+3: u[4h + j] holds their dwords j | j + 4 */
-        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
-        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-    }
+    transpose4x4(v); /* v[j]: dword j of rows 0-3 | dword j + 4 of rows 0-3 */
+    transpose4x4(v + 4);
     for (int j = 0; j < 4; j++) {
-        v[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
-        v[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+        const __m256i lo = v[j], hi = v[4 + j];
+        v[j] = _mm256_permute2x128_si256(lo, hi, 0x20);
+        v[4 + j] = _mm256_permute2x128_si256(lo, hi, 0x31);
     }
 }
 
@@ -231,14 +230,12 @@ INLINE void batch_act_group(int type, int64_t nb, const uint8_t *a, int64_t g, b
     const se_type_traits *t = &se_types[type], *at = &se_types[t->act_type];
     const int cnt = group_count(nb, g);
     const uint8_t *y = a + 8 * g * at->size;
-    __m256i e[8];
-    blocks_into_lanes(y + at->qs_offset, at->size, cnt, e);
+    blocks_into_lanes(y + at->qs_offset, at->size, cnt, o->q);
     scales8(y, at->size, cnt, &o->d, &o->s);
     __m256i sum = _mm256_setzero_si256();
     if (t->q_offset && type != SE_Q8_0)
-        for (int j = 0; j < 8; j++) sum = _mm256_add_epi32(sum, dot_us8(_mm256_set1_epi8((char)t->q_offset), e[j]));
+        for (int j = 0; j < 8; j++) sum = _mm256_add_epi32(sum, dot_us8(_mm256_set1_epi8((char)t->q_offset), o->q[j]));
     o->bias = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
-    for (int j = 0; j < 8; j++) o->q[j] = e[j];
 }
 
 /* Group g of one weight row (nb blocks) into lanes, with its scales. */
@@ -257,11 +254,7 @@ INLINE void batch_row_group(int type, int64_t nb, const uint8_t *x, int64_t g, b
             o->q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(z[j], 4), _mm256_set1_epi8(15));
         }
     } else { /* 5 bits: each block's quants in order, then into lanes */
-        for (int p = 0; p < 8; p++) {
-            const uint8_t *q = b + p * t->size;
-            o->q[p] = p < cnt ? _mm256_or_si256(nibbles(q + t->qs_offset), fifth_bits(ld32(q + t->qh_offset)))
-                              : _mm256_setzero_si256();
-        }
+        for (int p = 0; p < 8; p++) o->q[p] = p < cnt ? stored_quants(type, b + p * t->size) : _mm256_setzero_si256();
         transpose8(o->q);
     }
     scales8(b, t->size, cnt, &o->d, &o->m);
