@@ -224,6 +224,29 @@ INLINE void blocks_into_lanes(const uint8_t *b, int stride, int cnt, __m256i v[8
 
 INLINE int group_count(int64_t nb, int64_t g) { return nb - 8 * g < 8 ? (int)(nb - 8 * g) : 8; }
 
+/* The vectors a group of cnt blocks needs once packed (pack_lanes): a row's last group is often
+ * short (SmolLM2's 576 columns: groups of 8, 8 and 2 blocks), and its empty lanes would cost as
+ * much as full ones. */
+INLINE int group_vectors(int cnt) { return cnt > 4 ? 8 : cnt > 2 ? 4 : 2; }
+
+/* Pack a group's vectors into group_vectors(cnt) = nv of them. With nv = 4, v[i] takes lanes
+ * 0-3 of v[i] and of v[i + 4]; with nv = 2, lanes 0-1 of v[i], v[i + 2], v[i + 4], v[i + 6]: a
+ * block's quants are then spread over lanes p, p + nv/2, ... (fold_lanes adds them up). */
+INLINE void pack_lanes(const int nv, __m256i v[8]) {
+    if (nv == 8) return;
+    for (int i = 0; i < 4; i++) v[i] = _mm256_permute2x128_si256(v[i], v[i + 4], 0x20);
+    if (nv == 2)
+        for (int i = 0; i < 2; i++) v[i] = _mm256_unpacklo_epi64(v[i], v[i + 2]);
+}
+
+/* Sums of packed lanes back into lane p (block p), zero in the others. */
+INLINE __m256i fold_lanes(const int nv, __m256i s) {
+    if (nv == 8) return s;
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    if (nv == 2) h = _mm_move_epi64(_mm_add_epi32(h, _mm_unpackhi_epi64(h, h)));
+    return _mm256_zextsi128_si256(h);
+}
+
 /* Group g of one token's activations (nb blocks) into lanes, with its scales and, for a type
  * stored with an offset, bias = -offset * sum(quants) per block. */
 INLINE void batch_act_group(int type, int64_t nb, const uint8_t *a, int64_t g, batch_act *o) {
@@ -236,6 +259,7 @@ INLINE void batch_act_group(int type, int64_t nb, const uint8_t *a, int64_t g, b
     if (t->q_offset && type != SE_Q8_0)
         for (int j = 0; j < 8; j++) sum = _mm256_add_epi32(sum, dot_us8(_mm256_set1_epi8((char)t->q_offset), o->q[j]));
     o->bias = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
+    pack_lanes(group_vectors(cnt), o->q);
 }
 
 /* Group g of one weight row (nb blocks) into lanes, with its scales. */
@@ -258,30 +282,50 @@ INLINE void batch_row_group(int type, int64_t nb, const uint8_t *x, int64_t g, b
         transpose8(o->q);
     }
     scales8(b, t->size, cnt, &o->d, &o->m);
+    pack_lanes(group_vectors(cnt), o->q);
+    if (type == SE_Q8_0) pack_lanes(group_vectors(cnt), o->qa);
 }
 
-/* The exact integer sums of a group's 8 blocks, in lanes. */
-INLINE __m256i batch_isum(int type, const batch_row *w, const batch_act *a) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (type == SE_Q8_0) { /* pairs of products reach 2 * 128 * 127: to 32 bits at once */
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j += 2) {
-            s0 = _mm256_add_epi32(s0, dot_us8(w->qa[j], _mm256_sign_epi8(a->q[j], w->q[j])));
-            s1 = _mm256_add_epi32(s1, dot_us8(w->qa[j + 1], _mm256_sign_epi8(a->q[j + 1], w->q[j + 1])));
+/* The exact integer sums of one group of nr rows (w[r]) x nt tokens (a[c]), in lanes, into
+ * isum[r][c]. Quant vector j of each row is loaded once for all the tokens and each token's once
+ * for both rows (2 rows x 4 tokens: 6 loads per 8 vpmaddubsw). Pairs of products are summed in
+ * 16 bits over `span` vectors, then widened: at most 2 * 15 * 128 per pair for 4-bit quants (8
+ * vectors fit), 2 * 31 * 128 for 5-bit (4 fit); Q8_0's pairs reach 2 * 128 * 127 (1 fits). */
+INLINE void batch_isums(int type, const int nv, const int nr, const int nt, const batch_row *const w[2],
+                        const batch_act *const a[BATCH_TOKENS], __m256i isum[2][BATCH_TOKENS]) {
+    const se_type_traits *t = &se_types[type];
+    const int span = type == SE_Q8_0 ? 1 : t->qh_offset ? 4 : 8;
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < nt; c++) isum[r][c] = _mm256_setzero_si256();
+    for (int j0 = 0; j0 < nv; j0 += span) {
+        __m256i p[2][BATCH_TOKENS];
+        for (int r = 0; r < nr; r++)
+            for (int c = 0; c < nt; c++) p[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int j = j0; j < j0 + span && j < nv; j++) {
+            __m256i q[2], qs[2];
+            for (int r = 0; r < nr; r++) {
+                q[r] = type == SE_Q8_0 ? w[r]->qa[j] : w[r]->q[j];
+                qs[r] = w[r]->q[j];
+            }
+            for (int c = 0; c < nt; c++) {
+                __m256i x = a[c]->q[j];
+                __asm__("" : "+x"(x)); /* one load for both rows: keeps the compiler from folding it into each */
+                for (int r = 0; r < nr; r++) {
+                    const __m256i y = type == SE_Q8_0 ? _mm256_sign_epi8(x, qs[r]) : x;
+                    p[r][c] = _mm256_add_epi16(p[r][c], _mm256_maddubs_epi16(q[r], y));
+                    __asm__("" : "+x"(p[r][c]));
+                }
+            }
         }
-        return _mm256_add_epi32(s0, s1);
+        for (int r = 0; r < nr; r++)
+            for (int c = 0; c < nt; c++) isum[r][c] = _mm256_add_epi32(isum[r][c], _mm256_madd_epi16(p[r][c], _mm256_set1_epi16(1)));
     }
-    /* 16-bit sums of 2 products: at most 2 * 15 * 128 (4-bit quants: 8 add up in 16 bits) or
-     * 2 * 31 * 128 (5-bit: 4 do) */
-    __m256i p[2];
-    for (int h = 0; h < 2; h++) {
-        p[h] = _mm256_maddubs_epi16(w->q[4 * h], a->q[4 * h]);
-        for (int j = 1; j < 4; j++) p[h] = _mm256_add_epi16(p[h], _mm256_maddubs_epi16(w->q[4 * h + j], a->q[4 * h + j]));
-    }
-    const __m256i sum = se_types[type].qh_offset
-                          ? _mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones))
-                          : _mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones);
-    return se_types[type].q_offset ? _mm256_add_epi32(sum, a->bias) : sum;
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < nt; c++) {
+            isum[r][c] = fold_lanes(nv, isum[r][c]);
+            if (t->q_offset && type != SE_Q8_0) isum[r][c] = _mm256_add_epi32(isum[r][c], a[c]->bias);
+        }
 }
 
 /* hsum8 of acc[0..nt) into out[0..nt), with hsum8's operations. */
@@ -296,16 +340,27 @@ INLINE void hsum8_tokens(const __m256 *acc, const int nt, float *out) {
     _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(m[0], m[2]), _mm_add_ps(m[1], m[3])));
 }
 
-/* One row's groups w[0..ng) x nt tokens (their groups a[c * ng + g]) -> out[c]. */
-INLINE void batch_row_tokens(int type, const int nt, const batch_row *w, int64_t ng, const batch_act *a, float *out) {
-    __m256 acc[BATCH_TOKENS];
-    for (int c = 0; c < nt; c++) acc[c] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++)
-        for (int c = 0; c < nt; c++) {
-            const batch_act *s = a + c * ng + g;
-            acc[c] = group_step(type, batch_isum(type, w + g, s), w[g].d, w[g].m, s->d, s->s, acc[c]);
+/* nr rows' groups (row r's at w + r * ng) x nt tokens (token c's at a + c * ng) -> out[r][c]. */
+INLINE void batch_rows_tokens(int type, const int nr, const int nt, const batch_row *w, int64_t ng, int last_nv,
+                              const batch_act *a, float out[2][BATCH_TOKENS]) {
+    __m256 acc[2][BATCH_TOKENS];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < nt; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const batch_row *wg[2] = {w + g, w + ng + g};
+        const batch_act *ag[BATCH_TOKENS];
+        for (int c = 0; c < nt; c++) ag[c] = a + c * ng + g;
+        __m256i isum[2][BATCH_TOKENS];
+        switch (g < ng - 1 ? 8 : last_nv) { /* the vector count as a constant */
+        case 2: batch_isums(type, 2, nr, nt, wg, ag, isum); break;
+        case 4: batch_isums(type, 4, nr, nt, wg, ag, isum); break;
+        default: batch_isums(type, 8, nr, nt, wg, ag, isum); break;
         }
-    hsum8_tokens(acc, nt, out);
+        for (int r = 0; r < nr; r++)
+            for (int c = 0; c < nt; c++)
+                acc[r][c] = group_step(type, isum[r][c], wg[r]->d, wg[r]->m, ag[c]->d, ag[c]->s, acc[r][c]);
+    }
+    for (int r = 0; r < nr; r++) hsum8_tokens(acc[r], nt, out[r]);
 }
 
 /* se_matmul for two tokens or more (se_gemm_fn's contract). */
@@ -330,17 +385,23 @@ INLINE int legacy_batch(int type, int64_t k, const void *W, size_t wrow, const v
         }
         for (int c0 = 0; c0 < n_tok; c0 += BATCH_TOKENS) {
             const int nt = n_tok - c0 < BATCH_TOKENS ? n_tok - c0 : BATCH_TOKENS;
-            for (int i = 0; i < nr; i++) {
-                float out[BATCH_TOKENS];
+            for (int i = 0; i < nr; i += 2) {
+                float out[2][BATCH_TOKENS];
                 const batch_row *w = rows + i * ng;
                 const batch_act *s = side + (size_t)c0 * ng;
-                switch (nt) { /* a constant token count for each: the loops unroll */
-                case 1: batch_row_tokens(type, 1, w, ng, s, out); break;
-                case 2: batch_row_tokens(type, 2, w, ng, s, out); break;
-                case 3: batch_row_tokens(type, 3, w, ng, s, out); break;
-                default: batch_row_tokens(type, 4, w, ng, s, out); break;
+                const int n2 = nr - i < 2 ? 1 : 2, last_nv = group_vectors(group_count(nb, ng - 1));
+                switch (4 * (n2 - 1) + nt) { /* constant counts for each: the loops unroll */
+                case 1: batch_rows_tokens(type, 1, 1, w, ng, last_nv, s, out); break;
+                case 2: batch_rows_tokens(type, 1, 2, w, ng, last_nv, s, out); break;
+                case 3: batch_rows_tokens(type, 1, 3, w, ng, last_nv, s, out); break;
+                case 4: batch_rows_tokens(type, 1, 4, w, ng, last_nv, s, out); break;
+                case 5: batch_rows_tokens(type, 2, 1, w, ng, last_nv, s, out); break;
+                case 6: batch_rows_tokens(type, 2, 2, w, ng, last_nv, s, out); break;
+                case 7: batch_rows_tokens(type, 2, 3, w, ng, last_nv, s, out); break;
+                default: batch_rows_tokens(type, 2, 4, w, ng, last_nv, s, out); break;
                 }
-                for (int c = 0; c < nt; c++) y[(c0 + c) * ldy + rb + i] = out[c];
+                for (int r = 0; r < n2; r++)
+                    for (int c = 0; c < nt; c++) y[(c0 + c) * ldy + rb + i + r] = out[r][c];
             }
         }
     }
