@@ -182,7 +182,7 @@ INLINE void legacy_tile(int type, int64_t n, const uint8_t *w, size_t wr, int nr
 #define BATCH_TOKENS 4 /* tokens per pass over a row: their accumulators stay in registers */
 
 typedef struct { __m256i q[8]; __m256 d, s; __m256i bias; } batch_act; /* one token's group */
-typedef struct { __m256i q[8], qa[8]; __m256 d, m; } batch_row;         /* one row's group; qa: Q8_0's |q| */
+typedef struct { __m256i q[8]; __m256 d, m; } batch_row;                 /* one row's group */
 
 /* Per 128 bits, the 4 x 4 dwords of v[0..3] transposed: dword p of v[j] <- dword j of v[p]. */
 INLINE void transpose4x4(__m256i v[4]) {
@@ -269,7 +269,6 @@ INLINE void batch_row_group(int type, int64_t nb, const uint8_t *x, int64_t g, b
     const uint8_t *b = x + 8 * g * t->size;
     if (type == SE_Q8_0) {
         blocks_into_lanes(b + t->qs_offset, t->size, cnt, o->q);
-        for (int j = 0; j < 8; j++) o->qa[j] = _mm256_sign_epi8(o->q[j], o->q[j]);
     } else if (!t->qh_offset) { /* 4 bits: the packed bytes into lanes, then the nibbles split */
         __m256i z[4];
         halves_into_lanes(b + t->qs_offset, t->size, cnt, z); /* z[j] lane p: quants 4j.. and 16 + 4j.. of block p */
@@ -283,7 +282,6 @@ INLINE void batch_row_group(int type, int64_t nb, const uint8_t *x, int64_t g, b
     }
     scales8(b, t->size, cnt, &o->d, &o->m);
     pack_lanes(group_vectors(cnt), o->q);
-    if (type == SE_Q8_0) pack_lanes(group_vectors(cnt), o->qa);
 }
 
 /* The exact integer sums of one group of nr rows (w[r]) x nt tokens (a[c]), in lanes, into
@@ -303,10 +301,10 @@ INLINE void batch_isums(int type, const int nv, const int nr, const int nt, cons
             for (int c = 0; c < nt; c++) p[r][c] = _mm256_setzero_si256();
 #pragma GCC unroll 1
         for (int j = j0; j < j0 + span && j < nv; j++) {
-            __m256i q[2], qs[2];
+            __m256i q[2], qs[2]; /* the unsigned operand; Q8_0's signed quants (their sign goes onto x) */
             for (int r = 0; r < nr; r++) {
-                q[r] = type == SE_Q8_0 ? w[r]->qa[j] : w[r]->q[j];
                 qs[r] = w[r]->q[j];
+                q[r] = type == SE_Q8_0 ? _mm256_sign_epi8(qs[r], qs[r]) : qs[r];
             }
             for (int c = 0; c < nt; c++) {
                 __m256i x = a[c]->q[j];
