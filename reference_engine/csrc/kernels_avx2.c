@@ -299,7 +299,6 @@ INLINE void batch_isums(int type, const int nv, const int nr, const int nt, cons
         __m256i p[2][BATCH_TOKENS];
         for (int r = 0; r < nr; r++)
             for (int c = 0; c < nt; c++) p[r][c] = _mm256_setzero_si256();
-#pragma GCC unroll 1
         for (int j = j0; j < j0 + span && j < nv; j++) {
             __m256i q[2], qs[2]; /* the unsigned operand; Q8_0's signed quants (their sign goes onto x) */
             for (int r = 0; r < nr; r++) {
