@@ -364,6 +364,7 @@ INLINE void batch_rows_tokens(int type, const int nr, const int nt, const batch_
 INLINE int legacy_batch(int type, int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,
                         float *y, int64_t ldy, int64_t r0, int64_t r1) {
     const int64_t nb = k / SE_QK, ng = (nb + 7) / 8;
+    const int last_nv = group_vectors(group_count(nb, ng - 1));
     const size_t side_bytes = (size_t)n_tok * (size_t)ng * sizeof(batch_act);
     uint8_t *scratch = se_thread_scratch(side_bytes + BATCH_ROWS * (size_t)ng * sizeof(batch_row));
     if (!scratch) return -1;
@@ -386,7 +387,7 @@ INLINE int legacy_batch(int type, int64_t k, const void *W, size_t wrow, const v
                 float out[2][BATCH_TOKENS];
                 const batch_row *w = rows + i * ng;
                 const batch_act *s = side + (size_t)c0 * ng;
-                const int n2 = nr - i < 2 ? 1 : 2, last_nv = group_vectors(group_count(nb, ng - 1));
+                const int n2 = nr - i < 2 ? 1 : 2;
                 switch (4 * (n2 - 1) + nt) { /* constant counts for each: the loops unroll */
                 case 1: batch_rows_tokens(type, 1, 1, w, ng, last_nv, s, out); break;
                 case 2: batch_rows_tokens(type, 1, 2, w, ng, last_nv, s, out); break;

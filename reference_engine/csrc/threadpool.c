@@ -27,10 +27,11 @@
 
 #define SE_MAX_THREADS 256
 
-/* How long a waiter spins before sleeping. On an idle machine a barrier is a few microseconds
- * away and the next job (the next token, after Python sampled) a few tens. Spinning much longer
- * is harmful when the machine is busy: if the thread we wait for was preempted, our spinning
- * keeps a core from it, and a ubatch has ~150 barriers. So: spin briefly, then yield. */
+/* How long a waiter spins before it yields (then sleeps, below). On an idle machine a barrier is
+ * a few microseconds away and the next job (the next token, after Python sampled) a few tens.
+ * Spinning much longer is harmful when the machine is busy: if the thread we wait for was
+ * preempted, our spinning keeps a core from it, and a ubatch has ~150 barriers. So: spin
+ * briefly, then yield. */
 #define SPIN_NS_BARRIER 50000L
 #define SPIN_NS_JOB 100000L
 /* After its spin, a waiter keeps polling with sched_yield for this long before it sleeps. The
@@ -119,7 +120,7 @@ static int prefetch_next(prefetch_cursor *pc) {
 
 /* Waits until *word != old; returns the new value. Each turn of the spin prefetches the cursor's
  * next line (when pc is not NULL), or pauses once there is none left. */
-static uint32_t wait_change(se_pool *p, _Atomic uint32_t *word, uint32_t old, long spin_ns, long yield_ns,
+static uint32_t wait_change(se_pool *p, _Atomic uint32_t *word, uint32_t old, long spin_ns,
                             prefetch_cursor *pc) {
     uint32_t v = atomic_load_explicit(word, memory_order_acquire);
     if (v != old) return v;
@@ -134,7 +135,7 @@ static uint32_t wait_change(se_pool *p, _Atomic uint32_t *word, uint32_t old, lo
             else if (t > deadline) break;
         }
     }
-    for (int64_t end = now_ns() + yield_ns; now_ns() < end;) {
+    for (int64_t end = now_ns() + YIELD_NS; now_ns() < end;) {
         sched_yield();
         v = atomic_load_explicit(word, memory_order_acquire);
         if (v != old) return v;
@@ -163,7 +164,7 @@ void se_pool_barrier_prefetch(se_pool *p, const se_prefetch_span *spans, int n) 
             atomic_fetch_add(&p->bar_gen, 1);
             wake(p, &p->bar_gen);
         } else {
-            wait_change(p, &p->bar_gen, gen, SPIN_NS_BARRIER, YIELD_NS, &pc);
+            wait_change(p, &p->bar_gen, gen, SPIN_NS_BARRIER, &pc);
         }
     }
     while (prefetch_next(&pc)) {} /* what the wait left (all of it for the last to arrive) */
@@ -178,7 +179,7 @@ static void *worker_main(void *varg) {
     free(wa);
     uint32_t seen = 0;  /* the job word's initial value: a job published before we got here still counts */
     for (;;) {
-        seen = wait_change(p, &p->job, seen, SPIN_NS_JOB, YIELD_NS, NULL);
+        seen = wait_change(p, &p->job, seen, SPIN_NS_JOB, NULL);
         if (atomic_load(&p->stop)) break;
         int nth = (int)(seen & 0xff);
         if (ith >= nth) continue;  /* not needed for this job */
