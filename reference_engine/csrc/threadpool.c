@@ -39,7 +39,7 @@
  * server's event loop, a client on the same machine), back within a scheduler slice or two; and
  * the next job comes after Python has sampled and sent a token (a millisecond or so). Sleeping
  * costs a futex wake-up each time, which on a VM (a halted vCPU woken by an interrupt) costs more
- * than the wait itself: 8 sequences served over HTTP went 16-22% faster without it. Yielding
+ * than the wait itself: 8 sequences served over HTTP went 17-19% faster without it. Yielding
  * keeps the core out of the idle state but gives it to any other runnable thread, so an
  * oversubscribed machine loses nothing (-np 8 --no-batching: same speed). */
 #define YIELD_NS 2000000L
