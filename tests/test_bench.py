@@ -585,6 +585,12 @@ def test_unknown_engine_and_missing_model_are_clear_errors(counting, capsys):
     assert code == 3 and "no such file" in err and out == ""
 
 
+def test_nothing_to_measure_is_a_usage_error_before_loading(counting, capsys):
+    code, out, err = bench(["-m", counting, "-e", "counting", "-p", "0", "-n", "0", "-pg", "0,0"], capsys)
+    assert code == 2 and "nothing to measure" in err and "-p, -n or -pg" in err and out == ""
+    assert CountingEngine.loads == []
+
+
 class NoLogitsEngine(CountingEngine):
     name = "nologits"
     capabilities = frozenset({"stream"})

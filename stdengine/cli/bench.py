@@ -122,6 +122,13 @@ def run_cli(params: BenchParams, recipe: str | None = None) -> int:
         from stdengine.bench.server import run_server_cli
 
         return run_server_cli(params, recipe)
+    if not instances(params):  # llama-bench prints an empty table; an empty result helps nobody
+        from stdengine.errors import UsageError
+
+        raise UsageError(
+            "nothing to measure: every test has 0 prompt and 0 generated tokens",
+            hint="give -p, -n or -pg a value above 0 (the defaults are -p 512 -n 128)",
+        )
 
     out = make_printer(params.output, sys.stdout, params)
     err = make_printer(params.output_err, _Stderr(), params) if params.output_err != "none" else None
