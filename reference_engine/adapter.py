@@ -70,6 +70,8 @@ class ReferenceEngine(LocalEngine):
         "mmap": (True,),
         "mlock": (False,),
         "flash_attn": (False,),
+        "cache_type_k": ("f32", "f16"),
+        "cache_type_v": ("f32", "f16"),
     }
 
     @classmethod
@@ -134,6 +136,8 @@ class ReferenceEngine(LocalEngine):
             n_threads_batch=threads_batch,
             n_batch=options.batch_size,
             n_ubatch=options.ubatch_size,
+            cache_type_k=options.cache_type_k,
+            cache_type_v=options.cache_type_v,
         )
         engine = cls(model, tokenizer, ctx, options, events)
         events.emit(
@@ -205,6 +209,8 @@ class ReferenceEngine(LocalEngine):
             n_threads_batch=c.n_threads_batch,
             n_batch=c.n_batch,
             n_ubatch=c.n_ubatch,
+            cache_type_k=c.cache_type_k,
+            cache_type_v=c.cache_type_v,
         )
         return ReferenceEngine(self.model, self.tokenizer, ctx, self.options, self.events)
 

@@ -115,7 +115,13 @@ class _ContextParams(ctypes.Structure):
         ("n_ubatch", _i32),
         ("n_threads", _i32),
         ("n_threads_batch", _i32),
+        ("type_k", _i32),
+        ("type_v", _i32),
     ]
+
+
+# The KV cache's element types the C core keeps (ggml's type ids), by the options' names.
+CACHE_TYPES = {"f32": 0, "f16": 1}
 
 
 class _SamplingParams(ctypes.Structure):
@@ -352,11 +358,14 @@ def choose_device(spec: str | None) -> Device:
 class Context:
     """An inference context: KV cache, scratch buffers and a thread pool, allocated once.
 
-    Context(model, n_ctx=2048, n_threads=None, n_threads_batch=None, n_batch=2048, n_ubatch=512)
+    Context(model, n_ctx=2048, n_threads=None, n_threads_batch=None, n_batch=2048, n_ubatch=512,
+            cache_type_k="f32", cache_type_v="f32")
       n_threads: threads for single-token decodes (default: the CPU count);
       n_threads_batch: threads for batches (default: n_threads);
       n_batch / n_ubatch: a decode is split into batches of n_batch tokens, each evaluated in
-      forward passes of n_ubatch tokens (n_ubatch <= n_batch; clamped to n_ctx).
+      forward passes of n_ubatch tokens (n_ubatch <= n_batch; clamped to n_ctx);
+      cache_type_k / cache_type_v: the KV cache's keys and values, "f32" (exact) or "f16" (half
+      the memory: each value rounded to nearest even when stored; CACHE_TYPES).
 
     decode(tokens, all_logits=False) -> np.ndarray   float32 logits: (n_vocab,) of the last token,
         or (len(tokens), n_vocab) with all_logits. The (n_vocab,) array is a read-only view of the
@@ -378,6 +387,8 @@ class Context:
         n_threads_batch: int | None = None,
         n_batch: int = 2048,
         n_ubatch: int = 512,
+        cache_type_k: str = "f32",
+        cache_type_v: str = "f32",
     ) -> None:
         self._h: int | None = None
         n_threads = n_threads or os.cpu_count() or 1
@@ -397,13 +408,29 @@ class Context:
                     hint=f"use a smaller {option} ({how})",
                     options=[option],
                 )
+        for option, kind in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
+            if kind not in CACHE_TYPES:
+                raise UnsupportedOption(
+                    f"engine 'reference' cannot honour {option}={kind}: its KV cache is f32 or f16",
+                    hint=f"use {' or '.join(CACHE_TYPES)} (-ctk, -ctv)",
+                    options=[option],
+                )
         n_ubatch = min(n_ubatch, n_batch, n_ctx)
         self.model = model
         self.n_ctx, self.n_batch, self.n_ubatch = n_ctx, n_batch, n_ubatch
         self.n_threads, self.n_threads_batch = n_threads, n_threads_batch
+        self.cache_type_k, self.cache_type_v = cache_type_k, cache_type_v
         self.n_vocab = model.n_vocab
         c = api()
-        params = _ContextParams(n_ctx, n_batch, n_ubatch, n_threads, n_threads_batch)
+        params = _ContextParams(
+            n_ctx,
+            n_batch,
+            n_ubatch,
+            n_threads,
+            n_threads_batch,
+            CACHE_TYPES[cache_type_k],
+            CACHE_TYPES[cache_type_v],
+        )
         h = c.se_context_new(model.handle, ctypes.byref(params))
         if not h and model.gpu_layers:
             raise EngineFailure(

@@ -43,7 +43,7 @@ def _same(got: np.ndarray, want: np.ndarray, what: str) -> None:
 class Pair:
     """The same context twice: one decoded alone (se_decode), one in batches."""
 
-    def __init__(self, model: Model, n_ctx: int = 1024, **kw: int) -> None:
+    def __init__(self, model: Model, n_ctx: int = 1024, **kw: int | str) -> None:
         self.solo = Context(model, n_ctx=n_ctx, n_threads=2, **kw)
         self.batched = Context(model, n_ctx=n_ctx, n_threads=2, **kw)
 
@@ -71,16 +71,19 @@ def _greedy(logits: list[np.ndarray]) -> list[list[int]]:
     return [[int(np.argmax(x))] for x in logits]
 
 
+@pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_contexts_stepped_together_match_each_alone(model, isa):
+def test_contexts_stepped_together_match_each_alone(model, isa, cache):
     """N contexts with different prompts (lengths 3 to 45) evaluated in one batch, then stepped
     together one token at a time; ctxs[0]'s ubatch of 16 splits the prompts over several passes
     and a context's prompt across two of them. Every logit equals its context's alone. Steps of
-    2 to 15 rows take the small-batch matmuls (kernels.h), 12 in two passes (8 + 4)."""
+    2 to 15 rows take the small-batch matmuls (kernels.h), 12 in two passes (8 + 4). The f16 cache
+    (its own attention kernels) with fewer contexts."""
     slow = isa == "scalar"  # the portable path: fewer contexts and steps
+    kw = dict(cache_type_k=cache, cache_type_v=cache)
     with using_isa(isa):
-        for n_seq in (2, 5) if slow else (2, 3, 5, 8, 12):
-            pairs = [Pair(model, n_ubatch=16 if i == 0 else 512) for i in range(n_seq)]
+        for n_seq in (2, 5) if slow or cache == "f16" else (2, 3, 5, 8, 12):
+            pairs = [Pair(model, n_ubatch=16 if i == 0 else 512, **kw) for i in range(n_seq)]
             try:
                 prompts = [_tokens(3 + (i * 7) % 43, seed=n_seq * 100 + i) for i in range(n_seq)]
                 logits = _step(pairs, prompts, f"{isa} N={n_seq} prompts")

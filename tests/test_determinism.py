@@ -36,11 +36,14 @@ def _tokens(model: Model, n: int) -> list[int]:
     return [int(t) for t in rng.integers(100, min(model.n_vocab, 30000), n)]
 
 
-def _logits(model, tokens, *, threads=2, ubatch=512, pieces=None, reuse_prefix=None) -> np.ndarray:
+def _logits(
+    model, tokens, *, threads=2, ubatch=512, pieces=None, reuse_prefix=None, cache="f32"
+) -> np.ndarray:
     """Every position's logits of one pass over tokens, done as the arguments say: decode() calls
     of the given sizes (pieces), or the whole sequence first, then truncated to reuse_prefix cached
-    tokens and the rest decoded again (only the rest is returned then)."""
-    with Context(model, n_ctx=1024, n_threads=threads, n_batch=max(ubatch, 64), n_ubatch=ubatch) as ctx:
+    tokens and the rest decoded again (only the rest is returned then); the KV cache f32 or f16."""
+    kw = dict(n_batch=max(ubatch, 64), n_ubatch=ubatch, cache_type_k=cache, cache_type_v=cache)
+    with Context(model, n_ctx=1024, n_threads=threads, **kw) as ctx:
         start = 0
         if reuse_prefix is not None:
             ctx.decode(tokens)  # only the cache is kept: no logits rows (the output head is slow on scalar)
@@ -88,17 +91,19 @@ SCALAR_LAYOUTS = ["threads=1", "threads=3", "ubatch=1", "ubatch=7", "ubatch=17",
 N = 80
 
 
+@pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_logits_do_not_depend_on_threads_or_split(model, isa):
+def test_logits_do_not_depend_on_threads_or_split(model, isa, cache):
+    """The f16 cache (-ctk/-ctv f16) has its own attention kernels: the smaller matrix for it."""
     with using_isa(isa):
         tokens = _tokens(model, N)
-        want = _logits(model, tokens)  # 2 threads, one ubatch of all 80 tokens (the GEMM)
-        layouts = SCALAR_LAYOUTS if isa == "scalar" else list(LAYOUTS)
+        want = _logits(model, tokens, cache=cache)  # 2 threads, one ubatch of all 80 tokens (the GEMM)
+        layouts = SCALAR_LAYOUTS if isa == "scalar" or cache == "f16" else list(LAYOUTS)
         for name in layouts:
-            _same_bytes(_logits(model, tokens, **LAYOUTS[name]), want, f"{isa} {name}")
+            _same_bytes(_logits(model, tokens, cache=cache, **LAYOUTS[name]), want, f"{isa} {cache} {name}")
         for prefix in (16, 71):  # the cached prefix is kept, the rest decoded again
-            got = _logits(model, tokens, reuse_prefix=prefix, ubatch=7 if prefix == 71 else 512)
-            _same_bytes(got, want[prefix:], f"{isa} prefix={prefix}")
+            got = _logits(model, tokens, reuse_prefix=prefix, ubatch=7 if prefix == 71 else 512, cache=cache)
+            _same_bytes(got, want[prefix:], f"{isa} {cache} prefix={prefix}")
 
 
 def test_long_sequences_and_window(model):

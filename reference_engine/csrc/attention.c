@@ -1,9 +1,12 @@
 /* Attention: softmax(q.K * scale) V for every query head of a ubatch, over the KV cache; and the
  * KV cache's layout, which only this file knows (se_forward_qkv stores through se_kv_*).
  *
- * The cache is f32. Per layer and kv head:
+ * The cache's elements are f32 (exact) or f16 (half the bytes, as llama.cpp's default cache), keys
+ * and values each their own (cp.type_k, cp.type_v). Per layer and kv head:
  *   keys    in tiles of 16 positions, each tile transposed: [position / 16][head dim][16];
  *   values  a row per position: [position][head dim].
+ * An f16 element is the f32 value rounded to nearest even (se_fp32_to_fp16, the same bits on every
+ * SIMD path), widened back to f32 as the kernel loads it: attention is otherwise the same.
  * A key tile puts dimension d of 16 keys side by side, so the scores of one query against 16 keys
  * are one vector: the sum over d of q[d] * (row d of the tile), with no horizontal sum per score.
  * Values are used the other way round (out += p * v, along the head dim), so rows suit them.
@@ -31,32 +34,50 @@ static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 int64_t se_kv_positions(int64_t n_ctx) { return (n_ctx + TILE - 1) / TILE * TILE; }
 
-/* The keys (or values) of layer il, kv head h. */
-static float *kv_head(const se_context *c, float *cache, int il, int h) {
+static size_t elem_size(int type) { return type == SE_F16 ? sizeof(uint16_t) : sizeof(float); }
+
+/* Element i of the cache at kv (of the type given) set to x. */
+static void put(void *kv, int type, int64_t i, float x) {
+    if (type == SE_F16)
+        ((uint16_t *)kv)[i] = se_fp32_to_fp16(x);
+    else
+        ((float *)kv)[i] = x;
+}
+
+/* The keys (or values: the cache and its type) of layer il, kv head h. */
+static uint8_t *kv_head(const se_context *c, void *cache, int type, int il, int h) {
     const se_hparams *hp = &c->m->hp;
     size_t head = (size_t)il * hp->n_head_kv + (size_t)h;
-    return cache + head * (size_t)se_kv_positions(c->cp.n_ctx) * (size_t)hp->head_dim;
+    return (uint8_t *)cache + head * (size_t)se_kv_positions(c->cp.n_ctx) * (size_t)hp->head_dim * elem_size(type);
 }
 
-float *se_kv_value_row(const se_context *c, int il, int h, int64_t p) {
-    return kv_head(c, c->v_cache, il, h) + p * c->m->hp.head_dim;
+const void *se_kv_value_rows(const se_context *c, int il, int h, int64_t p0, int n, size_t *bytes) {
+    size_t row = (size_t)c->m->hp.head_dim * elem_size(c->cp.type_v);
+    *bytes = (size_t)n * row;
+    return kv_head(c, c->v_cache, c->cp.type_v, il, h) + (size_t)p0 * row;
 }
 
-const float *se_kv_key_tiles(const se_context *c, int il, int h, int64_t p0, int n, size_t *bytes) {
-    int hd = c->m->hp.head_dim;
+const void *se_kv_key_tiles(const se_context *c, int il, int h, int64_t p0, int n, size_t *bytes) {
+    size_t tile = TILE * (size_t)c->m->hp.head_dim * elem_size(c->cp.type_k);
     int64_t t0 = p0 / TILE, t1 = (p0 + n - 1) / TILE + 1;
-    *bytes = (size_t)(t1 - t0) * TILE * (size_t)hd * sizeof(float);
-    return kv_head(c, c->k_cache, il, h) + t0 * TILE * hd;
+    *bytes = (size_t)(t1 - t0) * tile;
+    return kv_head(c, c->k_cache, c->cp.type_k, il, h) + (size_t)t0 * tile;
 }
 
 void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const float *k, int64_t ldk) {
-    int hd = c->m->hp.head_dim;
-    float *kc = kv_head(c, c->k_cache, il, h);
+    int hd = c->m->hp.head_dim, type = c->cp.type_k;
+    void *kc = kv_head(c, c->k_cache, type, il, h);
     for (int t = 0; t < n; t++) {
-        int64_t p = p0 + t;
-        float *tile = kc + p / TILE * TILE * hd;
-        for (int d = 0; d < hd; d++) tile[d * TILE + p % TILE] = k[(int64_t)t * ldk + d];
+        int64_t p = p0 + t, tile = p / TILE * TILE * hd;
+        for (int d = 0; d < hd; d++) put(kc, type, tile + d * TILE + p % TILE, k[(int64_t)t * ldk + d]);
     }
+}
+
+void se_kv_store_values(se_context *c, int il, int h, int64_t p0, int n, const float *v, int64_t ldv) {
+    int hd = c->m->hp.head_dim, type = c->cp.type_v;
+    void *vc = kv_head(c, c->v_cache, type, il, h);
+    for (int t = 0; t < n; t++)
+        for (int d = 0; d < hd; d++) put(vc, type, (p0 + t) * hd + d, v[(int64_t)t * ldv + d]);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -76,70 +97,81 @@ typedef struct {
     int64_t lo, hi;
 } att_row;
 
-typedef void (*attend_fn)(const att_row *rows, int n, const float *kc, const float *vc, int hd, float scale);
+typedef void (*attend_fn)(const att_row *rows, int n, const void *kc, const void *vc, int hd, float scale);
 
 #define SE_INLINE static inline __attribute__((always_inline))
-#define ATT_CAT(a, b) a##b
+#define ATT_CAT_(a, b) a##b
+#define ATT_CAT(a, b) ATT_CAT_(a, b)
 
 #pragma GCC diagnostic ignored "-Wpsabi" /* wide vectors returned from inlined helpers: see the kernel */
 
 #define ATT_VL 4
 #define ATT_IOTA {0, 1, 2, 3}
 #define ATT_ROWS 2
-#define ATT_NAME(x) ATT_CAT(x, _portable)
+#define ATT_ISA _portable
 #define ATT_FMA(a, b, c) ((a) * (b) + (c)) /* not fused: the portable path has no FMA to count on */
-#include "attention_kernel.h"
+#include "attention_types.h"
 #undef ATT_VL
 #undef ATT_IOTA
 #undef ATT_ROWS
-#undef ATT_NAME
+#undef ATT_ISA
 #undef ATT_FMA
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #define ATT_VL 8
 #define ATT_IOTA {0, 1, 2, 3, 4, 5, 6, 7}
 #define ATT_ROWS 4
-#define ATT_NAME(x) ATT_CAT(x, _avx2)
+#define ATT_ISA _avx2
 #define ATT_FMA(a, b, c) ((vf)_mm256_fmadd_ps((a), (b), (c)))
-#include "attention_kernel.h"
+#define ATT_CVTPH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#include "attention_types.h"
 #undef ATT_VL
 #undef ATT_IOTA
 #undef ATT_ROWS
-#undef ATT_NAME
+#undef ATT_ISA
 #undef ATT_FMA
+#undef ATT_CVTPH
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f")
+#pragma GCC target("avx2,fma,f16c,avx512f")
 #define ATT_VL 16
 #define ATT_IOTA {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
 #define ATT_ROWS 4
-#define ATT_NAME(x) ATT_CAT(x, _avx512)
+#define ATT_ISA _avx512
 #define ATT_FMA(a, b, c) ((vf)_mm512_fmadd_ps((a), (b), (c)))
-#include "attention_kernel.h"
+#define ATT_CVTPH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#include "attention_types.h"
 #undef ATT_VL
 #undef ATT_IOTA
 #undef ATT_ROWS
-#undef ATT_NAME
+#undef ATT_ISA
 #undef ATT_FMA
+#undef ATT_CVTPH
 #pragma GCC pop_options
 #endif
 
-/* The kernel of each SIMD path (attention_kernel.h defines attend_rows_portable, _avx2 and
- * _avx512 above), indexed by the path kernels.c chose once: se_isa_in_use(). */
-static const attend_fn attend_kernels[SE_ISA_COUNT] = {
-    [SE_ISA_SCALAR] = attend_rows_portable,
+/* The kernels of each SIMD path for the cache's key and value types (f32 0, f16 1), indexed by the
+ * path kernels.c chose once: se_isa_in_use(). attention_types.h defines attend_rows_<isa>_<k><v>
+ * (f: f32, h: f16) for each level above. */
+#define ATT_KERNELS(isa)                                                                                    \
+    {                                                                                                       \
+        {ATT_CAT(attend_rows, ATT_CAT(isa, _ff)), ATT_CAT(attend_rows, ATT_CAT(isa, _fh))},                 \
+        {ATT_CAT(attend_rows, ATT_CAT(isa, _hf)), ATT_CAT(attend_rows, ATT_CAT(isa, _hh))},                 \
+    }
+static const attend_fn attend_kernels[SE_ISA_COUNT][2][2] = {
+    [SE_ISA_SCALAR] = ATT_KERNELS(_portable),
 #if defined(__x86_64__) && defined(__GNUC__)
-    [SE_ISA_AVX2] = attend_rows_avx2,
-    [SE_ISA_AVX512] = attend_rows_avx512,
-    [SE_ISA_AMX] = attend_rows_avx512, /* AMX is AVX-512 with another prompt GEMM */
+    [SE_ISA_AVX2] = ATT_KERNELS(_avx2),
+    [SE_ISA_AVX512] = ATT_KERNELS(_avx512),
+    [SE_ISA_AMX] = ATT_KERNELS(_avx512), /* AMX is AVX-512 with another prompt GEMM */
 #else
-    [SE_ISA_AVX2] = attend_rows_portable, /* never chosen off x86 */
-    [SE_ISA_AVX512] = attend_rows_portable,
-    [SE_ISA_AMX] = attend_rows_portable,
+    [SE_ISA_AVX2] = ATT_KERNELS(_portable), /* never chosen off x86 */
+    [SE_ISA_AVX512] = ATT_KERNELS(_portable),
+    [SE_ISA_AMX] = ATT_KERNELS(_portable),
 #endif
 };
 
@@ -187,11 +219,13 @@ void se_forward_attention(se_context *c, int il, int ith, int nth) {
     int64_t Dq = (int64_t)H * hd, per_chunk = H / g, n_items = 0;
     for (int si = 0; si < c->ub_nseg; si++) n_items += (c->ub_seg[si].n + T - 1) / T * per_chunk;
     att_row rows[ATT_TOKENS * ATT_MAX_GROUP];
-    attend_fn attend = attend_kernels[se_isa_in_use()];
+    const attend_fn(*kernels)[2] = attend_kernels[se_isa_in_use()];
     int64_t i0 = 0, i1 = n_items, i = 0;
     if (T == 1) se_split(n_items, ith, nth, 1, &i0, &i1);
     for (int si = 0; si < c->ub_nseg && i < i1; si++) {
         const se_ub_seg *sg = &c->ub_seg[si];
+        const se_context *sc = sg->ctx; /* its cache: its own element types */
+        attend_fn attend = kernels[sc->cp.type_k == SE_F16][sc->cp.type_v == SE_F16];
         for (int t0 = sg->start; t0 < sg->start + sg->n; t0 += T)
             for (int64_t hc = 0; hc < per_chunk; hc++, i++) {
                 if (T == 1 ? i < i0 || i >= i1 : i % nth != ith) continue;
@@ -206,8 +240,8 @@ void se_forward_attention(se_context *c, int il, int ith, int nth) {
                         n++;
                     }
                 }
-                attend(rows, n, kv_head(sg->ctx, sg->ctx->k_cache, il, kvh),
-                       kv_head(sg->ctx, sg->ctx->v_cache, il, kvh), hd, hp->attn_scale);
+                attend(rows, n, kv_head(sc, sc->k_cache, sc->cp.type_k, il, kvh),
+                       kv_head(sc, sc->v_cache, sc->cp.type_v, il, kvh), hd, hp->attn_scale);
             }
     }
     se_pool_barrier(c->pool);

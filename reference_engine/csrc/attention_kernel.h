@@ -5,7 +5,9 @@
  *   ATT_IOTA   the lanes' indices {0, 1, ..., ATT_VL - 1};
  *   ATT_ROWS   query rows per block at most (what the registers hold);
  *   ATT_NAME   a suffix for this level's names: ATT_NAME(attend_rows) is what it defines;
- *   ATT_FMA    ATT_FMA(a, b, c) = a * b + c on vectors, fused where the level has FMA.
+ *   ATT_FMA    ATT_FMA(a, b, c) = a * b + c on vectors, fused where the level has FMA;
+ *   ATT_KH, ATT_VH  1 where the cache's keys (values) are f16, 0 where f32;
+ *   ATT_CVTPH  optional: ATT_CVTPH(p) widens ATT_VL halves at p to a vector (else one by one).
  * See attention.c for the layout (key tiles of TILE positions transposed, value rows) and the
  * algorithm (online softmax over a block of query rows).
  */
@@ -21,6 +23,22 @@ typedef int32_t vi __attribute__((vector_size(4 * ATT_VL)));
 typedef float vfu __attribute__((vector_size(4 * ATT_VL), aligned(4), may_alias)); /* unaligned */
 
 #define LOAD(p) (*(const vfu *)(p))
+#if ATT_KH
+#define KE uint16_t
+#define LOADK(p) ATT_NAME(loadh)(p)
+#else
+#define KE float
+#define LOADK(p) LOAD(p)
+#endif
+#if ATT_VH
+#define VE uint16_t
+#define LOADV(p) ATT_NAME(loadh)(p)
+#define VALV(p) se_fp16_to_fp32(*(p))
+#else
+#define VE float
+#define LOADV(p) LOAD(p)
+#define VALV(p) (*(p))
+#endif
 #define STORE(p, x) (*(vfu *)(p) = (x))
 #define SELECT(m, a, b) ((vf)(((vi)(a) & (m)) | ((vi)(b) & ~(m)))) /* m ? a : b */
 #define SPLAT(x) ((x) - (vf){0}) /* a broadcast: x - 0 is x exactly, so no arithmetic (0 + x is not: -0) */
@@ -28,6 +46,17 @@ typedef float vfu __attribute__((vector_size(4 * ATT_VL), aligned(4), may_alias)
 
 /* The helpers take vectors by address: GCC notes an ABI change for wide vector parameters,
  * although these are always inlined, and the note cannot be turned off. */
+
+/* ATT_VL f16 elements at p, widened (exactly) */
+SE_INLINE vf ATT_NAME(loadh)(const uint16_t *p) {
+#ifdef ATT_CVTPH
+    return (vf)ATT_CVTPH(p);
+#else
+    vf x;
+    for (int i = 0; i < ATT_VL; i++) x[i] = se_fp16_to_fp32(p[i]);
+    return x;
+#endif
+}
 
 /* max over the lanes of n vectors */
 SE_INLINE float ATT_NAME(hmax)(const vf *x, int n) {
@@ -67,14 +96,14 @@ SE_INLINE vf ATT_NAME(exp)(const vf *xp) {
 
 /* out[r][c0, c0 + cw * ATT_VL) = out[r] * corr[r] + sum over k < nk of p[r][k] * v[k]: the value
  * rows' columns loaded once for the nr rows (nr, cw constants once inlined). */
-SE_INLINE void ATT_NAME(pv)(float *const *out, const int nr, const int cw, int c0, const float *v,
+SE_INLINE void ATT_NAME(pv)(float *const *out, const int nr, const int cw, int c0, const VE *v,
                             int hd, int nk, float (*p)[TILE], const float *corr) {
     vf o[ACC];
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < cw; j++) o[r * cw + j] = LOAD(out[r] + c0 + j * ATT_VL) * corr[r];
     for (int k = 0; k < nk; k++)
         for (int j = 0; j < cw; j++) {
-            vf vk = LOAD(v + (int64_t)k * hd + c0 + j * ATT_VL);
+            vf vk = LOADV(v + (int64_t)k * hd + c0 + j * ATT_VL);
             for (int r = 0; r < nr; r++) MAC(o[r * cw + j], p[r][k], vk);
         }
     for (int r = 0; r < nr; r++)
@@ -85,7 +114,7 @@ SE_INLINE void ATT_NAME(pv)(float *const *out, const int nr, const int cw, int c
  * rows vc. Each score is W sums, each over every W-th dimension, added in order: W is one number
  * per SIMD level, whatever nr, so that a row's scores (and so its output) do not depend on the
  * rows beside it in the block, which depend on the batch and the thread count. */
-SE_INLINE void ATT_NAME(block)(const att_row *rw, const int nr, const float *kc, const float *vc,
+SE_INLINE void ATT_NAME(block)(const att_row *rw, const int nr, const void *kc, const void *vc,
                                int hd, float scale) {
     const int w = W, cw = nr >= ACC ? 1 : ACC / nr;
     const float *q[ATT_ROWS];
@@ -104,19 +133,19 @@ SE_INLINE void ATT_NAME(block)(const att_row *rw, const int nr, const float *kc,
     const vi iota = ATT_IOTA;
     for (int64_t p0 = lo / TILE * TILE; p0 < hi; p0 += TILE) {
         /* scores: s[r] = sum over d of q[r][d] * (row d of the key tile), in w partial sums */
-        const float *kt = kc + p0 * hd;
+        const KE *kt = (const KE *)kc + p0 * hd;
         vf s[ACC > ATT_ROWS * NV ? ACC : ATT_ROWS * NV];
         for (int i = 0; i < nr * w * NV; i++) s[i] = SPLAT(0);
         int d = 0;
         for (; d + w <= hd; d += w)
             for (int j = 0; j < w; j++)
                 for (int v = 0; v < NV; v++) {
-                    vf k = LOAD(kt + (d + j) * TILE + v * ATT_VL);
+                    vf k = LOADK(kt + (d + j) * TILE + v * ATT_VL);
                     for (int r = 0; r < nr; r++) MAC(s[(r * w + j) * NV + v], q[r][d + j], k);
                 }
         for (; d < hd; d++)
             for (int v = 0; v < NV; v++)
-                for (int r = 0; r < nr; r++) MAC(s[r * w * NV + v], q[r][d], LOAD(kt + d * TILE + v * ATT_VL));
+                for (int r = 0; r < nr; r++) MAC(s[r * w * NV + v], q[r][d], LOADK(kt + d * TILE + v * ATT_VL));
         /* online softmax: p = exp(s - max so far); the earlier sum and output scale by corr */
         int masked = p0 < lo_all || p0 + TILE > hi_all;
         for (int r = 0; r < nr; r++) {
@@ -151,14 +180,14 @@ SE_INLINE void ATT_NAME(block)(const att_row *rw, const int nr, const float *kc,
         }
         /* out = out * corr + p v, over the tile's keys below hi only: the value rows past it may
          * never have been written (0 * NaN is NaN) */
-        const float *v = vc + p0 * hd;
+        const VE *v = (const VE *)vc + p0 * hd;
         int nk = (int)min64(TILE, hi - p0), c = 0;
         for (; c + cw * ATT_VL <= hd; c += cw * ATT_VL) ATT_NAME(pv)(out, nr, cw, c, v, hd, nk, p, corr);
         for (; c + ATT_VL <= hd; c += ATT_VL) ATT_NAME(pv)(out, nr, 1, c, v, hd, nk, p, corr);
         for (; c < hd; c++) /* a head dim that is not a multiple of the vector */
             for (int r = 0; r < nr; r++) {
                 float a = out[r][c] * corr[r];
-                for (int k = 0; k < nk; k++) a += p[r][k] * v[(int64_t)k * hd + c];
+                for (int k = 0; k < nk; k++) a += p[r][k] * VALV(v + (int64_t)k * hd + c);
                 out[r][c] = a;
             }
     }
@@ -170,7 +199,7 @@ SE_INLINE void ATT_NAME(block)(const att_row *rw, const int nr, const float *kc,
 }
 
 /* n rows over one kv head, in blocks of ATT_ROWS (and the rest). */
-static void ATT_NAME(attend_rows)(const att_row *rows, int n, const float *kc, const float *vc, int hd,
+static void ATT_NAME(attend_rows)(const att_row *rows, int n, const void *kc, const void *vc, int hd,
                                   float scale) {
     for (int i = 0; i < n; i += ATT_ROWS) {
         switch (n - i < ATT_ROWS ? n - i : ATT_ROWS) {
@@ -193,6 +222,11 @@ static void ATT_NAME(attend_rows)(const att_row *rows, int n, const float *kc, c
 #undef ACC
 #undef W
 #undef LOAD
+#undef KE
+#undef LOADK
+#undef VE
+#undef LOADV
+#undef VALV
 #undef STORE
 #undef SELECT
 #undef SPLAT

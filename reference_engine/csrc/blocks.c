@@ -84,11 +84,14 @@ static int qkv_spans(const se_context *c, int il, int ith, int nth, se_prefetch_
     const se_ub_seg *sg = &c->ub_seg[0];
     for (int64_t h = k0; h < k1; h++) {
         size_t bytes;
-        const float *tiles = se_kv_key_tiles(sg->ctx, il, (int)h, sg->pos, sg->n, &bytes);
+        const void *tiles = se_kv_key_tiles(sg->ctx, il, (int)h, sg->pos, sg->n, &bytes);
         sp[n++] = (se_prefetch_span){ tiles, bytes < NEXT_BYTES ? bytes : NEXT_BYTES };
     }
-    for (int64_t h = v0; h < v1; h++)
-        sp[n++] = (se_prefetch_span){ se_kv_value_row(sg->ctx, il, (int)h, sg->pos), (size_t)sg->n * hd * sizeof(float) };
+    for (int64_t h = v0; h < v1; h++) {
+        size_t bytes;
+        const void *rows = se_kv_value_rows(sg->ctx, il, (int)h, sg->pos, sg->n, &bytes);
+        sp[n++] = (se_prefetch_span){ rows, bytes };
+    }
     return (int)n;
 }
 
@@ -260,9 +263,7 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
         for (int si = 0; si < c->ub_nseg; si++) {
             const se_ub_seg *sg = &c->ub_seg[si];
             for (int64_t h = v0; h < v1; h++)
-                for (int t = 0; t < sg->n; t++)
-                    memcpy(se_kv_value_row(sg->ctx, il, (int)h, sg->pos + t), c->v_new + (sg->start + t) * Dkv + h * hd,
-                           (size_t)hd * sizeof(float));
+                se_kv_store_values(sg->ctx, il, (int)h, sg->pos, sg->n, c->v_new + sg->start * Dkv + h * hd, Dkv);
         }
     }
     se_prefetch_span next = share_span(&L->t[SE_T_ATTN_OUTPUT], ith, nth); /* after the attention */

@@ -113,14 +113,16 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth);
 /* Attention of every (token, head) over its own context's cache, sliding window per layer, into
  * c->att; barrier. */
 void se_forward_attention(se_context *c, int il, int ith, int nth);
-/* The KV cache (attention.c alone knows its layout): positions held per layer and kv head for a
- * context of n_ctx; the value row of layer il, kv head h, position p; n keys (rows of head_dim,
- * ldk floats apart) stored at positions p0.. of layer il, kv head h. */
+/* The KV cache (attention.c alone knows its layout and element types): positions held per layer
+ * and kv head for a context of n_ctx; n keys or values (rows of head_dim, ldk floats apart) stored
+ * at positions p0.. of layer il, kv head h. */
 int64_t se_kv_positions(int64_t n_ctx);
-float *se_kv_value_row(const se_context *c, int il, int h, int64_t p);
 void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const float *k, int64_t ldk);
-/* The key tiles holding positions [p0, p0 + n) of layer il, kv head h (contiguous), and their bytes */
-const float *se_kv_key_tiles(const se_context *c, int il, int h, int64_t p0, int n, size_t *bytes);
+void se_kv_store_values(se_context *c, int il, int h, int64_t p0, int n, const float *v, int64_t ldv);
+/* Where the keys (the key tiles) and the values of positions [p0, p0 + n) of layer il, kv head h
+ * lie (contiguous), and their bytes: what a thread prefetches before it stores them */
+const void *se_kv_key_tiles(const se_context *c, int il, int h, int64_t p0, int n, size_t *bytes);
+const void *se_kv_value_rows(const se_context *c, int il, int h, int64_t p0, int n, size_t *bytes);
 
 /* ---- the architecture table (model.c lists the entries; each architecture's file defines one) */
 

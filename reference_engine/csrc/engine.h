@@ -84,6 +84,7 @@ typedef struct {
     int32_t n_ubatch;        /* tokens per forward pass (scratch buffers are sized for it) */
     int32_t n_threads;       /* threads for single-token decodes */
     int32_t n_threads_batch; /* threads for batches of more than one token */
+    int32_t type_k, type_v;  /* the KV cache's element types: 0 f32 (exact), 1 f16 (ggml's ids) */
 } se_context_params;
 
 /* Sampling, applied in llama.cpp's order: penalties, top-k, top-p, min-p, temperature, draw. */
@@ -248,7 +249,7 @@ struct se_context {
     se_context_params cp;
     int32_t n_past;
     int32_t *tokens;         /* the n_past tokens in the cache, for the penalties */
-    float *k_cache, *v_cache;/* per layer and kv head (attention.c: se_kv_positions, se_kv_*) */
+    void *k_cache, *v_cache; /* per layer and kv head, of cp.type_k / type_v (attention.c: se_kv_*) */
     float *k_new;            /* the ubatch's keys on their way to the cache [n_ubatch][n_head_kv][head_dim] */
     float *v_new;            /* its values (same shape) */
     /* activations for one ubatch */

@@ -77,6 +77,10 @@ int se_set_gemm_min_tokens(int n);
  * process; INFER_REF_ISA does the same at start-up. */
 int se_set_isa(const char *isa);
 
+/* IEEE half <-> float: widening is exact; narrowing rounds to nearest even (F16C's and numpy's). */
+float se_fp16_to_fp32(uint16_t h);
+uint16_t se_fp32_to_fp16(float f);
+
 #ifdef SE_KERNELS_INTERNAL
 #include <string.h>
 
@@ -192,8 +196,6 @@ extern const se_isa_kernels se_kernels_amx[SE_TYPE_COUNT];
  * once, on the first call: arch_prctl(ARCH_REQ_XCOMP_PERM)); 0 otherwise, and off x86. */
 int se_amx_usable(void);
 
-float se_fp16_to_fp32(uint16_t h);
-uint16_t se_fp32_to_fp16(float f);
 void se_get_scale_min_k4(int j, const uint8_t *s, uint8_t *sc, uint8_t *m);
 
 /* Q2_K and Q3_K quants, shared by every path: element e = 128h + 32j + l (h < 2, j < 4, l < 32)

@@ -251,6 +251,7 @@ se_context *se_context_new(const se_model *m, const se_context_params *cp_in) {
     if (cp.n_batch < 1) cp.n_batch = cp.n_ctx;
     if (cp.n_ubatch < 1 || cp.n_ubatch > cp.n_batch) cp.n_ubatch = cp.n_batch;
     if (cp.n_ubatch > cp.n_ctx) cp.n_ubatch = cp.n_ctx;
+    if ((cp.type_k != SE_F32 && cp.type_k != SE_F16) || (cp.type_v != SE_F32 && cp.type_v != SE_F16)) return NULL;
 
     const se_hparams *hp = &m->hp;
     int64_t E = hp->n_embd, F = hp->n_ff, Dq = (int64_t)hp->n_head * hp->head_dim;
@@ -264,8 +265,8 @@ se_context *se_context_new(const se_model *m, const se_context_params *cp_in) {
     c->cp = cp;
     int ok = 1;
     size_t kv = (size_t)hp->n_layer * hp->n_head_kv * (size_t)se_kv_positions(cp.n_ctx) * hp->head_dim;
-    c->k_cache = xalloc(kv * sizeof(float), &ok);
-    c->v_cache = xalloc(kv * sizeof(float), &ok);
+    c->k_cache = xalloc(kv * (cp.type_k == SE_F16 ? sizeof(uint16_t) : sizeof(float)), &ok);
+    c->v_cache = xalloc(kv * (cp.type_v == SE_F16 ? sizeof(uint16_t) : sizeof(float)), &ok);
     c->k_new = xalloc((size_t)(U * hp->n_head_kv * hp->head_dim) * sizeof(float), &ok);
     c->v_new = xalloc((size_t)(U * hp->n_head_kv * hp->head_dim) * sizeof(float), &ok);
     c->ub_seg = xalloc((size_t)U * sizeof(se_ub_seg), &ok);
