@@ -21,8 +21,8 @@ costs. `infer bench vs-llamacpp` prints a roofline table beside its results (ren
   that multiplies on them (the reference engine's `isa=amx`, llama.cpp's `AMX_INT8=1`); where
   the tiles' rate was not probed, such a build's pp tests get no limit.
 
-The KV cache's element size is the record's type_k / type_v, except for engines whose cache has
-one type whatever the flags say (ENGINE_KV_TYPE: the reference engine's is f32). Reached = the
+The KV cache's element size is the record's type_k / type_v (the reference engine's records from
+before it honoured -ctk/-ctv held an f32 cache whatever they say). Reached = the
 measured t/s / the limit; achieved = t/s x bytes (GB/s) or x MACs (GMAC/s) per token.
 """
 
@@ -40,10 +40,6 @@ from stdengine.bench.printers import md_table, test_name
 from stdengine.bench.record import MachineProbe
 
 from stdengine.gguf_file import GGUFHeader, ggml_type, scan_gguf
-
-# The cache type of engines whose KV cache has one type whatever -ctk/-ctv say
-# (spec/reference-engine.md: the reference engine's cache is f32).
-ENGINE_KV_TYPE = {"reference": "f32"}
 
 
 @dataclass(frozen=True)
@@ -180,9 +176,8 @@ def bound(record: dict[str, Any], cost: ModelCost, probe: MachineProbe) -> Bound
     threads = int(record["n_threads"])
     n_prompt, n_gen, depth = (int(record[f]) for f in ("n_prompt", "n_gen", "n_depth"))
     if n_gen > 0 and n_prompt == 0:
-        kv_type = ENGINE_KV_TYPE.get(record.get("engine", ""))
         per_token = tg_bytes_per_token(
-            cost, n_gen, depth, kv_type or record.get("type_k", "f16"), kv_type or record.get("type_v", "f16")
+            cost, n_gen, depth, record.get("type_k", "f16"), record.get("type_v", "f16")
         )
         l3 = probe.read_gbs.get("l3", {}).get(threads)
         fits = l3 is not None and per_token <= probe.cache_bytes.get(3, 0)

@@ -103,6 +103,8 @@ def describe() -> list[dict[str, Any]]:
                 capabilities=sorted(cls.capabilities | ({"gpu"} if devices else set())),
                 devices=devices,
                 honoured_options=sorted(cls.honoured_options()),
+                # options honoured at these values only (others are refused): name -> values
+                option_values={k: list(v) for k, v in sorted(cls.accepted_values.items())},
                 available=available,
                 reason=reason,
             )
@@ -114,6 +116,7 @@ def describe() -> list[dict[str, Any]]:
                 capabilities=[],
                 devices=[],
                 honoured_options=[],
+                option_values={},
                 available=False,
                 reason=f"failed to import: {type(e).__name__}: {e}",
             )

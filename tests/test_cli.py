@@ -75,6 +75,9 @@ def test_engines_json_lists_reference():
     rows = {e["name"]: e for e in json.loads(r.stdout)}
     ref = rows["reference"]
     assert "logits" in ref["capabilities"] and "ctx_size" in ref["honoured_options"]
+    assert ref["option_values"]["cache_type_k"] == ["f32", "f16"]  # honoured at these values only
+    r = infer("engines")
+    assert 'cache_type_k "f32"|"f16"' in " ".join(r.stdout.split()), r.stdout
 
 
 @pytest.mark.parametrize(

@@ -132,8 +132,10 @@ def test_bounds_of_tg_and_pp_tests(tmp_path):
     assert b.limit_ts == pytest.approx(16e9 / (weights + 640))
     assert b.reached(b.limit_ts / 4) == pytest.approx(0.25)
     assert b.achieved(1000.0) == pytest.approx(1000 * (weights + 640) / 1e9)
-    # the reference engine's cache is f32 whatever the record says; the model fits a 1 MiB L3
-    b = roofline.bound(_record("reference", 0, 4, threads=1), cost, _probe())
+    # the cache's element size is the record's (here f32); the model fits a 1 MiB L3
+    b = roofline.bound(
+        {**_record("reference", 0, 4, threads=1), "type_k": "f32", "type_v": "f32"}, cost, _probe()
+    )
     assert b is not None and b.resource == "L3" and b.machine == 50.0
     assert b.per_token == weights + 2.5 * 2 * KV_PER_POS_F16
     # pp512 at 1 thread: 100 GMAC/s over the layers' MACs and a 512th of the head's

@@ -54,4 +54,7 @@ def render(rows: list[dict[str, Any]], console: Any) -> None:
         for i, dev in enumerate(r.get("devices", [])):
             grid.add_row("devices" if i == 0 else "", escape(dev))
         grid.add_row("options", escape(", ".join(r["honoured_options"])) or "-")
+        only = [f"{k} {'|'.join(json.dumps(v) for v in vs)}" for k, vs in r["option_values"].items()]
+        if only:
+            grid.add_row("only at", escape(", ".join(only)))
         console.print(Padding(grid, (0, 0, 0 if i == len(rows) - 1 else 1, 2)))
