@@ -34,7 +34,7 @@ static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 int64_t se_kv_positions(int64_t n_ctx) { return (n_ctx + TILE - 1) / TILE * TILE; }
 
-static size_t elem_size(int type) { return type == SE_F16 ? sizeof(uint16_t) : sizeof(float); }
+size_t se_kv_elem_size(int type) { return type == SE_F16 ? sizeof(uint16_t) : sizeof(float); }
 
 /* Element i of the cache at kv (of the type given) set to x. */
 static void put(void *kv, int type, int64_t i, float x) {
@@ -48,17 +48,17 @@ static void put(void *kv, int type, int64_t i, float x) {
 static uint8_t *kv_head(const se_context *c, void *cache, int type, int il, int h) {
     const se_hparams *hp = &c->m->hp;
     size_t head = (size_t)il * hp->n_head_kv + (size_t)h;
-    return (uint8_t *)cache + head * (size_t)se_kv_positions(c->cp.n_ctx) * (size_t)hp->head_dim * elem_size(type);
+    return (uint8_t *)cache + head * (size_t)se_kv_positions(c->cp.n_ctx) * (size_t)hp->head_dim * se_kv_elem_size(type);
 }
 
 const void *se_kv_value_rows(const se_context *c, int il, int h, int64_t p0, int n, size_t *bytes) {
-    size_t row = (size_t)c->m->hp.head_dim * elem_size(c->cp.type_v);
+    size_t row = (size_t)c->m->hp.head_dim * se_kv_elem_size(c->cp.type_v);
     *bytes = (size_t)n * row;
     return kv_head(c, c->v_cache, c->cp.type_v, il, h) + (size_t)p0 * row;
 }
 
 const void *se_kv_key_tiles(const se_context *c, int il, int h, int64_t p0, int n, size_t *bytes) {
-    size_t tile = TILE * (size_t)c->m->hp.head_dim * elem_size(c->cp.type_k);
+    size_t tile = TILE * (size_t)c->m->hp.head_dim * se_kv_elem_size(c->cp.type_k);
     int64_t t0 = p0 / TILE, t1 = (p0 + n - 1) / TILE + 1;
     *bytes = (size_t)(t1 - t0) * tile;
     return kv_head(c, c->k_cache, c->cp.type_k, il, h) + (size_t)t0 * tile;

@@ -117,6 +117,8 @@ void se_forward_attention(se_context *c, int il, int ith, int nth);
  * and kv head for a context of n_ctx; n keys or values (rows of head_dim, ldk floats apart) stored
  * at positions p0.. of layer il, kv head h. */
 int64_t se_kv_positions(int64_t n_ctx);
+/* Bytes of one cache element of a context's type_k or type_v (f32 or f16) */
+size_t se_kv_elem_size(int type);
 void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const float *k, int64_t ldk);
 void se_kv_store_values(se_context *c, int il, int h, int64_t p0, int n, const float *v, int64_t ldv);
 /* Where the keys (the key tiles) and the values of positions [p0, p0 + n) of layer il, kv head h

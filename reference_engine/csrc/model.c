@@ -265,8 +265,8 @@ se_context *se_context_new(const se_model *m, const se_context_params *cp_in) {
     c->cp = cp;
     int ok = 1;
     size_t kv = (size_t)hp->n_layer * hp->n_head_kv * (size_t)se_kv_positions(cp.n_ctx) * hp->head_dim;
-    c->k_cache = xalloc(kv * (cp.type_k == SE_F16 ? sizeof(uint16_t) : sizeof(float)), &ok);
-    c->v_cache = xalloc(kv * (cp.type_v == SE_F16 ? sizeof(uint16_t) : sizeof(float)), &ok);
+    c->k_cache = xalloc(kv * se_kv_elem_size(cp.type_k), &ok);
+    c->v_cache = xalloc(kv * se_kv_elem_size(cp.type_v), &ok);
     c->k_new = xalloc((size_t)(U * hp->n_head_kv * hp->head_dim) * sizeof(float), &ok);
     c->v_new = xalloc((size_t)(U * hp->n_head_kv * hp->head_dim) * sizeof(float), &ok);
     c->ub_seg = xalloc((size_t)U * sizeof(se_ub_seg), &ok);
