@@ -12,7 +12,7 @@ from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stdengine import __version__
-from stdengine.adapter import EngineInfo, SamplingParams, check_token_ids, now_ms, refuse_engine_args
+from stdengine.adapter import EngineInfo, SamplingParams, check_engine_args, check_token_ids, now_ms
 from stdengine.errors import InvalidRequest
 from stdengine.generation import choose_chat_template, template_level
 from stdengine.local_engine import LocalEngine
@@ -66,6 +66,10 @@ class ReferenceEngine(LocalEngine):
         "output head); refused when no device exists",
         "device": "the OpenCL device (index or name substring; `infer engines` lists them)",
     }
+    engine_args = {
+        "screen_head": "on (default) or off: greedy and top-k sampling compute only the output head's "
+        "rows that can be chosen (the same tokens; spec/reference-engine.md)",
+    }
     accepted_values = {
         "mmap": (True,),
         "mlock": (False,),
@@ -115,7 +119,7 @@ class ReferenceEngine(LocalEngine):
         from stdengine.reference.tokenizer import Tokenizer, scan_for_tokenizer
 
         assert options.model is not None
-        refuse_engine_args("reference", options)
+        screen_head = screen_head_setting(check_engine_args(cls, options))
         check_isa_env()
         t0 = now_ms()
         header = scan_for_tokenizer(options.model)  # the file is read once, for model and tokenizer
@@ -138,6 +142,7 @@ class ReferenceEngine(LocalEngine):
             n_ubatch=options.ubatch_size,
             cache_type_k=options.cache_type_k,
             cache_type_v=options.cache_type_v,
+            screen_head=screen_head,
         )
         engine = cls(model, tokenizer, ctx, options, events)
         events.emit(
@@ -211,6 +216,7 @@ class ReferenceEngine(LocalEngine):
             n_ubatch=c.n_ubatch,
             cache_type_k=c.cache_type_k,
             cache_type_v=c.cache_type_v,
+            screen_head=c.screen_head,
         )
         return ReferenceEngine(self.model, self.tokenizer, ctx, self.options, self.events)
 
@@ -254,7 +260,7 @@ class ReferenceEngine(LocalEngine):
         return n
 
     def _evaluate(self, tokens: list[int]) -> None:
-        self.ctx.decode(tokens)
+        self.ctx.evaluate(tokens)  # the head waits for the sampler (or for _logits_buffer)
         self.tokens.extend(tokens)
 
     def _evaluate_batch(self, items: list[tuple[LocalEngine, list[int]]]) -> None:
@@ -262,7 +268,7 @@ class ReferenceEngine(LocalEngine):
         the weights read once per pass; every context's logits as if it were evaluated alone).
         The contexts are this engine's new_context() family (one model). On an error nothing is
         evaluated and no context's tokens change."""
-        from stdengine.reference.core import decode_batch
+        from stdengine.reference.core import evaluate_batch
 
         if not items:
             return
@@ -271,7 +277,7 @@ class ReferenceEngine(LocalEngine):
             if not isinstance(e, ReferenceEngine):
                 raise InvalidRequest(f"a {self.name} batch cannot evaluate a context of engine {e.name!r}")
             engines.append(e)
-        decode_batch([e.ctx for e in engines], [toks for _, toks in items])
+        evaluate_batch([e.ctx for e in engines], [toks for _, toks in items])
         for e, toks in items:
             e.tokens.extend(toks)
 
@@ -286,3 +292,13 @@ class ReferenceEngine(LocalEngine):
         from stdengine.reference.tokenizer import StreamDecoder
 
         return StreamDecoder(self.tokenizer)
+
+
+def screen_head_setting(args: dict[str, str]) -> bool:
+    """-E screen_head=on|off (default on)"""
+    value = args.get("screen_head", "on")
+    if value not in ("on", "off"):
+        from stdengine.errors import UsageError
+
+        raise UsageError(f"-E screen_head takes on or off, not {value!r}", hint="-E screen_head=off")
+    return value == "on"

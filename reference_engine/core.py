@@ -167,6 +167,12 @@ def api() -> ctypes.CDLL:
         "se_decode": ([_vp, _vp, _i32, _vp], ctypes.c_int),
         "se_decode_batch": ([_vp, _i32, _vp, _vp], ctypes.c_int),
         "se_sample": ([_vp, _vp], _i32),
+        "se_context_set_lazy_head": ([_vp, _i32], ctypes.c_int),
+        "se_context_head": ([_vp], ctypes.c_int),
+        "se_context_screen_stats": ([_vp, _vp], None),
+        "se_model_screen_bytes": ([_vp], ctypes.c_size_t),
+        "se_context_screen": ([_vp, _i32, _vp, _vp, _i32], _i32),
+        "se_context_screen_bounds": ([_vp, _i32], _vp),
         "se_traits": ([ctypes.c_int], _vp),
         "se_row_size": ([ctypes.c_int, _i64], ctypes.c_size_t),
         "se_isa_name": ([], ctypes.c_char_p),
@@ -359,17 +365,22 @@ class Context:
     """An inference context: KV cache, scratch buffers and a thread pool, allocated once.
 
     Context(model, n_ctx=2048, n_threads=None, n_threads_batch=None, n_batch=2048, n_ubatch=512,
-            cache_type_k="f32", cache_type_v="f32")
+            cache_type_k="f32", cache_type_v="f32", screen_head=False)
       n_threads: threads for single-token decodes (default: the CPU count);
       n_threads_batch: threads for batches (default: n_threads);
       n_batch / n_ubatch: a decode is split into batches of n_batch tokens, each evaluated in
       forward passes of n_ubatch tokens (n_ubatch <= n_batch; clamped to n_ctx);
       cache_type_k / cache_type_v: the KV cache's keys and values, "f32" (exact) or "f16" (half
-      the memory: each value rounded to nearest even when stored; CACHE_TYPES).
+      the memory: each value rounded to nearest even when stored; CACHE_TYPES);
+      screen_head: evaluate() leaves the output head to sample(), which then computes only the
+      rows its sampler can choose where it needs just the top k (greedy, top-k): the same token,
+      fewer bytes read (spec/reference-engine.md, "Screening the output head").
 
     decode(tokens, all_logits=False) -> np.ndarray   float32 logits: (n_vocab,) of the last token,
         or (len(tokens), n_vocab) with all_logits. The (n_vocab,) array is a read-only view of the
         context's buffer, overwritten by the next decode: copy it to keep it.
+    evaluate(tokens)   the same without returning logits: with screen_head the head waits for
+        sample() (or for `logits`, which runs the full head).
     sample(params=None) -> int   the next token from the last logits (SamplingParams or any object
         with its attributes; None = greedy).
     n_past   tokens in the KV cache;  tokens   those tokens (a copy);  logits   last logits (view)
@@ -389,6 +400,7 @@ class Context:
         n_ubatch: int = 512,
         cache_type_k: str = "f32",
         cache_type_v: str = "f32",
+        screen_head: bool = False,
     ) -> None:
         self._h: int | None = None
         n_threads = n_threads or os.cpu_count() or 1
@@ -444,10 +456,13 @@ class Context:
             )
         self._h = h
         model._contexts.add(self)
+        self.screen_head = screen_head
+        c.se_context_set_lazy_head(h, int(screen_head))
         # Everything a hot call needs, bound once: functions, the handle, buffer addresses.
         self._decode_fn = c.se_decode
         self._sample_fn = c.se_sample
         self._n_past_fn = c.se_context_n_past
+        self._head_fn = c.se_context_head
         self._tok = np.zeros(n_ctx, dtype=np.int32)
         self._tok_addr = self._tok.ctypes.data
         buf = (ctypes.c_float * self.n_vocab).from_address(c.se_context_logits(h))
@@ -462,6 +477,16 @@ class Context:
 
     def decode(self, tokens: Any, all_logits: bool = False) -> np.ndarray:
         """Evaluate tokens (a sequence of ints or an int32 array) after the cached ones."""
+        out = self._decode(tokens, all_logits)
+        if not all_logits:
+            self._head_fn(self._h)
+        return out
+
+    def evaluate(self, tokens: Any) -> None:
+        """decode() without the logits: with screen_head, the head waits for sample()."""
+        self._decode(tokens, False)
+
+    def _decode(self, tokens: Any, all_logits: bool) -> np.ndarray:
         h = self._h
         if not h:
             raise EngineFailure("the context is closed")
@@ -546,13 +571,25 @@ class Context:
     @property
     def logits(self) -> np.ndarray:
         """The last decoded token's logits (read-only view, overwritten by the next decode)."""
+        if self._h:
+            self._head_fn(self._h)  # the full head, if it was left to the sampler
         return self._logits_view
 
     @property
     def logits_buffer(self) -> np.ndarray:
         """The same logits, writable: sample() reads this buffer, so a token mask written into it
         (stdengine.structured) applies to the next sample."""
+        if self._h:
+            self._head_fn(self._h)
         return self._logits
+
+    @property
+    def screen_stats(self) -> tuple[int, int, int]:
+        """(screened samples, rows they computed exactly, samples whose bounds were not numbers)"""
+        out = (ctypes.c_int64 * 3)()
+        if self._h:
+            api().se_context_screen_stats(self._h, out)
+        return (out[0], out[1], out[2])
 
     def reset(self) -> None:
         """Empties the KV cache (and re-arms the seed for the next sample)."""
@@ -599,11 +636,16 @@ def _store_tokens(dst: np.ndarray, tokens: Any, n_vocab: int) -> None:
 
 
 def decode_batch(contexts: Sequence[Context], token_lists: Sequence[Any]) -> list[np.ndarray]:
+    """evaluate_batch, then each context's last-token logits (its read-only `logits` view); each
+    is bit-identical to what contexts[i].decode(token_lists[i]) alone would give."""
+    evaluate_batch(contexts, token_lists)
+    return [ctx.logits for ctx in contexts]
+
+
+def evaluate_batch(contexts: Sequence[Context], token_lists: Sequence[Any]) -> None:
     """Evaluates token_lists[i] after the cached tokens of contexts[i], for every i, in shared
     forward passes (se_decode_batch: the weights are read once per pass, contexts[0]'s thread pool
-    and scratch do the work). The contexts must be distinct and of one Model. Returns each
-    context's last-token logits (its read-only `logits` view); each is bit-identical to what
-    contexts[i].decode(token_lists[i]) alone would give. On an error (ContextOverflow naming the
+    and scratch do the work). The contexts must be distinct and of one Model. On an error (ContextOverflow naming the
     context that does not fit, InvalidRequest) no context has changed."""
     n_seq = len(contexts)
     if n_seq == 0 or n_seq != len(token_lists):
@@ -644,7 +686,6 @@ def decode_batch(contexts: Sequence[Context], token_lists: Sequence[Any]) -> lis
         if rc == ERR_DEVICE:
             contexts[0]._raise(rc, 0)
         raise EngineFailure(f"the reference engine failed (code {rc})")
-    return [ctx.logits for ctx in contexts]
 
 
 _GREEDY = SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=0)

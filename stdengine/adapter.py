@@ -230,6 +230,8 @@ class Engine(ABC):
     option_map: ClassVar[dict[str, str]] = {}
     # options honoured only at these values (e.g. {"n_gpu_layers": (0,)} for a CPU-only engine)
     accepted_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    # the engine's own settings (-E key=value): key -> what it does and takes (`infer engines`)
+    engine_args: ClassVar[dict[str, str]] = {}
     # False for engines that take no model file (e.g. a remote server named by --url)
     needs_model_file: ClassVar[bool] = True
     # True for engines whose generate() takes GenerateRequest.prompt_tokens (a prompt of token ids)
@@ -364,18 +366,25 @@ def now_ms() -> float:
     return time.perf_counter() * 1e3
 
 
-def refuse_engine_args(engine: str, options: Options) -> None:
-    """For an engine whose every setting is a canonical option: any -E key is an error (an option
-    the engine cannot honour is never silently dropped)."""
-    if options.engine_args:
+def check_engine_args(cls: type[Engine], options: Options) -> dict[str, str]:
+    """The -E settings, each key one the engine declares (cls.engine_args); an unknown key is an
+    error (an engine-specific setting is never silently dropped)."""
+    unknown = sorted(set(options.engine_args) - set(cls.engine_args))
+    if unknown:
         from stdengine.errors import UnsupportedOption
 
+        valid = "; ".join(f"{k}: {v}" for k, v in cls.engine_args.items())
         raise UnsupportedOption(
-            f"engine '{engine}' takes no -E settings, got: {', '.join(sorted(options.engine_args))}",
-            hint="remove the -E flags (and any [engine_args] table of the config file); "
-            f"the {engine} engine's settings are the canonical options (`infer engines`)",
-            options=sorted(options.engine_args),
+            f"engine '{cls.name}' takes no -E settings, got: {', '.join(unknown)}"
+            if not cls.engine_args
+            else f"engine '{cls.name}' has no -E setting {', '.join(unknown)}",
+            hint=f"valid -E keys: {valid}"
+            if valid
+            else "remove the -E flags (and any [engine_args] table of the config file); "
+            f"the {cls.name} engine's settings are the canonical options (`infer engines`)",
+            options=unknown,
         )
+    return dict(options.engine_args)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -114,8 +114,9 @@ def infer_run(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
 
 
 def test_unknown_engine_args_are_refused_not_ignored(tiny):
-    """The reference engine has no -E settings: any key is an unsupported_option error naming it
-    (spec/options.md: engines refuse keys they do not know), in the API and on the command line."""
+    """The reference engine's one -E setting is screen_head: any other key is an unsupported_option
+    error naming it and the valid keys (spec/options.md: engines refuse keys they do not know), in
+    the API and on the command line; a bad value of screen_head is a usage error."""
     from stdengine.reference.adapter import ReferenceEngine
 
     from stdengine.errors import UnsupportedOption
@@ -125,13 +126,15 @@ def test_unknown_engine_args_are_refused_not_ignored(tiny):
         ReferenceEngine.load(options, Emitter(log_format="json", stream=io.StringIO()))
     r = infer_run("-m", str(tiny), "-E", "foo=bar", "-n", "2", "-p", "hi")
     assert r.returncode == 2, r.stderr
-    assert "error: engine 'reference' takes no -E settings, got: foo" in r.stderr
-    assert "hint: remove the -E flags" in r.stderr and r.stdout == ""
+    assert "error: engine 'reference' has no -E setting foo" in r.stderr
+    assert "hint: valid -E keys: screen_head: on (default) or off" in r.stderr and r.stdout == ""
+    r = infer_run("-m", str(tiny), "-E", "screen_head=maybe", "-n", "2", "-p", "hi")
+    assert r.returncode == 2 and "-E screen_head takes on or off, not 'maybe'" in r.stderr, r.stderr
     # the same key from a config file's [engine_args] table
     cfg = tiny.parent / "with-args.toml"
     cfg.write_text('[engine_args]\nkv_layout = "interleaved"\n')
     r = infer_run("--config", str(cfg), "-m", str(tiny), "-n", "2", "-p", "hi")
-    assert r.returncode == 2 and "got: kv_layout" in r.stderr
+    assert r.returncode == 2 and "no -E setting kv_layout" in r.stderr
 
 
 def test_unknown_infer_ref_isa_is_an_error_with_the_valid_names(tiny):

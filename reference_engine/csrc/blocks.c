@@ -369,6 +369,12 @@ void se_forward_output(se_context *c, int ith, int nth) {
             const se_ub_seg *sg = &c->ub_seg[si];
             if (sg->out) { src = c->x + (sg->start + sg->n - 1) * E; out = sg->ctx->logits; }
         }
+        if (c->ub_defer) { /* the head waits for the sampler (screen.c): keep its input */
+            const se_ub_seg *sg = &c->ub_seg[0];
+            while (!sg->out) sg++;
+            if (ith == 0) memcpy(sg->ctx->head_x, src, (size_t)E * sizeof(float));
+            return;
+        }
     } else if (!out) {
         out = c->ub_logits;
         if (n_out < c->ub_n) { /* gather the last rows into c->tmp, free by now */

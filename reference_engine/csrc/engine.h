@@ -157,6 +157,29 @@ SE_API int se_decode_batch(se_context *const *ctxs, int32_t n_seq, const int32_t
  * or SE_ERR_INVALID if nothing was decoded yet. */
 SE_API int32_t se_sample(se_context *c, const se_sampling_params *sp);
 
+/* The screened output head (issue 22; screen.c). With the lazy head on (off at creation), a
+ * decode that gives one context's last-token logits (se_decode without all_logits, or
+ * se_decode_batch of that one context) stops before the output head: the logits are pending.
+ * se_sample then computes only the rows its sampler can choose where it needs just the top k
+ * (greedy, or top_k <= 128, with penalties that only lower logits), and the token is the one the
+ * full head would give; otherwise it runs the full head first. se_context_head runs the full
+ * head if the logits are pending (call it before reading se_context_logits). Turning the lazy
+ * head off runs a pending head. Models whose head is not Q8_0, or is on a device, never defer. */
+SE_API int se_context_set_lazy_head(se_context *c, int32_t on); /* 2: as 1, and never fall back
+                                                                  * to the full head for speed (tests) */
+SE_API int se_context_head(se_context *c);
+/* out[0]: screened samples, out[1]: rows they computed exactly, out[2]: samples that found the
+ * bounds unusable (not numbers) and ran the full head */
+SE_API void se_context_screen_stats(const se_context *c, int64_t out[3]);
+/* For tests: the screen of the pending head for a top-k sampler (no penalties): its candidates'
+ * ids and exact logits (up to cap of them, in id order) and their count; -1 when it cannot
+ * screen. The logits stay pending. Afterwards se_context_screen_bounds gives every row's interval
+ * (upper 0: the lower ends, 1: the upper ends; n_vocab floats, NULL before any screen). */
+SE_API int32_t se_context_screen(se_context *c, int32_t k, int32_t *ids, float *logits, int32_t cap);
+SE_API const float *se_context_screen_bounds(const se_context *c, int32_t upper);
+/* Bytes of the model's screen plane (0 until the first screened sample builds it) */
+SE_API size_t se_model_screen_bytes(const se_model *m);
+
 /* Activation statistics, for importance matrices (`infer quantize --imatrix-from`). While set,
  * every forward pass on c adds, for each layer's four matmul inputs, the square of each input
  * activation to sum2 (per input column, in double) and the number of input rows to count. Per
@@ -196,6 +219,8 @@ SE_API int32_t se_model_gpu_layers(const se_model *m, int32_t *head);
 /* Shared by the engine's C files only. */
 #include "threadpool.h"
 
+#include <pthread.h>
+
 typedef struct {
     const void *data;  /* NULL: absent */
     int32_t type;      /* se_type */
@@ -220,6 +245,9 @@ struct se_model {
     float rope_bases[SE_MAX_ROPE_TABLES];
     int finalized;
     struct se_dev_model *dev;           /* the device part (backend.h); NULL: CPU only */
+    struct se_screen *screen;           /* the head's screen plane (screen.c), built at first use */
+    int screen_state;                   /* 0: not tried yet, 1: built, -1: the head cannot be screened */
+    pthread_mutex_t screen_lock;
 };
 
 /* One thread's private scratch. */
@@ -288,7 +316,32 @@ struct se_context {
     struct se_dev_ctx *dev;  /* this context's device KV caches and scratch; NULL: CPU only */
     int32_t layer0;          /* the first layer the CPU forward pass runs; it runs the prologue
                               * only from 0 (else the device ran the layers before) */
+    /* the lazy head (screen.c) */
+    int lazy_head;           /* se_context_set_lazy_head */
+    int head_pending;        /* 1: logits are stale; head_x holds the head's input (before its norm) */
+    int ub_defer;            /* this ubatch leaves its one output row's head pending */
+    float *head_x;           /* [n_embd] */
+    float *scr_lo, *scr_hi;  /* [n_vocab] the screen's bounds (allocated at the first screen) */
+    float *scr_top;          /* [pool threads][SE_SCREEN_MAX_K] each thread's largest lower bounds */
+    int32_t *scr_n;          /* [pool threads] how many, then each thread's candidates */
+    int32_t *scr_pen;        /* [n_ctx] the penalized tokens */
+    void *scr_act;           /* [pool threads] the token's activations as the bound kernels read them */
+    size_t scr_act_bytes;
+    int64_t screen_stats[3]; /* se_context_screen_stats */
+    int32_t screen_skip;     /* samples left that take the full head instead of a screen */
 };
+
+/* screen.c, for model.c, blocks.c and sampling.c */
+struct se_screen;
+int se_screen_possible(const se_model *m);
+void se_screen_free(struct se_screen *s);
+void se_screen_context_free(se_context *c);
+/* The candidates of a screened sample in c->cand (exact and penalized logits, in id order) and
+ * their count; -1 when it cannot screen (then the full head decides). window: the penalties'
+ * window (0: no penalties). */
+int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window);
+/* A logit after the penalties of a token seen n times in the window */
+float se_penalized(float l, int32_t n, const se_sampling_params *sp);
 #endif
 
 #endif

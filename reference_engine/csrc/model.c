@@ -89,6 +89,7 @@ se_model *se_model_new(const se_hparams *hp) {
     se_model *m = calloc(1, sizeof *m);
     if (!m) return NULL;
     m->hp = *hp;
+    pthread_mutex_init(&m->screen_lock, NULL);
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
     if (!m->layers) { free(m); return NULL; }
     for (int il = 0; il < hp->n_layer; il++) {
@@ -101,6 +102,8 @@ se_model *se_model_new(const se_hparams *hp) {
 void se_model_free(se_model *m) {
     if (!m) return;
     if (m->dev) se_dev_model_free(m->dev); /* its contexts were freed first (engine.h) */
+    se_screen_free(m->screen);
+    pthread_mutex_destroy(&m->screen_lock);
     free(m->layers);
     free(m);
 }
@@ -284,6 +287,7 @@ se_context *se_context_new(const se_model *m, const se_context_params *cp_in) {
     c->act_size = act_row * (size_t)U;
     for (int j = 0; j < 3; j++) c->act[j] = xalloc(c->act_size, &ok);
     c->logits = xalloc((size_t)V * sizeof(float), &ok);
+    c->head_x = xalloc((size_t)E * sizeof(float), &ok);
     c->cand = xalloc((size_t)V * sizeof(se_cand), &ok);
     c->counts = calloc((size_t)V, sizeof(int32_t));
     if (!c->counts) ok = 0;
@@ -325,6 +329,8 @@ void se_context_free(se_context *c) {
     free(c->rope);
     for (int j = 0; j < 3; j++) free(c->act[j]);
     free(c->logits); free(c->cand); free(c->counts);
+    free(c->head_x);
+    se_screen_context_free(c);
     free(c);
 }
 
@@ -357,11 +363,15 @@ static void prologue_job(void *arg, int ith, int nth) { se_forward_prologue(arg,
  * contexts then do not count them (n_past unchanged). */
 static int run_ubatch(se_context *c) {
     c->ub_nout = 0;
+    se_context *out = NULL; /* the context of the one output row, if one */
     for (int32_t si = 0; si < c->ub_nseg; si++) {
         const se_ub_seg *sg = &c->ub_seg[si];
         for (int32_t t = sg->start; t < sg->start + sg->n; t++) c->ub_rseg[t] = si;
         c->ub_nout += sg->out;
+        if (sg->out) out = sg->ctx;
     }
+    /* one context's last row, its logits not asked for yet: the head can wait (screen.c) */
+    c->ub_defer = c->ub_nout == 1 && !c->ub_out && out->lazy_head && se_screen_possible(c->m);
     int nth = c->ub_n == 1 ? c->cp.n_threads : c->cp.n_threads_batch;
     const struct se_dev_model *dm = c->m->dev;
     c->layer0 = 0;
@@ -374,6 +384,7 @@ static int run_ubatch(se_context *c) {
     if (!dm || !dm->head) se_pool_run(c->pool, nth, arch_of(c->m->hp.arch)->forward, c);
     for (int32_t si = 0; si < c->ub_nseg; si++) {
         se_ub_seg *sg = &c->ub_seg[si];
+        if (sg->out) sg->ctx->head_pending = c->ub_defer;
         memcpy(sg->ctx->tokens + sg->ctx->n_past, c->ub_tokens + sg->start, (size_t)sg->n * sizeof(int32_t));
         sg->ctx->n_past += sg->n;
     }
@@ -409,8 +420,10 @@ int se_decode(se_context *c, const int32_t *tokens, int32_t n, float *all_logits
             done += nu;
         }
     }
-    if (all_logits)
+    if (all_logits) {
+        c->head_pending = 0;
         memcpy(c->logits, all_logits + (size_t)(n - 1) * hp->n_vocab, (size_t)hp->n_vocab * sizeof(float));
+    }
     return SE_OK;
 }
 

@@ -60,17 +60,24 @@ static int32_t argmax(const float *x, int32_t n) {
     return best;
 }
 
-static int cand_desc(const void *a, const void *b) {
-    float x = ((const se_cand *)a)->logit, y = ((const se_cand *)b)->logit;
-    return (x < y) - (x > y);
+/* The candidates' order: higher logit first, the lower id first among equal logits. A total
+ * order, so that the top k and their order do not depend on which other rows were looked at (a
+ * screened head hands the sampler only its candidates, screen.c). */
+static int cand_before(const se_cand *a, const se_cand *b) {
+    return a->logit > b->logit || (a->logit == b->logit && a->id < b->id);
 }
 
-/* Min-heap on logit over h[0..k): sift element i down. */
+static int cand_desc(const void *a, const void *b) {
+    const se_cand *x = a, *y = b;
+    return cand_before(y, x) - cand_before(x, y);
+}
+
+/* Min-heap in that order over h[0..k) (the root comes last): sift element i down. */
 static void sift_down(se_cand *h, int32_t k, int32_t i) {
     for (;;) {
         int32_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < k && h[l].logit < h[m].logit) m = l;
-        if (r < k && h[r].logit < h[m].logit) m = r;
+        if (l < k && cand_before(&h[m], &h[l])) m = l;
+        if (r < k && cand_before(&h[m], &h[r])) m = r;
         if (m == i) return;
         se_cand t = h[i]; h[i] = h[m]; h[m] = t;
         i = m;
@@ -82,7 +89,7 @@ static void top_k(se_cand *cand, int32_t n, int32_t k) {
     if (k < n) {
         for (int32_t i = k / 2 - 1; i >= 0; i--) sift_down(cand, k, i);
         for (int32_t i = k; i < n; i++) {
-            if (cand[i].logit > cand[0].logit) {
+            if (cand_before(&cand[i], &cand[0])) {
                 cand[0] = cand[i]; /* i >= k, so nothing unread is overwritten */
                 sift_down(cand, k, 0);
             }
@@ -94,7 +101,6 @@ static void top_k(se_cand *cand, int32_t n, int32_t k) {
 int32_t se_sample(se_context *c, const se_sampling_params *sp) {
     if (!c || !sp || c->n_past < 1) return SE_ERR_INVALID;
     int32_t V = c->m->hp.n_vocab;
-    const float *logits = c->logits;
     if (!c->rng_seeded || sp->seed != c->rng_seed) rng_seed(c, sp->seed);
 
     int32_t window = sp->repeat_last_n < 0 ? c->cp.n_ctx : sp->repeat_last_n;
@@ -102,38 +108,42 @@ int32_t se_sample(se_context *c, const se_sampling_params *sp) {
     int penalize = window > 0 && (sp->repeat_penalty != 1.0f || sp->frequency_penalty != 0.0f ||
                                   sp->presence_penalty != 0.0f);
 
-    if (sp->temp <= 0 && !penalize) return argmax(logits, V); /* plain greedy: no copy */
-
+    /* a head left for the sampler: screened where the sampler needs only the top k, in which
+     * case cand holds every row that can be in it, exact and penalized, in id order */
     se_cand *cand = c->cand;
-    for (int32_t i = 0; i < V; i++) {
-        cand[i].id = i;
-        cand[i].logit = logits[i];
-    }
-    if (penalize) {
-        const int32_t *hist = c->tokens + (c->n_past - window);
-        for (int32_t i = 0; i < window; i++) c->counts[hist[i]]++;
-        for (int32_t i = 0; i < window; i++) {
-            int32_t tok = hist[i], n = c->counts[tok];
-            if (n == 0) continue; /* already done (a repeated token) */
-            float *l = &cand[tok].logit;
-            *l = *l <= 0 ? *l * sp->repeat_penalty : *l / sp->repeat_penalty;
-            *l -= (float)n * sp->frequency_penalty + sp->presence_penalty;
-            c->counts[tok] = 0; /* leaves counts all zero again for the next call */
+    int32_t n = c->head_pending ? se_screen_candidates(c, sp, penalize ? window : 0) : -1;
+    if (n < 0) {
+        se_context_head(c);
+        const float *logits = c->logits;
+        if (sp->temp <= 0 && !penalize) return argmax(logits, V); /* plain greedy: no copy */
+        for (int32_t i = 0; i < V; i++) {
+            cand[i].id = i;
+            cand[i].logit = logits[i];
+        }
+        n = V;
+        if (penalize) {
+            const int32_t *hist = c->tokens + (c->n_past - window);
+            for (int32_t i = 0; i < window; i++) c->counts[hist[i]]++;
+            for (int32_t i = 0; i < window; i++) {
+                int32_t tok = hist[i];
+                if (c->counts[tok] == 0) continue; /* already done (a repeated token) */
+                cand[tok].logit = se_penalized(cand[tok].logit, c->counts[tok], sp);
+                c->counts[tok] = 0; /* leaves counts all zero again for the next call */
+            }
         }
     }
     if (sp->temp <= 0) {
         int32_t best = 0;
-        for (int32_t i = 1; i < V; i++)
+        for (int32_t i = 1; i < n; i++)
             if (cand[i].logit > cand[best].logit) best = i;
-        return best;
+        return cand[best].id;
     }
 
     /* top-k (sorted descending afterwards, which top-p needs) */
-    int32_t n = V;
     int sorted = 0;
     if (sp->top_k > 0 && sp->top_k < V) {
+        top_k(cand, n, sp->top_k);
         n = sp->top_k;
-        top_k(cand, V, n);
         sorted = 1;
     }
     /* top-p: the smallest prefix whose probability reaches p */

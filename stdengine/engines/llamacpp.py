@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stdengine.adapter import EngineInfo, SamplingParams, check_token_ids, now_ms, refuse_engine_args
+from stdengine.adapter import EngineInfo, SamplingParams, check_engine_args, check_token_ids, now_ms
 from stdengine.errors import BadModelFile, EngineFailure, InvalidRequest, UnsupportedOption
 from stdengine.generation import Utf8Stream, choose_chat_template, template_level
 from stdengine.gguf_file import ggml_type
@@ -182,7 +182,7 @@ class LlamaCppEngine(LocalEngine):
 
     @classmethod
     def load(cls, options: Options, events: Emitter) -> LlamaCppEngine:
-        refuse_engine_args("llamacpp", options)
+        check_engine_args(cls, options)
         lib = _lib()
         _install_log_callback(options.verbosity > 0)
         lib.llama_backend_init()

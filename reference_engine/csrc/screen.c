@@ -1,0 +1,409 @@
+/* The screened output head (issue 22; screen.h has the plane and the bound, spec/reference-engine.md
+ * "Screening the output head" the proof and the measurements).
+ *
+ * A context with the lazy head on (se_context_set_lazy_head) does not run the head in a decode
+ * whose logits nobody asked for (one sequence's last token, no all_logits): it keeps the head's
+ * input (head_x) and marks the logits pending. Then
+ *   - se_sample, when the sampler needs only the top k (greedy: k = 1; top-k up to
+ *     SE_SCREEN_MAX_K; penalties that only lower logits), screens: it bounds every row's logit
+ *     from the 5-bit plane, computes exactly (with the head's own kernel, so with the full head's
+ *     bits) the rows whose upper bound reaches the k-th largest lower bound, and samples from
+ *     them: the same token the full head would give;
+ *   - anything else (se_context_head: the logits themselves, any other sampler) runs the full
+ *     head first.
+ * The plane is built once per model, at the first screened sample (about 65% of a Q8_0 head's
+ * bytes). Models whose head is not Q8_0, or is on a device, are never screened.
+ */
+#define _GNU_SOURCE
+#define SE_ENGINE_INTERNAL
+#include "engine.h"
+#include "blocks.h"
+#include "kernels.h"
+#include "screen.h"
+#include "backend.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ggml's Q8_0 block, the head's type (kernels.h has it as se_blk_q8_0, for the kernels' files only) */
+#define SE_QK 32
+typedef struct { uint16_t d; int8_t qs[SE_QK]; } se_blk_q8_0;
+_Static_assert(sizeof(se_blk_q8_0) == 34, "a Q8_0 block is 34 bytes");
+
+/* ---------------------------------------------------------------------------------------------
+ * The plane (built once per model)
+ */
+
+/* Whether the model's head could be screened at all (before the plane is built) */
+int se_screen_possible(const se_model *m) {
+    return m->screen_state >= 0 && m->output.type == SE_Q8_0 && m->output.ne0 % (2 * SE_QK) == 0 &&
+           m->output.ne0 / SE_QK <= SE_SCREEN_MAX_NB && !(m->dev && m->dev->head);
+}
+
+typedef struct {
+    se_screen *s;
+    const se_tensor *w;
+    int bad[64]; /* per thread: a scale that is negative or not finite (the bound assumes d >= 0) */
+} build_job;
+
+static void build_rows(void *arg, int ith, int nth) {
+    build_job *j = arg;
+    const se_screen *s = j->s;
+    int64_t r0, r1, nb = s->nb, nbp = s->nbp;
+    se_split(s->n_rows, ith, nth, 1, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        const se_blk_q8_0 *src = (const se_blk_q8_0 *)((const char *)j->w->data + (size_t)r * j->w->row_size);
+        uint8_t *row = s->rows + (size_t)r * s->row_size;
+        uint16_t *d = (uint16_t *)row;
+        uint8_t *nib = row + 2 * nbp, *bits = nib + 16 * nb;
+        memset(row, 0, s->row_size);
+        for (int64_t b = 0; b < nb; b++) {
+            float df = se_fp16_to_fp32(src[b].d);
+            if (!(df >= 0) || !isfinite(df)) j->bad[ith] = 1;
+            d[b] = src[b].d;
+            uint8_t *pair = nib + 32 * (b / 2), *group = bits + 32 * (b / 8);
+            for (int i = 0; i < SE_QK; i++) {
+                uint8_t h = (uint8_t)((uint8_t)(src[b].qs[i] + 128) >> 3);
+                pair[i] |= (uint8_t)((h & 15) << (b % 2 * 4));
+                group[i] |= (uint8_t)((h >> 4) << (b % 8));
+            }
+        }
+    }
+}
+
+/* The model's plane, built on c's pool the first time (the contexts of a model may ask from
+ * several threads at once: the lock). NULL when the head cannot be screened. */
+static const se_screen *screen_of(se_context *c) {
+    se_model *m = (se_model *)c->m; /* the plane is the model's, built once, then read only */
+    pthread_mutex_lock(&m->screen_lock);
+    if (m->screen_state == 0) {
+        se_screen *s = se_screen_possible(m) ? calloc(1, sizeof *s) : NULL;
+        m->screen_state = -1; /* until it is built */
+        if (s) {
+            s->nb = m->output.ne0 / SE_QK;
+            s->nbp = (s->nb + 7) / 8 * 8;
+            s->n_rows = m->output.ne1;
+            s->row_size = (size_t)(2 * s->nbp + 16 * s->nb + 4 * s->nbp);
+            if (posix_memalign((void **)&s->rows, 64, s->row_size * (size_t)s->n_rows) != 0) s->rows = NULL;
+        }
+        if (s && s->rows) {
+            build_job j = { .s = s, .w = &m->output };
+            int nth = c->cp.n_threads_batch < 64 ? c->cp.n_threads_batch : 64;
+            se_pool_run(c->pool, nth, build_rows, &j);
+            int bad = 0;
+            for (int i = 0; i < nth; i++) bad |= j.bad[i];
+            if (!bad) { m->screen = s; m->screen_state = 1; s = NULL; }
+        }
+        if (s) { free(s->rows); free(s); }
+    }
+    pthread_mutex_unlock(&m->screen_lock);
+    return m->screen_state == 1 ? m->screen : NULL;
+}
+
+void se_screen_free(se_screen *s) {
+    if (s) { free(s->rows); free(s); }
+}
+
+size_t se_model_screen_bytes(const se_model *m) {
+    return m && m->screen ? m->screen->row_size * (size_t)m->screen->n_rows : 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The bound kernel, portable
+ */
+
+void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t r0, int64_t r1, float *lo,
+                             float *hi) {
+    const int64_t nb = s->nb;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = s->rows + (size_t)r * s->row_size;
+        const uint16_t *d = (const uint16_t *)row;
+        const uint8_t *nib = row + 2 * s->nbp, *bits = nib + 16 * nb;
+        float l = 0, h = 0;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *pair = nib + 32 * (b / 2), *group = bits + 32 * (b / 8);
+            const int8_t *x = a->xq + 32 * b;
+            int32_t sum = 0;
+            for (int i = 0; i < SE_QK; i++)
+                sum += (int32_t)((pair[i] >> (b % 2 * 4) & 15) | (group[i] >> (b % 8) & 1) << 4) * x[i];
+            float dd = se_fp16_to_fp32(d[b]) * a->dx[b];
+            l += dd * (float)(8 * sum + a->lo_c[b]);
+            h += dd * (float)(8 * sum + a->hi_c[b]);
+        }
+        lo[r] = l;
+        hi[r] = h;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The head, full or screened
+ */
+
+/* What the screen of one sample needs on every thread */
+typedef struct {
+    se_context *c;
+    const se_screen *s;
+    const se_sampling_params *sp;
+    int k;
+    const int32_t *pen; /* the penalized tokens, ascending, and how many */
+    int32_t n_pen;
+} screen_job;
+
+/* This thread's activations of the head (the output norm, then the head's act type): the forward
+ * pass would have made the same ones */
+static void head_acts(se_context *c, int ith, int nth, se_acts *a) {
+    const se_model *m = c->m;
+    const se_tensor *w[1] = { &m->output };
+    se_prep_acts(c, ith, nth, c->head_x, m->hp.n_embd, 1, m->output_norm.data, w, 1, a);
+}
+
+static void full_head(void *arg, int ith, int nth) {
+    se_context *c = arg;
+    se_acts a;
+    head_acts(c, ith, nth, &a);
+    int64_t r0, r1;
+    se_split(c->m->hp.n_vocab, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    se_matmul_rows(&c->m->output, &a, 1, c->logits, c->m->hp.n_vocab, r0, r1);
+}
+
+int se_context_head(se_context *c) {
+    if (!c) return SE_ERR_INVALID;
+    if (c->head_pending) {
+        se_pool_run(c->pool, c->cp.n_threads, full_head, c);
+        c->head_pending = 0;
+    }
+    return SE_OK;
+}
+
+int se_context_set_lazy_head(se_context *c, int32_t on) {
+    if (!c) return SE_ERR_INVALID;
+    if (!on) se_context_head(c); /* nothing stays pending once it is off */
+    c->lazy_head = on == 2 ? 2 : on != 0;
+    return SE_OK;
+}
+
+void se_context_screen_stats(const se_context *c, int64_t out[3]) {
+    for (int i = 0; i < 3; i++) out[i] = c->screen_stats[i];
+}
+
+/* The exact logit of row r (the head's own kernel, one row: the bits of the full head's) */
+static float exact_row(const se_context *c, const se_acts *a, int64_t r) {
+    const se_tensor *w = &c->m->output;
+    float y;
+    se_matmul(w->type, (const char *)w->data + (size_t)r * w->row_size, w->ne0, a->ptr[0], 1, &y, 1, 0, 1);
+    return y;
+}
+
+/* The sampler's penalty of a token seen n times in its window (sampling.c applies the same) */
+float se_penalized(float l, int32_t n, const se_sampling_params *sp) {
+    l = l <= 0 ? l * sp->repeat_penalty : l / sp->repeat_penalty;
+    return l - ((float)n * sp->frequency_penalty + sp->presence_penalty);
+}
+
+/* This token's activations in the kernels' form (screen.h), from the head's Q8_0 activations */
+static void screen_act(const se_context *c, const se_acts *a, int ith, se_screen_act *out) {
+    const int64_t nb = c->m->output.ne0 / SE_QK, nbp = (nb + 7) / 8 * 8;
+    char *buf = (char *)c->scr_act + (size_t)ith * c->scr_act_bytes;
+    int8_t *xq = (int8_t *)buf;
+    float *dx = (float *)(buf + nbp * 32);
+    int32_t *lo_c = (int32_t *)(dx + nbp), *hi_c = lo_c + nbp;
+    const se_blk_q8_0 *x = a->ptr[0];
+    memset(buf, 0, c->scr_act_bytes);
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t sum = 0, neg = 0, pos = 0;
+        for (int i = 0; i < SE_QK; i++) {
+            int32_t v = x[b].qs[i];
+            xq[32 * b + i] = (int8_t)v;
+            sum += v;
+            if (v < 0) neg += v; else pos += v;
+        }
+        dx[b] = se_fp16_to_fp32(x[b].d);
+        lo_c[b] = -128 * sum + 7 * neg;
+        hi_c[b] = -128 * sum + 7 * pos;
+    }
+    *out = (se_screen_act){ xq, dx, lo_c, hi_c };
+}
+
+/* Min-heap of the k largest values seen */
+static void heap_push(float *h, int k, int *n, float v) {
+    if (*n < k) {
+        int i = (*n)++;
+        h[i] = v;
+        while (i > 0 && h[(i - 1) / 2] > h[i]) {
+            float t = h[i]; h[i] = h[(i - 1) / 2]; h[(i - 1) / 2] = t;
+            i = (i - 1) / 2;
+        }
+    } else if (v > h[0]) {
+        int i = 0;
+        h[0] = v;
+        for (;;) {
+            int l = 2 * i + 1, r = l + 1, m = i;
+            if (l < k && h[l] < h[m]) m = l;
+            if (r < k && h[r] < h[m]) m = r;
+            if (m == i) break;
+            float t = h[i]; h[i] = h[m]; h[m] = t;
+            i = m;
+        }
+    }
+}
+
+#define SCREEN_BACKOFF 32 /* samples that take the full head after a screen that left too many rows */
+#define SCREEN_AHEAD 6 /* candidates whose rows are asked for before they are computed */
+
+static void screen_rows(void *arg, int ith, int nth) {
+    screen_job *j = arg;
+    se_context *c = j->c;
+    const int64_t V = c->m->hp.n_vocab;
+    const int k = j->k;
+    se_acts a;
+    head_acts(c, ith, nth, &a);
+    se_screen_act xa;
+    screen_act(c, &a, ith, &xa);
+    int64_t r0, r1;
+    se_split(V, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    float *lo = c->scr_lo, *hi = c->scr_hi;
+    se_screen_bounds_fn bounds = se_isa_in_use() >= SE_ISA_AVX2 && se_screen_bounds_avx2 ? se_screen_bounds_avx2
+                                                                                         : se_screen_bounds_scalar;
+    if (r1 > r0) bounds(j->s, &xa, r0, r1, lo, hi);
+    /* Widen each interval by a bound on float rounding: the kernels' sums and the head's own,
+     * each under 2^-14 of a row's sum of |d*dx*block sums| (nb <= SE_SCREEN_MAX_NB terms), which
+     * is at most 511/7 times the interval's width (spec/reference-engine.md) */
+    int numbers = 1;
+    for (int64_t r = r0; r < r1; r++) {
+        float m = (hi[r] - lo[r]) * 0x1p-7f;
+        lo[r] -= m;
+        hi[r] += m;
+        numbers &= lo[r] <= hi[r]; /* false for a NaN */
+    }
+    /* the penalized rows: exact, penalized, an interval of one point */
+    int32_t p0 = 0;
+    while (p0 < j->n_pen && j->pen[p0] < r0) p0++;
+    for (int32_t p = p0; p < j->n_pen && j->pen[p] < r1; p++) {
+        int32_t t = j->pen[p];
+        lo[t] = hi[t] = se_penalized(exact_row(c, &a, t), c->counts[t], j->sp);
+    }
+    /* this thread's k largest lower bounds */
+    float *top = c->scr_top + (size_t)ith * SE_SCREEN_MAX_K;
+    int n = 0;
+    for (int64_t r = r0; r < r1; r++) heap_push(top, k, &n, lo[r]);
+    c->scr_n[ith] = numbers ? n : -1;
+    se_pool_barrier(c->pool);
+    /* the threshold: the k-th largest of every thread's (each thread finds the same) */
+    float all[SE_SCREEN_MAX_K];
+    int na = 0;
+    for (int t = 0; t < nth; t++)
+        if (c->scr_n[t] < 0) na = -SE_SCREEN_MAX_K * nth; /* no threshold: the full head decides */
+    for (int t = 0; t < nth && na >= 0; t++)
+        for (int i = 0; i < c->scr_n[t]; i++) heap_push(all, k, &na, c->scr_top[(size_t)t * SE_SCREEN_MAX_K + i]);
+    se_pool_barrier(c->pool); /* everyone has read scr_n before it is reused below */
+    int32_t n_cand = 0;
+    if (na == k) {
+        const float thr = all[0];
+        se_cand *out = c->cand + r0;
+        for (int64_t r = r0; r < r1; r++)
+            if (hi[r] >= thr) out[n_cand++] = (se_cand){ (int32_t)r, lo[r] };
+        /* the candidates' exact logits (the penalized rows have theirs), their rows asked for
+         * from memory a few candidates ahead: they lie anywhere in the head */
+        const se_tensor *w = &c->m->output;
+        int32_t p = p0;
+        for (int32_t i = 0; i < n_cand; i++) {
+            if (i + SCREEN_AHEAD < n_cand) {
+                const char *next = (const char *)w->data + (size_t)out[i + SCREEN_AHEAD].id * w->row_size;
+                for (size_t o = 0; o < w->row_size; o += 64) __builtin_prefetch(next + o);
+            }
+            while (p < j->n_pen && j->pen[p] < out[i].id) p++;
+            if (!(p < j->n_pen && j->pen[p] == out[i].id)) out[i].logit = exact_row(c, &a, out[i].id);
+        }
+    }
+    c->scr_n[ith] = n_cand;
+}
+
+/* The k a screen serves for these sampling parameters, 0 when the sampler needs more than the top
+ * of the distribution (no top-k at temperature > 0) or its penalties could raise a logit */
+static int screen_k(const se_sampling_params *sp) {
+    if (!(sp->repeat_penalty >= 1) || !(sp->frequency_penalty >= 0) || !(sp->presence_penalty >= 0)) return 0;
+    if (sp->temp <= 0) return 1;
+    return sp->top_k >= 1 && sp->top_k <= SE_SCREEN_MAX_K ? sp->top_k : 0;
+}
+
+static int cmp_i32(const void *x, const void *y) {
+    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
+    return (a > b) - (a < b);
+}
+
+static int screen_buffers(se_context *c) {
+    if (c->scr_lo) return 1;
+    const int64_t V = c->m->hp.n_vocab, nbp = (c->m->output.ne0 / SE_QK + 7) / 8 * 8;
+    int n_thr = se_pool_size(c->pool);
+    c->scr_act_bytes = (size_t)nbp * (32 + 3 * 4);
+    c->scr_lo = malloc((size_t)V * sizeof(float));
+    c->scr_hi = malloc((size_t)V * sizeof(float));
+    c->scr_top = malloc((size_t)n_thr * SE_SCREEN_MAX_K * sizeof(float));
+    c->scr_n = malloc((size_t)n_thr * sizeof(int32_t));
+    c->scr_act = malloc((size_t)n_thr * c->scr_act_bytes);
+    c->scr_pen = malloc((size_t)c->cp.n_ctx * sizeof(int32_t));
+    if (c->scr_lo && c->scr_hi && c->scr_top && c->scr_n && c->scr_act && c->scr_pen) return 1;
+    se_screen_context_free(c);
+    return 0;
+}
+
+void se_screen_context_free(se_context *c) {
+    free(c->scr_lo); free(c->scr_hi); free(c->scr_top); free(c->scr_n); free(c->scr_act); free(c->scr_pen);
+    c->scr_lo = c->scr_hi = c->scr_top = NULL;
+    c->scr_n = c->scr_pen = NULL;
+    c->scr_act = NULL;
+}
+
+int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window) {
+    int k = c->head_pending ? screen_k(sp) : 0;
+    if (k && c->screen_skip > 0 && c->lazy_head != 2) { /* the last screen left too many rows: the full head for a while */
+        c->screen_skip--;
+        return -1;
+    }
+    const se_screen *s = k ? screen_of(c) : NULL;
+    if (!s || !screen_buffers(c)) return -1;
+    /* the penalized tokens, ascending, once each (counts holds their occurrences meanwhile) */
+    int32_t *pen = c->scr_pen, n_pen = 0;
+    const int32_t *hist = c->tokens + (c->n_past - window);
+    for (int32_t i = 0; i < window; i++)
+        if (c->counts[hist[i]]++ == 0) pen[n_pen++] = hist[i];
+    qsort(pen, (size_t)n_pen, sizeof *pen, cmp_i32);
+    screen_job j = { c, s, sp, k, pen, n_pen };
+    int nth = c->cp.n_threads;
+    se_pool_run(c->pool, nth, screen_rows, &j);
+    for (int32_t i = 0; i < n_pen; i++) c->counts[pen[i]] = 0;
+    /* the threads' candidates, in row order, to the front of cand */
+    int32_t n = 0;
+    for (int t = 0; t < nth; t++) {
+        int64_t r0, r1;
+        se_split(c->m->hp.n_vocab, t, nth, SPLIT_ALIGN, &r0, &r1);
+        memmove(c->cand + n, c->cand + r0, (size_t)c->scr_n[t] * sizeof(se_cand));
+        n += c->scr_n[t];
+    }
+    if (n < k) { /* a bound that is not a number (the input was not): the full head decides */
+        c->screen_stats[2]++;
+        return -1;
+    }
+    c->screen_stats[0]++;
+    c->screen_stats[1] += n;
+    /* Past an eighth of the rows the exact rows (read one by one) and the plane cost about what
+     * the full head does: the next SCREEN_BACKOFF samples take the full head, then it tries again */
+    if (n > c->m->hp.n_vocab / 8) c->screen_skip = SCREEN_BACKOFF;
+    return n;
+}
+
+int32_t se_context_screen(se_context *c, int32_t k, int32_t *ids, float *logits, int32_t cap) {
+    if (!c || k < 1 || k > SE_SCREEN_MAX_K || (cap > 0 && (!ids || !logits))) return SE_ERR_INVALID;
+    se_sampling_params sp = { .temp = 1, .top_k = k, .top_p = 1, .repeat_penalty = 1 };
+    int32_t n = se_screen_candidates(c, &sp, 0);
+    for (int32_t i = 0; i < n && i < cap; i++) {
+        ids[i] = c->cand[i].id;
+        logits[i] = c->cand[i].logit;
+    }
+    return n;
+}
+
+const float *se_context_screen_bounds(const se_context *c, int32_t upper) {
+    return upper ? c->scr_hi : c->scr_lo;
+}

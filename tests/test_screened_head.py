@@ -1,0 +1,149 @@
+"""The screened output head (issue 22; spec/reference-engine.md, "Screening the output head").
+
+Two promises, checked on both catalogue models against the full head computed by the same engine:
+- every row's exact logit lies inside the interval the 5-bit plane gives it, and the rows the
+  screen computes exactly (its candidates) hold the true top k, with the full head's bits;
+- generation with the screen gives exactly the tokens of generation without it, greedy and
+  sampled (top-k, top-p, min-p, penalties), over a thousand steps per model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+
+import numpy as np
+import pytest
+from stdengine.conformance.corpus import LOGIT_TEXTS
+
+from stdengine.adapter import SamplingParams
+from stdengine.events import Emitter
+from stdengine.options import Options
+
+ALWAYS = 2  # se_context_set_lazy_head: screen every sample, never fall back to the full head for speed
+
+SAMPLERS = {
+    "greedy": SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=0),
+    "top-k 40": SamplingParams(temp=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=7),
+    "top-k 10, penalties": SamplingParams(
+        temp=1.0,
+        top_k=10,
+        top_p=1.0,
+        min_p=0.0,
+        repeat_penalty=1.3,
+        repeat_last_n=64,
+        frequency_penalty=0.2,
+        presence_penalty=0.3,
+        seed=11,
+    ),
+}
+
+
+def load(path):
+    from stdengine.reference.adapter import ReferenceEngine
+
+    opts = Options(model=str(path), engine="reference", threads=2, ctx_size=1024)
+    return ReferenceEngine.load(opts, Emitter(stream=io.StringIO()))
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def engine(request):
+    e = load(request.getfixturevalue(f"{request.param}_path"))
+    yield e
+    e.close()
+
+
+def screen(ctx, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The candidates (ids, exact logits) of a top-k screen of the pending head, and every row's
+    interval (lower, upper ends)."""
+    from stdengine.reference.core import api
+
+    c, cap = api(), ctx.n_vocab
+    ids, vals = np.empty(cap, np.int32), np.empty(cap, np.float32)
+    n = c.se_context_screen(ctx._h, k, ids.ctypes.data, vals.ctypes.data, cap)
+    assert n >= k, f"the screen did not run (returned {n})"
+    bounds = [
+        np.ctypeslib.as_array(
+            (ctypes.c_float * cap).from_address(c.se_context_screen_bounds(ctx._h, u))
+        ).copy()
+        for u in (0, 1)
+    ]
+    return ids[:n], vals[:n], bounds[0], bounds[1]
+
+
+def test_every_logit_lies_in_its_interval_and_the_candidates_hold_the_top_k(engine):
+    """Teacher-forced over the conformance suite's logits texts: at every position, for k = 1 and
+    40, lower <= exact <= upper on every row, the true top k are candidates, and a candidate's
+    logit has the full head's bits."""
+    from stdengine.reference.core import api
+
+    ctx = engine.ctx
+    api().se_context_set_lazy_head(ctx._h, ALWAYS)
+    positions = 0
+    for text in LOGIT_TEXTS.values():
+        tokens = engine.tokenize(text)[:160]
+        ctx.reset()
+        ctx.evaluate(tokens[:8])
+        for tok in tokens[8:]:
+            ctx.evaluate([tok])
+            screens = {k: screen(ctx, k) for k in (1, 40)}
+            full = ctx.logits  # the full head (the screens left it pending)
+            for k, (ids, vals, lower, upper) in screens.items():
+                assert (lower <= full).all() and (full <= upper).all(), "a logit outside its interval"
+                assert np.all(np.diff(ids) > 0), "candidates in id order, each once"
+                kth = -np.partition(-full, k - 1)[k - 1]
+                top = np.flatnonzero(full >= kth)  # the top k, and every row tied with the k-th
+                assert np.isin(top, ids).all(), "a true top-k row was screened out"
+                assert np.array_equal(vals.view(np.uint32), full[ids].view(np.uint32))
+            positions += 1
+    api().se_context_set_lazy_head(ctx._h, 1)
+    assert positions >= 300
+
+
+def generate(ctx, prompt: list[int], sampler: SamplingParams, n: int, mode: int) -> tuple[list[int], tuple]:
+    from stdengine.reference.core import api
+
+    api().se_context_set_lazy_head(ctx._h, mode)
+    ctx.reset()
+    before = ctx.screen_stats
+    ctx.evaluate(prompt)
+    out = [ctx.sample(sampler)]
+    for _ in range(n - 1):
+        ctx.evaluate([out[-1]])
+        out.append(ctx.sample(sampler))
+    after = ctx.screen_stats
+    return out, tuple(b - a for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_screened_generation_gives_the_full_heads_tokens(engine, sampler):
+    """200 tokens from each of two prompts, with every sample screened and with the full head:
+    the same tokens (1200 steps per model over the three samplers)."""
+    ctx, sp = engine.ctx, SAMPLERS[sampler]
+    for text in ("The history of the printing press", "def fibonacci(n):"):
+        prompt = engine.tokenize(text)
+        screened, stats = generate(ctx, prompt, sp, 200, ALWAYS)
+        full, none = generate(ctx, prompt, sp, 200, 0)
+        assert screened == full
+        assert stats[0] == 200 and stats[2] == 0, stats  # every sample was screened
+        assert none == (0, 0, 0)
+    from stdengine.reference.core import api
+
+    api().se_context_set_lazy_head(ctx._h, 1)  # the engine's own setting again
+
+
+def test_samplers_that_need_the_whole_distribution_are_not_screened(engine):
+    """Top-p without top-k at temperature > 0, and penalties that raise logits, read the full head:
+    no screen runs (the tokens are the full head's by construction)."""
+    ctx = engine.ctx
+    prompt = engine.tokenize("Once upon a time")
+    for sp in (
+        SamplingParams(temp=0.8, top_k=0, top_p=0.9, min_p=0.0, repeat_penalty=1.0, seed=3),
+        SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=0.8, seed=3),
+        SamplingParams(temp=0.8, top_k=500, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=3),
+    ):
+        _, stats = generate(ctx, prompt, sp, 8, ALWAYS)
+        assert stats == (0, 0, 0), sp
+    from stdengine.reference.core import api
+
+    api().se_context_set_lazy_head(ctx._h, 1)
