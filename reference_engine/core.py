@@ -173,6 +173,7 @@ def api() -> ctypes.CDLL:
         "se_model_screen_bytes": ([_vp], ctypes.c_size_t),
         "se_context_screen": ([_vp, _i32, _vp, _vp, _i32], _i32),
         "se_context_screen_bounds": ([_vp, _i32], _vp),
+        "se_screen_bounds_test": ([_vp, _i64, _i64, _vp, _vp, _vp], ctypes.c_int),
         "se_traits": ([ctypes.c_int], _vp),
         "se_row_size": ([ctypes.c_int, _i64], ctypes.c_size_t),
         "se_isa_name": ([], ctypes.c_char_p),

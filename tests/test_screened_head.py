@@ -147,3 +147,57 @@ def test_samplers_that_need_the_whole_distribution_are_not_screened(engine):
     from stdengine.reference.core import api
 
     api().se_context_set_lazy_head(ctx._h, 1)
+
+
+def q8_rows(d: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q8_0 rows (ggml's layout: an f16 scale, then 32 int8) from scales [rows, nb], quants [rows, nb, 32]"""
+    rows, nb = d.shape
+    out = np.empty((rows, nb, 34), np.uint8)
+    out[..., :2] = d.astype(np.float16).reshape(rows, nb, 1).view(np.uint8)
+    out[..., 2:] = q.astype(np.int8).view(np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("isa_name", ["scalar", "avx2"])
+@pytest.mark.parametrize("n", [192, 576, 640])
+def test_the_bound_holds_and_is_reached(isa_name, n):
+    """The bound kernels against float64 numpy, on rows made to reach it: the low 3 bits of each
+    weight at 7 where the activation is positive and 0 elsewhere give the interval's upper end
+    exactly (and the opposite its lower end). Every exact logit, and the engine's own Q8_0 dot,
+    lies inside; the made rows sit at their end, within the rounding margin: a bound narrower
+    than the derivation's would fail here."""
+    from isa import using_isa
+    from stdengine.reference import kernels as K
+    from stdengine.reference.core import api
+
+    rng = np.random.default_rng(n)
+    nb = n // 32
+    act = K.quantize("q8_0", rng.standard_normal(n).astype(np.float32) * 3)[0]
+    blocks = act.reshape(nb, 34)
+    dx = blocks[:, :2].copy().view(np.float16)[:, 0].astype(np.float64)
+    xq = blocks[:, 2:].copy().view(np.int8).astype(np.int64)
+    high = rng.integers(0, 32, size=(96, nb, 32))
+    low = np.concatenate(
+        [
+            np.broadcast_to(np.where(xq > 0, 7, 0), (32, nb, 32)),  # the upper end
+            np.broadcast_to(np.where(xq < 0, 7, 0), (32, nb, 32)),  # the lower end
+            rng.integers(0, 8, size=(32, nb, 32)),
+        ]
+    )
+    q = 8 * high + low - 128
+    d = rng.uniform(0.001, 0.02, size=(96, nb)).astype(np.float16).astype(np.float64)
+    rows = q8_rows(d, q)
+    exact = ((q * xq).sum(-1) * d * dx).sum(-1)
+    lo, hi = np.empty(96, np.float32), np.empty(96, np.float32)
+    with using_isa(isa_name):
+        rc = api().se_screen_bounds_test(rows.ctypes.data, 96, n, act.ctypes.data, lo.ctypes.data, hi.ctypes.data)
+        assert rc == 0
+        engine = np.array([K.dot("q8_0", rows[r].reshape(-1), act, n) for r in range(96)])
+    assert (lo <= exact).all() and (exact <= hi).all()
+    assert (lo <= engine).all() and (engine <= hi).all()
+    width = hi.astype(np.float64) - lo
+    assert (hi[:32] - exact[:32] <= width[:32] * 2**-6).all(), "the upper end is not reached"
+    assert (exact[32:64] - lo[32:64] <= width[32:64] * 2**-6).all(), "the lower end is not reached"
+    d[5, 1] = -d[5, 1]  # the bound assumes d >= 0: a negative scale is refused
+    rows = q8_rows(d, q)
+    assert api().se_screen_bounds_test(rows.ctypes.data, 96, n, act.ctypes.data, lo.ctypes.data, hi.ctypes.data) < 0

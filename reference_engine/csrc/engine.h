@@ -177,6 +177,10 @@ SE_API void se_context_screen_stats(const se_context *c, int64_t out[3]);
  * (upper 0: the lower ends, 1: the upper ends; n_vocab floats, NULL before any screen). */
 SE_API int32_t se_context_screen(se_context *c, int32_t k, int32_t *ids, float *logits, int32_t cap);
 SE_API const float *se_context_screen_bounds(const se_context *c, int32_t upper);
+/* For tests: the intervals the screen gives rows (n_rows Q8_0 rows of n weights, n a multiple of
+ * 64) for one token's Q8_0 activations, with the kernel of the ISA in use. SE_ERR_INVALID for a
+ * bad shape or a negative scale. */
+SE_API int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const void *act, float *lo, float *hi);
 /* Bytes of the model's screen plane (0 until the first screened sample builds it) */
 SE_API size_t se_model_screen_bytes(const se_model *m);
 

@@ -47,29 +47,44 @@ typedef struct {
     int bad[64]; /* per thread: a scale that is negative or not finite (the bound assumes d >= 0) */
 } build_job;
 
-static void build_rows(void *arg, int ith, int nth) {
-    build_job *j = arg;
-    const se_screen *s = j->s;
-    int64_t r0, r1, nb = s->nb, nbp = s->nbp;
-    se_split(s->n_rows, ith, nth, 1, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        const se_blk_q8_0 *src = (const se_blk_q8_0 *)((const char *)j->w->data + (size_t)r * j->w->row_size);
-        uint8_t *row = s->rows + (size_t)r * s->row_size;
-        uint16_t *d = (uint16_t *)row;
-        uint8_t *nib = row + 2 * nbp, *bits = nib + 16 * nb;
-        memset(row, 0, s->row_size);
-        for (int64_t b = 0; b < nb; b++) {
-            float df = se_fp16_to_fp32(src[b].d);
-            if (!(df >= 0) || !isfinite(df)) j->bad[ith] = 1;
-            d[b] = src[b].d;
-            uint8_t *pair = nib + 32 * (b / 2), *group = bits + 32 * (b / 8);
-            for (int i = 0; i < SE_QK; i++) {
-                uint8_t h = (uint8_t)((uint8_t)(src[b].qs[i] + 128) >> 3);
-                pair[i] |= (uint8_t)((h & 15) << (b % 2 * 4));
-                group[i] |= (uint8_t)((h >> 4) << (b % 8));
-            }
+/* Row r of the plane from its Q8_0 row; 0 if a scale is negative or not finite (the bound
+ * assumes d >= 0) */
+static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
+    const int64_t nb = s->nb;
+    uint8_t *row = s->rows + (size_t)r * s->row_size;
+    uint16_t *d = (uint16_t *)row;
+    uint8_t *nib = row + 2 * s->nbp, *bits = nib + 16 * nb;
+    int ok = 1;
+    memset(row, 0, s->row_size);
+    for (int64_t b = 0; b < nb; b++) {
+        float df = se_fp16_to_fp32(src[b].d);
+        ok &= df >= 0 && isfinite(df);
+        d[b] = src[b].d;
+        uint8_t *pair = nib + 32 * (b / 2), *group = bits + 32 * (b / 8);
+        for (int i = 0; i < SE_QK; i++) {
+            uint8_t h = (uint8_t)((uint8_t)(src[b].qs[i] + 128) >> 3);
+            pair[i] |= (uint8_t)((h & 15) << (b % 2 * 4));
+            group[i] |= (uint8_t)((h >> 4) << (b % 8));
         }
     }
+    return ok;
+}
+
+static void build_rows(void *arg, int ith, int nth) {
+    build_job *j = arg;
+    int64_t r0, r1;
+    se_split(j->s->n_rows, ith, nth, 1, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++)
+        if (!build_row(j->s, (const se_blk_q8_0 *)((const char *)j->w->data + (size_t)r * j->w->row_size), r))
+            j->bad[ith] = 1;
+}
+
+/* A plane's shape for rows of n weights */
+static void screen_shape(se_screen *s, int64_t n, int64_t n_rows) {
+    s->nb = n / SE_QK;
+    s->nbp = (s->nb + 7) / 8 * 8;
+    s->n_rows = n_rows;
+    s->row_size = (size_t)(2 * s->nbp + 16 * s->nb + 4 * s->nbp);
 }
 
 /* The model's plane, built on c's pool the first time (the contexts of a model may ask from
@@ -81,10 +96,7 @@ static const se_screen *screen_of(se_context *c) {
         se_screen *s = se_screen_possible(m) ? calloc(1, sizeof *s) : NULL;
         m->screen_state = -1; /* until it is built */
         if (s) {
-            s->nb = m->output.ne0 / SE_QK;
-            s->nbp = (s->nb + 7) / 8 * 8;
-            s->n_rows = m->output.ne1;
-            s->row_size = (size_t)(2 * s->nbp + 16 * s->nb + 4 * s->nbp);
+            screen_shape(s, m->output.ne0, m->output.ne1);
             if (posix_memalign((void **)&s->rows, 64, s->row_size * (size_t)s->n_rows) != 0) s->rows = NULL;
         }
         if (s && s->rows) {
@@ -201,15 +213,16 @@ float se_penalized(float l, int32_t n, const se_sampling_params *sp) {
     return l - ((float)n * sp->frequency_penalty + sp->presence_penalty);
 }
 
-/* This token's activations in the kernels' form (screen.h), from the head's Q8_0 activations */
-static void screen_act(const se_context *c, const se_acts *a, int ith, se_screen_act *out) {
-    const int64_t nb = c->m->output.ne0 / SE_QK, nbp = (nb + 7) / 8 * 8;
-    char *buf = (char *)c->scr_act + (size_t)ith * c->scr_act_bytes;
-    int8_t *xq = (int8_t *)buf;
-    float *dx = (float *)(buf + nbp * 32);
+/* A token's activations in the kernels' form (screen.h) in buf (act_bytes(nb) bytes), from its
+ * Q8_0 activations x */
+static size_t act_bytes(int64_t nb) { return (size_t)((nb + 7) / 8 * 8) * (32 + 3 * 4); }
+
+static void make_act(const se_blk_q8_0 *x, int64_t nb, void *buf, se_screen_act *out) {
+    const int64_t nbp = (nb + 7) / 8 * 8;
+    int8_t *xq = buf;
+    float *dx = (float *)(xq + nbp * 32);
     int32_t *lo_c = (int32_t *)(dx + nbp), *hi_c = lo_c + nbp;
-    const se_blk_q8_0 *x = a->ptr[0];
-    memset(buf, 0, c->scr_act_bytes);
+    memset(buf, 0, act_bytes(nb));
     for (int64_t b = 0; b < nb; b++) {
         int32_t sum = 0, neg = 0, pos = 0;
         for (int i = 0; i < SE_QK; i++) {
@@ -223,6 +236,24 @@ static void screen_act(const se_context *c, const se_acts *a, int ith, se_screen
         hi_c[b] = -128 * sum + 7 * pos;
     }
     *out = (se_screen_act){ xq, dx, lo_c, hi_c };
+}
+
+/* Every row's interval for rows [r0, r1): the kernel's, widened by a bound on float rounding.
+ * The kernels' sums and the head's own each err by under 2^-14 of a row's sum of |d*dx*block
+ * sum| (nb <= SE_SCREEN_MAX_NB terms), and that sum is at most 511/7 times the interval's width
+ * (spec/reference-engine.md). Returns 0 if an interval is not one (a NaN). */
+static int bounds(const se_screen *s, const se_screen_act *xa, int64_t r0, int64_t r1, float *lo, float *hi) {
+    se_screen_bounds_fn fn = se_isa_in_use() >= SE_ISA_AVX2 && se_screen_bounds_avx2 ? se_screen_bounds_avx2
+                                                                                      : se_screen_bounds_scalar;
+    if (r1 > r0) fn(s, xa, r0, r1, lo, hi);
+    int numbers = 1;
+    for (int64_t r = r0; r < r1; r++) {
+        float m = (hi[r] - lo[r]) * 0x1p-7f;
+        lo[r] -= m;
+        hi[r] += m;
+        numbers &= lo[r] <= hi[r]; /* false for a NaN */
+    }
+    return numbers;
 }
 
 /* Min-heap of the k largest values seen */
@@ -259,23 +290,11 @@ static void screen_rows(void *arg, int ith, int nth) {
     se_acts a;
     head_acts(c, ith, nth, &a);
     se_screen_act xa;
-    screen_act(c, &a, ith, &xa);
+    make_act(a.ptr[0], j->s->nb, (char *)c->scr_act + (size_t)ith * c->scr_act_bytes, &xa);
     int64_t r0, r1;
     se_split(V, ith, nth, SPLIT_ALIGN, &r0, &r1);
     float *lo = c->scr_lo, *hi = c->scr_hi;
-    se_screen_bounds_fn bounds = se_isa_in_use() >= SE_ISA_AVX2 && se_screen_bounds_avx2 ? se_screen_bounds_avx2
-                                                                                         : se_screen_bounds_scalar;
-    if (r1 > r0) bounds(j->s, &xa, r0, r1, lo, hi);
-    /* Widen each interval by a bound on float rounding: the kernels' sums and the head's own,
-     * each under 2^-14 of a row's sum of |d*dx*block sums| (nb <= SE_SCREEN_MAX_NB terms), which
-     * is at most 511/7 times the interval's width (spec/reference-engine.md) */
-    int numbers = 1;
-    for (int64_t r = r0; r < r1; r++) {
-        float m = (hi[r] - lo[r]) * 0x1p-7f;
-        lo[r] -= m;
-        hi[r] += m;
-        numbers &= lo[r] <= hi[r]; /* false for a NaN */
-    }
+    int numbers = bounds(j->s, &xa, r0, r1, lo, hi);
     /* the penalized rows: exact, penalized, an interval of one point */
     int32_t p0 = 0;
     while (p0 < j->n_pen && j->pen[p0] < r0) p0++;
@@ -336,7 +355,7 @@ static int screen_buffers(se_context *c) {
     if (c->scr_lo) return 1;
     const int64_t V = c->m->hp.n_vocab, nbp = (c->m->output.ne0 / SE_QK + 7) / 8 * 8;
     int n_thr = se_pool_size(c->pool);
-    c->scr_act_bytes = (size_t)nbp * (32 + 3 * 4);
+    c->scr_act_bytes = act_bytes(nbp);
     c->scr_lo = malloc((size_t)V * sizeof(float));
     c->scr_hi = malloc((size_t)V * sizeof(float));
     c->scr_top = malloc((size_t)n_thr * SE_SCREEN_MAX_K * sizeof(float));
@@ -406,4 +425,24 @@ int32_t se_context_screen(se_context *c, int32_t k, int32_t *ids, float *logits,
 
 const float *se_context_screen_bounds(const se_context *c, int32_t upper) {
     return upper ? c->scr_hi : c->scr_lo;
+}
+
+int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const void *act, float *lo, float *hi) {
+    if (!rows || !act || !lo || !hi || n_rows < 1 || n % (2 * SE_QK) || n / SE_QK > SE_SCREEN_MAX_NB)
+        return SE_ERR_INVALID;
+    se_screen s;
+    screen_shape(&s, n, n_rows);
+    s.rows = malloc(s.row_size * (size_t)n_rows);
+    void *buf = malloc(act_bytes(s.nb));
+    int rc = s.rows && buf ? SE_OK : SE_ERR_NOMEM;
+    for (int64_t r = 0; rc == SE_OK && r < n_rows; r++)
+        if (!build_row(&s, (const se_blk_q8_0 *)rows + r * s.nb, r)) rc = SE_ERR_INVALID;
+    if (rc == SE_OK) {
+        se_screen_act xa;
+        make_act(act, s.nb, buf, &xa);
+        bounds(&s, &xa, 0, n_rows, lo, hi);
+    }
+    free(s.rows);
+    free(buf);
+    return rc;
 }
