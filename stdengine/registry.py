@@ -105,6 +105,7 @@ def describe() -> list[dict[str, Any]]:
                 honoured_options=sorted(cls.honoured_options()),
                 # options honoured at these values only (others are refused): name -> values
                 option_values={k: list(v) for k, v in sorted(cls.accepted_values.items())},
+                engine_args=dict(cls.engine_args),  # -E key -> what it does
                 available=available,
                 reason=reason,
             )
@@ -117,6 +118,7 @@ def describe() -> list[dict[str, Any]]:
                 devices=[],
                 honoured_options=[],
                 option_values={},
+                engine_args={},
                 available=False,
                 reason=f"failed to import: {type(e).__name__}: {e}",
             )

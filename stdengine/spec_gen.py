@@ -109,7 +109,7 @@ def _mapping_cell(cls: Any, name: str) -> str:
     if name in cls.accepted_values:
         return "only " + ", ".join(f"`{json.dumps(v)}`" for v in cls.accepted_values[name])
     if name == "engine_args":
-        return "see engine docs"
+        return ", ".join(f"`{k}`" for k in cls.engine_args) or "none"
     return "refused"
 
 

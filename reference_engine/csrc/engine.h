@@ -326,7 +326,8 @@ struct se_context {
     int ub_defer;            /* this ubatch leaves its one output row's head pending */
     float *head_x;           /* [n_embd] */
     float *scr_lo, *scr_hi;  /* [n_vocab] the screen's bounds (allocated at the first screen) */
-    float *scr_top;          /* [pool threads][SE_SCREEN_MAX_K] each thread's largest lower bounds */
+    se_cand *scr_top;        /* [pool threads][SE_SCREEN_MAX_K] each thread's rows of largest lower bound */
+    float *scr_exact;        /* [SE_SCREEN_MAX_K] the exact logits of the k rows of largest lower bound */
     int32_t *scr_n;          /* [pool threads] how many, then each thread's candidates */
     int32_t *scr_pen;        /* [n_ctx] the penalized tokens */
     void *scr_act;           /* [pool threads] the token's activations as the bound kernels read them */

@@ -256,27 +256,37 @@ static int bounds(const se_screen *s, const se_screen_act *xa, int64_t r0, int64
     return numbers;
 }
 
-/* Min-heap of the k largest values seen */
-static void heap_push(float *h, int k, int *n, float v) {
+/* Min-heap (by logit) of the k entries with the largest logits seen */
+static void heap_push(se_cand *h, int k, int *n, se_cand v) {
     if (*n < k) {
         int i = (*n)++;
         h[i] = v;
-        while (i > 0 && h[(i - 1) / 2] > h[i]) {
-            float t = h[i]; h[i] = h[(i - 1) / 2]; h[(i - 1) / 2] = t;
+        while (i > 0 && h[(i - 1) / 2].logit > h[i].logit) {
+            se_cand t = h[i]; h[i] = h[(i - 1) / 2]; h[(i - 1) / 2] = t;
             i = (i - 1) / 2;
         }
-    } else if (v > h[0]) {
+    } else if (v.logit > h[0].logit) {
         int i = 0;
         h[0] = v;
         for (;;) {
             int l = 2 * i + 1, r = l + 1, m = i;
-            if (l < k && h[l] < h[m]) m = l;
-            if (r < k && h[r] < h[m]) m = r;
+            if (l < k && h[l].logit < h[m].logit) m = l;
+            if (r < k && h[r].logit < h[m].logit) m = r;
             if (m == i) break;
-            float t = h[i]; h[i] = h[m]; h[m] = t;
+            se_cand t = h[i]; h[i] = h[m]; h[m] = t;
             i = m;
         }
     }
+}
+
+/* Whether token t is among the n penalized ones (ascending) */
+static int is_penalized(const int32_t *pen, int32_t n, int32_t t) {
+    int32_t a = 0, b = n;
+    while (a < b) {
+        int32_t m = (a + b) / 2;
+        if (pen[m] < t) a = m + 1; else b = m;
+    }
+    return a < n && pen[a] == t;
 }
 
 #define SCREEN_BACKOFF 32 /* samples that take the full head after a screen that left too many rows */
@@ -302,23 +312,28 @@ static void screen_rows(void *arg, int ith, int nth) {
         int32_t t = j->pen[p];
         lo[t] = hi[t] = se_penalized(exact_row(c, &a, t), c->counts[t], j->sp);
     }
-    /* this thread's k largest lower bounds */
-    float *top = c->scr_top + (size_t)ith * SE_SCREEN_MAX_K;
+    /* this thread's k rows of largest lower bound */
+    se_cand *top = c->scr_top + (size_t)ith * SE_SCREEN_MAX_K;
     int n = 0;
-    for (int64_t r = r0; r < r1; r++) heap_push(top, k, &n, lo[r]);
+    for (int64_t r = r0; r < r1; r++) heap_push(top, k, &n, (se_cand){ (int32_t)r, lo[r] });
     c->scr_n[ith] = numbers ? n : -1;
     se_pool_barrier(c->pool);
-    /* the threshold: the k-th largest of every thread's (each thread finds the same) */
-    float all[SE_SCREEN_MAX_K];
+    /* The k rows of largest lower bound of all (each thread finds the same ones), computed
+     * exactly: k rows whose logits are at least the smallest of theirs, a threshold above the
+     * k-th lower bound by about half an interval */
+    se_cand all[SE_SCREEN_MAX_K];
     int na = 0;
     for (int t = 0; t < nth; t++)
         if (c->scr_n[t] < 0) na = -SE_SCREEN_MAX_K * nth; /* no threshold: the full head decides */
     for (int t = 0; t < nth && na >= 0; t++)
         for (int i = 0; i < c->scr_n[t]; i++) heap_push(all, k, &na, c->scr_top[(size_t)t * SE_SCREEN_MAX_K + i]);
-    se_pool_barrier(c->pool); /* everyone has read scr_n before it is reused below */
+    for (int i = ith; i < na && na == k; i += nth)
+        c->scr_exact[i] = is_penalized(j->pen, j->n_pen, all[i].id) ? all[i].logit : exact_row(c, &a, all[i].id);
+    se_pool_barrier(c->pool); /* everyone has read scr_n and written its exact rows */
+    float thr = INFINITY;
+    for (int i = 0; i < na && na == k; i++) thr = c->scr_exact[i] < thr ? c->scr_exact[i] : thr;
     int32_t n_cand = 0;
-    if (na == k) {
-        const float thr = all[0];
+    if (na == k && thr == thr) { /* (not a NaN) */
         se_cand *out = c->cand + r0;
         for (int64_t r = r0; r < r1; r++)
             if (hi[r] >= thr) out[n_cand++] = (se_cand){ (int32_t)r, lo[r] };
@@ -358,18 +373,21 @@ static int screen_buffers(se_context *c) {
     c->scr_act_bytes = act_bytes(nbp);
     c->scr_lo = malloc((size_t)V * sizeof(float));
     c->scr_hi = malloc((size_t)V * sizeof(float));
-    c->scr_top = malloc((size_t)n_thr * SE_SCREEN_MAX_K * sizeof(float));
+    c->scr_top = malloc((size_t)n_thr * SE_SCREEN_MAX_K * sizeof(se_cand));
+    c->scr_exact = malloc(SE_SCREEN_MAX_K * sizeof(float));
     c->scr_n = malloc((size_t)n_thr * sizeof(int32_t));
     c->scr_act = malloc((size_t)n_thr * c->scr_act_bytes);
     c->scr_pen = malloc((size_t)c->cp.n_ctx * sizeof(int32_t));
-    if (c->scr_lo && c->scr_hi && c->scr_top && c->scr_n && c->scr_act && c->scr_pen) return 1;
+    if (c->scr_lo && c->scr_hi && c->scr_top && c->scr_exact && c->scr_n && c->scr_act && c->scr_pen) return 1;
     se_screen_context_free(c);
     return 0;
 }
 
 void se_screen_context_free(se_context *c) {
-    free(c->scr_lo); free(c->scr_hi); free(c->scr_top); free(c->scr_n); free(c->scr_act); free(c->scr_pen);
-    c->scr_lo = c->scr_hi = c->scr_top = NULL;
+    free(c->scr_lo); free(c->scr_hi); free(c->scr_top); free(c->scr_exact); free(c->scr_n); free(c->scr_act);
+    free(c->scr_pen);
+    c->scr_lo = c->scr_hi = c->scr_exact = NULL;
+    c->scr_top = NULL;
     c->scr_n = c->scr_pen = NULL;
     c->scr_act = NULL;
 }

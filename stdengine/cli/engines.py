@@ -57,4 +57,6 @@ def render(rows: list[dict[str, Any]], console: Any) -> None:
         only = [f"{k} {'|'.join(json.dumps(v) for v in vs)}" for k, vs in r["option_values"].items()]
         if only:
             grid.add_row("only at", escape(", ".join(only)))
+        for j, (key, what) in enumerate(r["engine_args"].items()):
+            grid.add_row("-E" if j == 0 else "", escape(f"{key}: {what}"))
         console.print(Padding(grid, (0, 0, 0 if i == len(rows) - 1 else 1, 2)))

@@ -131,6 +131,7 @@ class OpenAIEngine(Engine):
     capabilities = frozenset({"stream", "chat_template"})
     needs_model_file = False
     takes_prompt_tokens = True
+    engine_args = ENGINE_ARGS
     option_map = {
         "model": "the served model's name, sent as `model` (default: the first id of /v1/models)",
         "url": "base URL of the server (/v1 routes below it); OPENAI_BASE_URL when unset",

@@ -1,0 +1,166 @@
+"""Generation with and without the screened output head, beside llama.cpp, in one run (issue 22).
+
+    python -m stdengine.bench.screen_head [--models A,B] [--tokens 128] [--rounds 3]
+
+For each catalogue model and each sampler (greedy; top-k 40 with top-p 0.95 and min-p 0.05 at
+temperature 0.8, the CLI's defaults), it generates --tokens tokens after a short prompt with: the
+reference engine as it runs by default (the screen on), the reference engine with
+`-E screen_head=off`, and llama.cpp (the llamacpp engine), taking turns for --rounds rounds. The
+loop is the one `infer run` uses (evaluate one token, sample the next through the engine's own
+sampler) without the end-of-generation stop, so every run makes the same number of tokens; a
+token is counted from its evaluation to its sample. It checks that the screened tokens are the
+unscreened ones, and reports tokens/s (median, min-max), the rows each screened sample computed
+exactly (share of the vocabulary), the plane's memory (share of the head) and the time the first
+screened sample took to build it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import sys
+import time
+from typing import Any
+
+from stdengine.bench.compare_llamacpp import MODELS, machine
+from stdengine.bench.printers import md_table
+
+from stdengine.adapter import SamplingParams
+from stdengine.events import Emitter
+from stdengine.options import Options
+from stdengine.registry import engine_class
+from stdengine.store import resolve_model
+
+PROMPT = "The history of the printing press"
+SAMPLERS = {
+    "greedy": SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=1),
+    "top-k 40": SamplingParams(temp=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=1),
+}
+CONFIGS = {  # label -> (engine, -E settings)
+    "reference": ("reference", {}),
+    "reference, screen off": ("reference", {"screen_head": "off"}),
+    "llama.cpp": ("llamacpp", {}),
+}
+
+
+def load(engine: str, model: str, args: dict[str, str], threads: int) -> Any:
+    opts = Options(model=model, engine=engine, threads=threads, ctx_size=1024, engine_args=args)
+    return engine_class(engine).load(opts, Emitter(stream=io.StringIO()))
+
+
+def generate(engine: Any, sampler: SamplingParams, n: int) -> tuple[list[int], float]:
+    """n tokens after the prompt, as infer run makes them (no stop); tokens and tokens/s"""
+    engine.reset()
+    engine._prefill(engine.tokenize(PROMPT))
+    samples = engine._sample_tokens(sampler)
+    out = [next(samples)]
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine._step([out[-1]])
+        out.append(next(samples))
+    samples.close()
+    return out, n / (time.perf_counter() - t0)
+
+
+def first_sample_ms(model: str, threads: int) -> tuple[float, float]:
+    """The first screened sample of a fresh model (it builds the plane), and the next one"""
+    e = load("reference", model, {}, threads)
+    try:
+        e._prefill(e.tokenize(PROMPT))
+        greedy = SAMPLERS["greedy"]
+        t0 = time.perf_counter()
+        tok = e.ctx.sample(greedy)
+        t1 = time.perf_counter()
+        e._step([tok])
+        t2 = time.perf_counter()
+        e.ctx.sample(greedy)
+        t3 = time.perf_counter()
+        return 1e3 * (t1 - t0), 1e3 * (t3 - t2)
+    finally:
+        e.close()
+
+
+def study(model: str, n: int, rounds: int, threads: int) -> list[list[str]]:
+    from stdengine.reference.core import api
+
+    path = str(resolve_model(model))
+    build_ms, next_ms = first_sample_ms(path, threads)
+    engines = {label: load(eng, path, args, threads) for label, (eng, args) in CONFIGS.items()}
+    rows = []
+    try:
+        ref = engines["reference"]
+        head = ref.model.tensors.get("output.weight") or ref.model.tensors["token_embd.weight"]
+        for name, sampler in SAMPLERS.items():
+            speeds: dict[str, list[float]] = {label: [] for label in engines}
+            tokens: dict[str, list[int]] = {}
+            before = ref.ctx.screen_stats
+            for _ in range(rounds):
+                for label, e in engines.items():
+                    toks, speed = generate(e, sampler, n)
+                    speeds[label].append(speed)
+                    tokens.setdefault(label, toks)
+            if tokens["reference"] != tokens["reference, screen off"]:
+                raise SystemExit(f"{model} {name}: the screened tokens differ from the full head's")
+            after = ref.ctx.screen_stats
+            screened = after[0] - before[0]
+            per_step = (after[1] - before[1]) / screened if screened else 0.0
+            plane = api().se_model_screen_bytes(ref.model.handle)
+            base = statistics.median(speeds["reference, screen off"])
+            for label, s in speeds.items():
+                med = statistics.median(s)
+                is_ref = label == "reference"
+                rows.append(
+                    [
+                        model,
+                        name,
+                        label,
+                        f"{med:.1f} ({min(s):.1f}-{max(s):.1f})",
+                        f"{med / base:.2f}x",
+                        f"{screened / (rounds * (n + 1)):.0%}" if is_ref else "",
+                        f"{per_step / ref.n_vocab:.2%}" if is_ref else "",
+                        f"{plane / 2**20:.0f} MiB ({plane / head.n_bytes:.0%})" if is_ref else "",
+                        f"{build_ms:.0f} ms (then {next_ms:.0f})" if is_ref and name == "greedy" else "",
+                    ]
+                )
+    finally:
+        for e in engines.values():
+            e.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per run (default 128)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each engine, taking turns (default 3)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.tokens < 1 or args.rounds < 1:
+        ap.error("--tokens and --rounds must be at least 1")
+    m = machine()
+    print(
+        f"machine: {m['cpu']}, {m['logical_cpus']} CPUs; {m['date']}; stdengine {m['stdengine_commit']}; "
+        f"load average {m['load_average_at_start']}\n"
+    )
+    table = []
+    for model in args.models.split(","):
+        table += study(model, args.tokens, args.rounds, args.threads)
+        sys.stdout.flush()
+    header = [
+        "model",
+        "sampler",
+        "engine",
+        "tok/s median (min-max)",
+        "vs screen off",
+        "samples screened",
+        "rows computed exactly",
+        "plane",
+        "first sample (builds the plane)",
+    ]
+    print(md_table(header, table, left=(0, 1, 2)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
