@@ -190,7 +190,9 @@ def test_the_bound_holds_and_is_reached(isa_name, n):
     exact = ((q * xq).sum(-1) * d * dx).sum(-1)
     lo, hi = np.empty(96, np.float32), np.empty(96, np.float32)
     with using_isa(isa_name):
-        rc = api().se_screen_bounds_test(rows.ctypes.data, 96, n, act.ctypes.data, lo.ctypes.data, hi.ctypes.data)
+        rc = api().se_screen_bounds_test(
+            rows.ctypes.data, 96, n, act.ctypes.data, lo.ctypes.data, hi.ctypes.data
+        )
         assert rc == 0
         engine = np.array([K.dot("q8_0", rows[r].reshape(-1), act, n) for r in range(96)])
     assert (lo <= exact).all() and (exact <= hi).all()
@@ -200,4 +202,7 @@ def test_the_bound_holds_and_is_reached(isa_name, n):
     assert (exact[32:64] - lo[32:64] <= width[32:64] * 2**-6).all(), "the lower end is not reached"
     d[5, 1] = -d[5, 1]  # the bound assumes d >= 0: a negative scale is refused
     rows = q8_rows(d, q)
-    assert api().se_screen_bounds_test(rows.ctypes.data, 96, n, act.ctypes.data, lo.ctypes.data, hi.ctypes.data) < 0
+    assert (
+        api().se_screen_bounds_test(rows.ctypes.data, 96, n, act.ctypes.data, lo.ctypes.data, hi.ctypes.data)
+        < 0
+    )
