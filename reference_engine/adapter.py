@@ -236,6 +236,9 @@ class ReferenceEngine(LocalEngine):
     def _logits_buffer(self) -> np.ndarray:
         return self.ctx.logits_buffer
 
+    def _forbid(self, ids: np.ndarray | None) -> None:
+        self.ctx.ban(ids)  # the C sampler skips them: the head can stay screened
+
     def _vocabulary(self) -> Vocabulary:
         from stdengine.reference.tokenizer import ATTR_CONTROL
 

@@ -168,6 +168,7 @@ def api() -> ctypes.CDLL:
         "se_decode_batch": ([_vp, _i32, _vp, _vp], ctypes.c_int),
         "se_sample": ([_vp, _vp], _i32),
         "se_context_set_lazy_head": ([_vp, _i32], ctypes.c_int),
+        "se_context_set_banned": ([_vp, _vp, _i32], ctypes.c_int),
         "se_context_head": ([_vp], ctypes.c_int),
         "se_context_screen_stats": ([_vp, _vp], None),
         "se_model_screen_bytes": ([_vp], ctypes.c_size_t),
@@ -473,6 +474,7 @@ class Context:
         self._sp = _SamplingParams()
         self._sp_addr = ctypes.addressof(self._sp)
         self._sp_key: tuple[Any, ...] | None = None
+        self._banned = b""  # the banned tokens the C core holds (ban)
 
     # -- decoding ----------------------------------------------------------------------------
 
@@ -552,6 +554,22 @@ class Context:
         if tok < 0:
             raise InvalidRequest("nothing to sample from: decode a prompt first")
         return tok
+
+    def ban(self, ids: Any) -> None:
+        """Tokens sample() must not pick from now on (None or empty: none); their logits count as
+        -inf. Unlike a mask written into logits_buffer, it leaves the head screened."""
+        if not self._h:
+            raise EngineFailure("the context is closed")
+        arr = np.zeros(0, np.int32) if ids is None else np.ascontiguousarray(ids, dtype=np.int32)
+        key = arr.tobytes()
+        if key == self._banned:
+            return  # unchanged: nothing to tell the C core
+        rc = api().se_context_set_banned(self._h, arr.ctypes.data, len(arr))
+        if rc == ERR_BAD_TOKEN:
+            raise InvalidRequest(f"banned token ids must be in [0, {self.n_vocab})")
+        if rc != OK:
+            raise EngineFailure(f"the reference engine failed (code {rc})")
+        self._banned = key
 
     # -- state -------------------------------------------------------------------------------
 

@@ -160,8 +160,8 @@ class LocalEngine(Engine):
                 if constraint is not None:
                     # an end-of-generation token stays allowed only where the output is complete
                     constraint.apply(self._logits_buffer())
-                if request.ignore_eos or n_gen < request.min_tokens:
-                    self._logits_buffer()[self._eog_ids()] = -np.inf  # cannot end here
+                # cannot end here
+                self._forbid(self._eog_ids() if request.ignore_eos or n_gen < request.min_tokens else None)
                 tok = next(samples)
                 if self._is_eog(tok):
                     finish = "stop"
@@ -187,6 +187,7 @@ class LocalEngine(Engine):
                 self._step([tok])
         finally:
             samples.close()
+            self._forbid(None)
         if matched is None:
             tail = stops.feed(text.flush())[0] + stops.flush()
             if tail:
@@ -291,6 +292,13 @@ class LocalEngine(Engine):
         """The last token's logits where the sampler reads them (a writable view, no copy): a
         constraint masks them in place before each sample."""
         raise NotImplementedError
+
+    def _forbid(self, ids: np.ndarray | None) -> None:
+        """The next sample must not pick these tokens (None: any may be picked). By default their
+        logits are set to -inf in _logits_buffer(); an engine whose sampler takes a list of
+        banned tokens may pass it instead (the reference engine: its screened head keeps working)."""
+        if ids is not None:
+            self._logits_buffer()[ids] = -np.inf
 
     def _vocabulary(self) -> Vocabulary:
         """The vocabulary as a constraint's mask needs it (built once per _vocab_owner())."""

@@ -206,3 +206,35 @@ def test_the_bound_holds_and_is_reached(isa_name, n):
         api().se_screen_bounds_test(rows.ctypes.data, 96, n, act.ctypes.data, lo.ctypes.data, hi.ctypes.data)
         < 0
     )
+
+
+def test_ignore_eos_keeps_the_screen_and_the_tokens(engine):
+    """ignore_eos and min_tokens ban the end-of-generation tokens in the C sampler (Context.ban),
+    so the head stays screened: the same tokens as with the screen off, no end-of-generation token
+    among them, and the screen ran."""
+    from stdengine.adapter import GenerateRequest, TokenEvent
+
+    def run(screen: bool, **eog) -> tuple[list[int], tuple]:
+        from stdengine.reference.core import api
+
+        api().se_context_set_lazy_head(engine.ctx._h, int(screen))
+        before = engine.ctx.screen_stats
+        sp = SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=0, n_predict=64)
+        ids = [
+            e.id
+            for e in engine.generate(GenerateRequest(prompt="Hi.", sampling=sp, **eog))
+            if isinstance(e, TokenEvent) and e.id >= 0
+        ]
+        after = engine.ctx.screen_stats
+        return ids, tuple(b - a for a, b in zip(before, after, strict=True))
+
+    for eog in ({"ignore_eos": True}, {"min_tokens": 48}):
+        screened, stats = run(True, **eog)
+        full, _ = run(False, **eog)
+        assert screened == full
+        assert not any(engine._is_eog(t) for t in screened[:48])
+        assert stats[0] >= 48, stats
+    engine.ctx.ban(None)
+    from stdengine.reference.core import api
+
+    api().se_context_set_lazy_head(engine.ctx._h, 1)

@@ -156,6 +156,9 @@ SE_API int se_decode_batch(se_context *const *ctxs, int32_t n_seq, const int32_t
 /* Samples the next token from the last logits (which it does not modify). Returns the token id,
  * or SE_ERR_INVALID if nothing was decoded yet. */
 SE_API int32_t se_sample(se_context *c, const se_sampling_params *sp);
+/* Tokens se_sample never picks (their logits count as -inf: ignore_eos, min_tokens) until the
+ * next call; n = 0 clears them. SE_ERR_BAD_TOKEN for an id outside the vocabulary. */
+SE_API int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n);
 
 /* The screened output head (issue 22; screen.c). With the lazy head on (off at creation), a
  * decode that gives one context's last-token logits (se_decode without all_logits, or
@@ -334,6 +337,7 @@ struct se_context {
     size_t scr_act_bytes;
     int64_t screen_stats[3]; /* se_context_screen_stats */
     int32_t screen_skip;     /* samples left that take the full head instead of a screen */
+    int32_t *ban, n_ban;     /* tokens the sampler never picks (se_context_set_banned), ascending */
 };
 
 /* screen.c, for model.c, blocks.c and sampling.c */

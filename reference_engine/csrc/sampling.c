@@ -115,7 +115,7 @@ int32_t se_sample(se_context *c, const se_sampling_params *sp) {
     if (n < 0) {
         se_context_head(c);
         const float *logits = c->logits;
-        if (sp->temp <= 0 && !penalize) return argmax(logits, V); /* plain greedy: no copy */
+        if (sp->temp <= 0 && !penalize && !c->n_ban) return argmax(logits, V); /* plain greedy: no copy */
         for (int32_t i = 0; i < V; i++) {
             cand[i].id = i;
             cand[i].logit = logits[i];
@@ -131,6 +131,7 @@ int32_t se_sample(se_context *c, const se_sampling_params *sp) {
                 c->counts[tok] = 0; /* leaves counts all zero again for the next call */
             }
         }
+        for (int32_t i = 0; i < c->n_ban; i++) cand[c->ban[i]].logit = -INFINITY;
     }
     if (sp->temp <= 0) {
         int32_t best = 0;

@@ -31,6 +31,11 @@
 typedef struct { uint16_t d; int8_t qs[SE_QK]; } se_blk_q8_0;
 _Static_assert(sizeof(se_blk_q8_0) == 34, "a Q8_0 block is 34 bytes");
 
+static int cmp_i32(const void *x, const void *y) {
+    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
+    return (a > b) - (a < b);
+}
+
 /* ---------------------------------------------------------------------------------------------
  * The plane (built once per model)
  */
@@ -188,10 +193,28 @@ int se_context_head(se_context *c) {
     return SE_OK;
 }
 
+int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n) {
+    if (!c || n < 0 || (n > 0 && !ids)) return SE_ERR_INVALID;
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->m->hp.n_vocab) return SE_ERR_BAD_TOKEN;
+    int32_t *ban = n ? malloc((size_t)n * sizeof(int32_t)) : NULL;
+    if (n && !ban) return SE_ERR_NOMEM;
+    if (n) memcpy(ban, ids, (size_t)n * sizeof(int32_t));
+    if (n) qsort(ban, (size_t)n, sizeof *ban, cmp_i32);
+    int32_t m = 0; /* each once */
+    for (int32_t i = 0; i < n; i++)
+        if (m == 0 || ban[m - 1] != ban[i]) ban[m++] = ban[i];
+    free(c->ban);
+    c->ban = ban;
+    c->n_ban = m;
+    return SE_OK;
+}
+
 int se_context_set_lazy_head(se_context *c, int32_t on) {
     if (!c) return SE_ERR_INVALID;
     if (!on) se_context_head(c); /* nothing stays pending once it is off */
     c->lazy_head = on == 2 ? 2 : on != 0;
+    c->screen_skip = 0;
     return SE_OK;
 }
 
@@ -279,8 +302,8 @@ static void heap_push(se_cand *h, int k, int *n, se_cand v) {
     }
 }
 
-/* Whether token t is among the n penalized ones (ascending) */
-static int is_penalized(const int32_t *pen, int32_t n, int32_t t) {
+/* Whether token t is in the ascending list of n tokens */
+static int is_listed(const int32_t *pen, int32_t n, int32_t t) {
     int32_t a = 0, b = n;
     while (a < b) {
         int32_t m = (a + b) / 2;
@@ -305,12 +328,13 @@ static void screen_rows(void *arg, int ith, int nth) {
     se_split(V, ith, nth, SPLIT_ALIGN, &r0, &r1);
     float *lo = c->scr_lo, *hi = c->scr_hi;
     int numbers = bounds(j->s, &xa, r0, r1, lo, hi);
-    /* the penalized rows: exact, penalized, an interval of one point */
+    /* the penalized rows: exact, penalized, an interval of one point; the banned ones at -inf */
     int32_t p0 = 0;
     while (p0 < j->n_pen && j->pen[p0] < r0) p0++;
     for (int32_t p = p0; p < j->n_pen && j->pen[p] < r1; p++) {
         int32_t t = j->pen[p];
-        lo[t] = hi[t] = se_penalized(exact_row(c, &a, t), c->counts[t], j->sp);
+        lo[t] = hi[t] = is_listed(c->ban, c->n_ban, t) ? -INFINITY
+                                                        : se_penalized(exact_row(c, &a, t), c->counts[t], j->sp);
     }
     /* this thread's k rows of largest lower bound */
     se_cand *top = c->scr_top + (size_t)ith * SE_SCREEN_MAX_K;
@@ -328,7 +352,7 @@ static void screen_rows(void *arg, int ith, int nth) {
     for (int t = 0; t < nth && na >= 0; t++)
         for (int i = 0; i < c->scr_n[t]; i++) heap_push(all, k, &na, c->scr_top[(size_t)t * SE_SCREEN_MAX_K + i]);
     for (int i = ith; i < na && na == k; i += nth)
-        c->scr_exact[i] = is_penalized(j->pen, j->n_pen, all[i].id) ? all[i].logit : exact_row(c, &a, all[i].id);
+        c->scr_exact[i] = is_listed(j->pen, j->n_pen, all[i].id) ? all[i].logit : exact_row(c, &a, all[i].id);
     se_pool_barrier(c->pool); /* everyone has read scr_n and written its exact rows */
     float thr = INFINITY;
     for (int i = 0; i < na && na == k; i++) thr = c->scr_exact[i] < thr ? c->scr_exact[i] : thr;
@@ -361,10 +385,7 @@ static int screen_k(const se_sampling_params *sp) {
     return sp->top_k >= 1 && sp->top_k <= SE_SCREEN_MAX_K ? sp->top_k : 0;
 }
 
-static int cmp_i32(const void *x, const void *y) {
-    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
-    return (a > b) - (a < b);
-}
+static void free_buffers(se_context *c);
 
 static int screen_buffers(se_context *c) {
     if (c->scr_lo) return 1;
@@ -377,19 +398,26 @@ static int screen_buffers(se_context *c) {
     c->scr_exact = malloc(SE_SCREEN_MAX_K * sizeof(float));
     c->scr_n = malloc((size_t)n_thr * sizeof(int32_t));
     c->scr_act = malloc((size_t)n_thr * c->scr_act_bytes);
-    c->scr_pen = malloc((size_t)c->cp.n_ctx * sizeof(int32_t));
+    c->scr_pen = malloc((size_t)(c->cp.n_ctx + V) * sizeof(int32_t)); /* the window's and the banned tokens */
     if (c->scr_lo && c->scr_hi && c->scr_top && c->scr_exact && c->scr_n && c->scr_act && c->scr_pen) return 1;
-    se_screen_context_free(c);
+    free_buffers(c);
     return 0;
 }
 
-void se_screen_context_free(se_context *c) {
+static void free_buffers(se_context *c) {
     free(c->scr_lo); free(c->scr_hi); free(c->scr_top); free(c->scr_exact); free(c->scr_n); free(c->scr_act);
     free(c->scr_pen);
     c->scr_lo = c->scr_hi = c->scr_exact = NULL;
     c->scr_top = NULL;
     c->scr_n = c->scr_pen = NULL;
     c->scr_act = NULL;
+}
+
+void se_screen_context_free(se_context *c) {
+    free_buffers(c);
+    free(c->ban);
+    c->ban = NULL;
+    c->n_ban = 0;
 }
 
 int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window) {
@@ -400,11 +428,14 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     }
     const se_screen *s = k ? screen_of(c) : NULL;
     if (!s || !screen_buffers(c)) return -1;
-    /* the penalized tokens, ascending, once each (counts holds their occurrences meanwhile) */
+    /* the penalized and the banned tokens, ascending, once each (counts holds the penalized ones'
+     * occurrences meanwhile) */
     int32_t *pen = c->scr_pen, n_pen = 0;
     const int32_t *hist = c->tokens + (c->n_past - window);
     for (int32_t i = 0; i < window; i++)
         if (c->counts[hist[i]]++ == 0) pen[n_pen++] = hist[i];
+    for (int32_t i = 0; i < c->n_ban; i++)
+        if (c->counts[c->ban[i]]++ == 0) pen[n_pen++] = c->ban[i];
     qsort(pen, (size_t)n_pen, sizeof *pen, cmp_i32);
     screen_job j = { c, s, sp, k, pen, n_pen };
     int nth = c->cp.n_threads;
@@ -426,7 +457,7 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     c->screen_stats[1] += n;
     /* Past an eighth of the rows the exact rows (read one by one) and the plane cost about what
      * the full head does: the next SCREEN_BACKOFF samples take the full head, then it tries again */
-    if (n > c->m->hp.n_vocab / 8) c->screen_skip = SCREEN_BACKOFF;
+    if (n > c->m->hp.n_vocab / 8 && c->lazy_head != 2) c->screen_skip = SCREEN_BACKOFF;
     return n;
 }
 
