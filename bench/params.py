@@ -142,6 +142,7 @@ class BenchParams:
     output_err: str = "none"
     progress: bool = False
     no_warmup: bool = False
+    sample_gen: bool = False  # tg tokens sampled (greedy) by the engine's sampler, not only their logits
     no_extensions: bool = False  # server modes: send plain OpenAI requests (no min_tokens, ignore_eos)
     verbose: bool = False
     engine_args: dict[str, str] = field(default_factory=dict)
@@ -202,6 +203,10 @@ options:
   -oe, --output-err <csv|json|jsonl|md|sql> (default: none)
   --progress                                print test progress indicators
   --no-warmup                               skip the warm-up runs before benchmarking
+  --sample-gen                              tg: sample each token (greedy, the engine's own sampler) instead
+                                            of only computing its logits (llama-bench's tg); shows an
+                                            engine that computes only what its sampler needs
+                                            (reference: -E screen_head=on|off)
   --no-extensions                           server modes: omit min_tokens / ignore_eos (answers may end early)
   -v, --verbose                             verbose output (engine logs and events on stderr)
 
@@ -324,6 +329,8 @@ def parse_args(argv: list[str]) -> BenchParams:
                 p.progress = True
             elif arg == "--no-warmup":
                 p.no_warmup = True
+            elif arg == "--sample-gen":
+                p.sample_gen = True
             elif arg == "--no-extensions":
                 p.no_extensions = True
             elif arg in ("-v", "--verbose"):

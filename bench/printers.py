@@ -297,6 +297,9 @@ class MarkdownPrinter(Printer):
                 text = str(rec["backends"])
             elif c == "test":
                 text = test_name(int(rec["n_prompt"]), int(rec["n_gen"]), int(rec["n_depth"]))
+                text += " sampled" if rec.get("gen_sampled") else ""
+            elif c == "engine" and rec.get("engine_args"):
+                text = f"{rec['engine']} -E {rec['engine_args']}"
             elif c == "t/s":
                 text = f"{rec['avg_ts']:.2f} ± {rec['stddev_ts']:.2f}"
             else:

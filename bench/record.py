@@ -64,6 +64,8 @@ STDENGINE_FIELDS: list[tuple[str, str]] = [
     ("engine_build", "S"),
     ("n_ctx", "I"),
     ("recipe", "S"),
+    ("engine_args", "S"),  # -E key=value,... ("" when none)
+    ("gen_sampled", "B"),  # --sample-gen: tg tokens sampled by the engine's sampler
 ]
 
 FIELDS: list[tuple[str, str]] = LLAMA_BENCH_FIELDS + STDENGINE_FIELDS

@@ -3,7 +3,9 @@
 Per test: clear the context (engine.reset()), warm up (the whole prompt if n_prompt > 0, one
 generated token if n_gen > 0; untimed), then per repetition: clear, prefill n_depth tokens
 untimed, and time the prompt (random tokens, BOS first when the model adds one, decoded in chunks
-of n_batch) followed by n_gen single-token decodes of random tokens (no sampling). The engine is
+of n_batch) followed by n_gen single-token decodes of random tokens (no sampling; with --sample-gen
+each decode is followed by a greedy sample of the engine's own sampler, as `infer run --temp 0`
+makes a token, and the random token is still the next one fed). The engine is
 loaded once per distinct load configuration, with n_ctx the largest n_prompt + n_gen + n_depth of
 the tests that share it.
 """
@@ -21,6 +23,7 @@ from typing import Any, Protocol
 from stdengine.bench.params import BenchParams, Instance, instances
 from stdengine.bench.record import FIXED, build_of, cpu_info, finish, model_fields, utc_now
 
+from stdengine.adapter import SamplingParams
 from stdengine.errors import EngineFailure, InferError, UnsupportedOption
 
 
@@ -67,12 +70,28 @@ def run_prompt(engine: Decoder, n_tokens: int, n_batch: int, src: TokenSource) -
         done += n
 
 
-def run_gen(engine: Decoder, n_gen: int, src: TokenSource) -> None:
-    """n_gen single-token decodes; the first token is BOS if the model adds one, then random ones."""
+GREEDY = SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=0)
+
+
+def run_gen(engine: Decoder, n_gen: int, src: TokenSource, sample: bool = False) -> None:
+    """n_gen single-token decodes; the first token is BOS if the model adds one, then random ones.
+    sample: each token's evaluation is followed by a greedy sample (an in-process engine's
+    _step and _sample_tokens, LocalEngine's generation loop) instead of returning its logits."""
     token = src.bos if src.bos is not None else src.random()
-    for _ in range(n_gen):
-        engine.decode([token])
-        token = src.random()
+    if not sample:
+        for _ in range(n_gen):
+            engine.decode([token])
+            token = src.random()
+        return
+    local: Any = engine
+    samples = local._sample_tokens(GREEDY)
+    try:
+        for _ in range(n_gen):
+            local._step([token])
+            next(samples)
+            token = src.random()
+    finally:
+        samples.close()
 
 
 def measure(
@@ -85,6 +104,7 @@ def measure(
     index: int = 1,
     total: int = 1,
     delay: int = 0,
+    sample: bool = False,
 ) -> list[int]:
     """One test: its samples_ns (one per repetition)."""
     progress = progress or NoProgress()
@@ -97,7 +117,7 @@ def measure(
             run_prompt(engine, inst.n_prompt, inst.n_batch, src)
         if inst.n_gen > 0:
             progress.step(index, total, "warmup generation run")
-            run_gen(engine, 1, src)
+            run_gen(engine, 1, src, sample)
         progress.advance()
     samples: list[int] = []
     for i in range(reps):
@@ -111,7 +131,7 @@ def measure(
             run_prompt(engine, inst.n_prompt, inst.n_batch, src)
         if inst.n_gen > 0:
             progress.step(index, total, f"generation run {i + 1}/{reps}")
-            run_gen(engine, inst.n_gen, src)
+            run_gen(engine, inst.n_gen, src, sample)
         samples.append(time.perf_counter_ns() - t0)
         progress.advance()
     return samples
@@ -386,6 +406,9 @@ def _run_group(
     if not n_vocab:
         warn(f"error: engine '{cls.name}' does not report the vocabulary size; cannot make random tokens")
         return 1
+    if params.sample_gen and not hasattr(engine, "_sample_tokens"):
+        warn(f"error: --sample-gen needs an engine that samples in process; '{cls.name}' does not")
+        return 2
     src = TokenSource(int(n_vocab), bos_token(engine))
     try:
         n_ctx = int(engine.n_ctx())
@@ -396,7 +419,16 @@ def _run_group(
         test_time = utc_now()
         try:
             samples = measure(
-                engine, inst, params.reps, not params.no_warmup, src, progress, index, total, params.delay
+                engine,
+                inst,
+                params.reps,
+                not params.no_warmup,
+                src,
+                progress,
+                index,
+                total,
+                params.delay,
+                params.sample_gen,
             )
         except Exception as e:
             warn(f"error: engine '{cls.name}' failed in test {index}/{total}: {_message(e)}")
@@ -429,6 +461,8 @@ def _run_group(
             "engine_build": info.build,
             "n_ctx": n_ctx,
             "recipe": recipe_name,
+            "engine_args": ",".join(f"{k}={v}" for k, v in sorted(params.engine_args.items())),
+            "gen_sampled": params.sample_gen and inst.n_gen > 0,
         }
         finish(rec, samples)
         events.info(

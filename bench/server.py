@@ -246,6 +246,8 @@ def _one_test(
         "engine_build": "",
         "n_ctx": 0,
         "recipe": "",
+        "engine_args": "",
+        "gen_sampled": False,
         "latency_ms": latency * 1e3,
         "ttfr_ms": statistics.fmean(ttfr),
         "est_ppt_ms": statistics.fmean(ppt),

@@ -296,8 +296,8 @@ def test_json_exact_layout():
     assert '    "cpu_strict": false,\n' in text and '    "use_mmap": true,\n' in text
     assert '    "avg_ts": 768.000000,\n    "stddev_ts": 362.038672,\n    "engine": "reference",\n' in text
     assert (
-        '    "recipe": "",\n    "samples_ns": [ 1000000000, 500000000 ],\n'
-        '    "samples_ts": [ 512, 1024 ]\n  },\n  {\n'
+        '    "recipe": "",\n    "engine_args": "",\n    "gen_sampled": false,\n'
+        '    "samples_ns": [ 1000000000, 500000000 ],\n    "samples_ts": [ 512, 1024 ]\n  },\n  {\n'
     ) in text
     assert '    "cpu_info": "x\\"y\\\\z\\u0009",\n' in text
     assert text.endswith("  }\n]\n")
@@ -312,7 +312,7 @@ def test_jsonl_exact_layout():
     assert line.startswith('{"build_commit": "abc1234", "build_number": 0, ')
     # samples_ts: C++ ostream's 6 significant digits; no space before "samples_ts"
     assert line.endswith(
-        '"recipe": "", "samples_ns": [ 3000000000, 1000000000, 7000000 ],'
+        '"recipe": "", "engine_args": "", "gen_sampled": false, "samples_ns": [ 3000000000, 1000000000, 7000000 ],'
         '"samples_ts": [ 170.667, 512, 73142.9 ]}'
     )
     assert json.loads(line)["n_prompt"] == 512
@@ -325,7 +325,10 @@ def test_sql_loads_into_sqlite():
         "  cpu_info TEXT,\n"
     )
     assert "  avg_ts REAL,\n  stddev_ts REAL,\n  engine TEXT,\n" in text
-    assert "  recipe TEXT\n);\n\nINSERT INTO llama_bench (build_commit, build_number, " in text
+    assert (
+        "  recipe TEXT,\n  engine_args TEXT,\n  gen_sampled INTEGER\n);\n\nINSERT INTO llama_bench (build_commit, build_number, "
+        in text
+    )
     assert "VALUES ('abc1234', '0', 'AMD EPYC', '', 'CPU', '/m/x.gguf', " in text
     con = sqlite3.connect(":memory:")
     con.executescript(text)

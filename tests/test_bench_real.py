@@ -69,6 +69,39 @@ def test_reference_and_llamacpp_side_by_side(smollm2_path):
 
 
 @pytest.mark.models
+def test_sampled_generation_with_the_screen_on_and_off(smollm2_path):
+    """--sample-gen: every generated token is sampled (greedy) by the engine's own sampler, so the
+    reference engine's screened head shows; the records say so (gen_sampled, engine_args) and so
+    does the table. An engine that does not sample in process is refused."""
+    for screen in ("on", "off"):
+        r = bench(
+            "-m",
+            str(smollm2_path),
+            "-p",
+            "0",
+            "-n",
+            "8",
+            "-r",
+            "1",
+            "--sample-gen",
+            "-E",
+            f"screen_head={screen}",
+            "-o",
+            "jsonl",
+        )
+        assert r.returncode == 0, r.stderr
+        (rec,) = [json.loads(line) for line in r.stdout.splitlines()]
+        assert (
+            rec["gen_sampled"] is True and rec["engine_args"] == f"screen_head={screen}" and rec["avg_ts"] > 0
+        )
+    r = bench("-m", str(smollm2_path), "-p", "0", "-n", "8", "-r", "1", "--sample-gen")
+    assert r.returncode == 0, r.stderr
+    assert "tg8 sampled" in r.stdout
+    r = bench("-e", "openai", "--url", "http://127.0.0.1:9", "-m", "x", "-p", "0", "-n", "8", "--sample-gen")
+    assert r.returncode != 0
+
+
+@pytest.mark.models
 @pytest.mark.llamacpp
 def test_llamacpp_alone_with_depth_json_on_clean_stdout(gemma3_path):
     if "llamacpp" not in registry.entries():
