@@ -344,7 +344,7 @@ struct se_context {
 struct se_screen;
 int se_screen_possible(const se_model *m);
 void se_screen_free(struct se_screen *s);
-void se_screen_context_free(se_context *c);
+void se_screen_context_free(se_context *c); /* its screen buffers */
 /* The candidates of a screened sample in c->cand (exact and penalized logits, in id order) and
  * their count; -1 when it cannot screen (then the full head decides). window: the penalties'
  * window (0: no penalties). */

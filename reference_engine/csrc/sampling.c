@@ -12,6 +12,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 /* splitmix64: the next 64-bit output of the sequence seeded with *s (advances *s). */
@@ -96,6 +97,29 @@ static void top_k(se_cand *cand, int32_t n, int32_t k) {
         }
     }
     qsort(cand, (size_t)k, sizeof *cand, cand_desc);
+}
+
+static int cmp_i32(const void *x, const void *y) {
+    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
+    return (a > b) - (a < b);
+}
+
+int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n) {
+    if (!c || n < 0 || (n > 0 && !ids)) return SE_ERR_INVALID;
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->m->hp.n_vocab) return SE_ERR_BAD_TOKEN;
+    int32_t *ban = NULL, m = 0;
+    if (n) {
+        if (!(ban = malloc((size_t)n * sizeof(int32_t)))) return SE_ERR_NOMEM;
+        memcpy(ban, ids, (size_t)n * sizeof(int32_t));
+        qsort(ban, (size_t)n, sizeof *ban, cmp_i32);
+    }
+    for (int32_t i = 0; i < n; i++) /* each once */
+        if (m == 0 || ban[m - 1] != ban[i]) ban[m++] = ban[i];
+    free(c->ban);
+    c->ban = ban;
+    c->n_ban = m;
+    return SE_OK;
 }
 
 int32_t se_sample(se_context *c, const se_sampling_params *sp) {

@@ -6,12 +6,13 @@
  * input (head_x) and marks the logits pending. Then
  *   - se_sample, when the sampler needs only the top k (greedy: k = 1; top-k up to
  *     SE_SCREEN_MAX_K; penalties that only lower logits), screens: it bounds every row's logit
- *     from the 5-bit plane, computes exactly (with the head's own kernel, so with the full head's
- *     bits) the rows whose upper bound reaches the k-th largest lower bound, and samples from
- *     them: the same token the full head would give;
+ *     from the 5-bit plane, computes exactly the k rows of largest lower bound (the least of
+ *     their logits is the threshold), then every row whose upper bound reaches the threshold
+ *     (with the head's own kernel, so with the full head's bits), and samples from those: the
+ *     same token the full head would give;
  *   - anything else (se_context_head: the logits themselves, any other sampler) runs the full
  *     head first.
- * The plane is built once per model, at the first screened sample (about 65% of a Q8_0 head's
+ * The plane is built once per model, at the first screened sample (65-71% of a Q8_0 head's
  * bytes). Models whose head is not Q8_0, or is on a device, are never screened.
  */
 #define _GNU_SOURCE
@@ -163,7 +164,7 @@ typedef struct {
     const se_screen *s;
     const se_sampling_params *sp;
     int k;
-    const int32_t *pen; /* the penalized tokens, ascending, and how many */
+    const int32_t *pen; /* the penalized and the banned tokens, ascending, and how many */
     int32_t n_pen;
 } screen_job;
 
@@ -190,23 +191,6 @@ int se_context_head(se_context *c) {
         se_pool_run(c->pool, c->cp.n_threads, full_head, c);
         c->head_pending = 0;
     }
-    return SE_OK;
-}
-
-int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n) {
-    if (!c || n < 0 || (n > 0 && !ids)) return SE_ERR_INVALID;
-    for (int32_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= c->m->hp.n_vocab) return SE_ERR_BAD_TOKEN;
-    int32_t *ban = n ? malloc((size_t)n * sizeof(int32_t)) : NULL;
-    if (n && !ban) return SE_ERR_NOMEM;
-    if (n) memcpy(ban, ids, (size_t)n * sizeof(int32_t));
-    if (n) qsort(ban, (size_t)n, sizeof *ban, cmp_i32);
-    int32_t m = 0; /* each once */
-    for (int32_t i = 0; i < n; i++)
-        if (m == 0 || ban[m - 1] != ban[i]) ban[m++] = ban[i];
-    free(c->ban);
-    c->ban = ban;
-    c->n_ban = m;
     return SE_OK;
 }
 
@@ -385,8 +369,6 @@ static int screen_k(const se_sampling_params *sp) {
     return sp->top_k >= 1 && sp->top_k <= SE_SCREEN_MAX_K ? sp->top_k : 0;
 }
 
-static void free_buffers(se_context *c);
-
 static int screen_buffers(se_context *c) {
     if (c->scr_lo) return 1;
     const int64_t V = c->m->hp.n_vocab, nbp = (c->m->output.ne0 / SE_QK + 7) / 8 * 8;
@@ -400,11 +382,11 @@ static int screen_buffers(se_context *c) {
     c->scr_act = malloc((size_t)n_thr * c->scr_act_bytes);
     c->scr_pen = malloc((size_t)(c->cp.n_ctx + V) * sizeof(int32_t)); /* the window's and the banned tokens */
     if (c->scr_lo && c->scr_hi && c->scr_top && c->scr_exact && c->scr_n && c->scr_act && c->scr_pen) return 1;
-    free_buffers(c);
+    se_screen_context_free(c);
     return 0;
 }
 
-static void free_buffers(se_context *c) {
+void se_screen_context_free(se_context *c) {
     free(c->scr_lo); free(c->scr_hi); free(c->scr_top); free(c->scr_exact); free(c->scr_n); free(c->scr_act);
     free(c->scr_pen);
     c->scr_lo = c->scr_hi = c->scr_exact = NULL;
@@ -413,12 +395,6 @@ static void free_buffers(se_context *c) {
     c->scr_act = NULL;
 }
 
-void se_screen_context_free(se_context *c) {
-    free_buffers(c);
-    free(c->ban);
-    c->ban = NULL;
-    c->n_ban = 0;
-}
 
 int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window) {
     int k = c->head_pending ? screen_k(sp) : 0;
