@@ -160,7 +160,7 @@ class LocalEngine(Engine):
                 if constraint is not None:
                     # an end-of-generation token stays allowed only where the output is complete
                     constraint.apply(self._logits_buffer())
-                # cannot end here
+                # ignore_eos, min_tokens: the answer cannot end here
                 self._forbid(self._eog_ids() if request.ignore_eos or n_gen < request.min_tokens else None)
                 tok = next(samples)
                 if self._is_eog(tok):
