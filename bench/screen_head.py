@@ -25,6 +25,7 @@ from typing import Any
 
 from stdengine.bench.compare_llamacpp import MODELS, machine
 from stdengine.bench.printers import md_table
+from stdengine.bench.runner import GREEDY
 
 from stdengine.adapter import SamplingParams
 from stdengine.events import Emitter
@@ -34,7 +35,7 @@ from stdengine.store import resolve_model
 
 PROMPT = "The history of the printing press"
 SAMPLERS = {
-    "greedy": SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=1),
+    "greedy": GREEDY,
     "top-k 40": SamplingParams(temp=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=1),
 }
 CONFIGS = {  # label -> (engine, -E settings)

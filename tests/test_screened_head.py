@@ -46,6 +46,13 @@ def load(path):
     return ReferenceEngine.load(opts, Emitter(stream=io.StringIO()))
 
 
+def lazy_head(ctx, mode: int) -> None:
+    """se_context_set_lazy_head: 0 off, 1 on (the engine's default), ALWAYS"""
+    from stdengine.reference.core import api
+
+    api().se_context_set_lazy_head(ctx._h, mode)
+
+
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def engine(request):
     e = load(request.getfixturevalue(f"{request.param}_path"))
@@ -75,10 +82,8 @@ def test_every_logit_lies_in_its_interval_and_the_candidates_hold_the_top_k(engi
     """Teacher-forced over the conformance suite's logits texts: at every position, for k = 1 and
     40, lower <= exact <= upper on every row, the true top k are candidates, and a candidate's
     logit has the full head's bits."""
-    from stdengine.reference.core import api
-
     ctx = engine.ctx
-    api().se_context_set_lazy_head(ctx._h, ALWAYS)
+    lazy_head(ctx, ALWAYS)
     positions = 0
     for text in LOGIT_TEXTS.values():
         tokens = engine.tokenize(text)[:160]
@@ -96,14 +101,12 @@ def test_every_logit_lies_in_its_interval_and_the_candidates_hold_the_top_k(engi
                 assert np.isin(top, ids).all(), "a true top-k row was screened out"
                 assert np.array_equal(vals.view(np.uint32), full[ids].view(np.uint32))
             positions += 1
-    api().se_context_set_lazy_head(ctx._h, 1)
+    lazy_head(ctx, 1)
     assert positions >= 300
 
 
 def generate(ctx, prompt: list[int], sampler: SamplingParams, n: int, mode: int) -> tuple[list[int], tuple]:
-    from stdengine.reference.core import api
-
-    api().se_context_set_lazy_head(ctx._h, mode)
+    lazy_head(ctx, mode)
     ctx.reset()
     before = ctx.screen_stats
     ctx.evaluate(prompt)
@@ -127,9 +130,7 @@ def test_screened_generation_gives_the_full_heads_tokens(engine, sampler):
         assert screened == full
         assert stats[0] == 200 and stats[2] == 0, stats  # every sample was screened
         assert none == (0, 0, 0)
-    from stdengine.reference.core import api
-
-    api().se_context_set_lazy_head(ctx._h, 1)  # the engine's own setting again
+    lazy_head(ctx, 1)  # the engine's own setting again
 
 
 def test_samplers_that_need_the_whole_distribution_are_not_screened(engine):
@@ -144,9 +145,7 @@ def test_samplers_that_need_the_whole_distribution_are_not_screened(engine):
     ):
         _, stats = generate(ctx, prompt, sp, 8, ALWAYS)
         assert stats == (0, 0, 0), sp
-    from stdengine.reference.core import api
-
-    api().se_context_set_lazy_head(ctx._h, 1)
+    lazy_head(ctx, 1)
 
 
 def q8_rows(d: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -215,9 +214,7 @@ def test_ignore_eos_keeps_the_screen_and_the_tokens(engine):
     from stdengine.adapter import GenerateRequest, TokenEvent
 
     def run(screen: bool, **eog) -> tuple[list[int], tuple]:
-        from stdengine.reference.core import api
-
-        api().se_context_set_lazy_head(engine.ctx._h, int(screen))
+        lazy_head(engine.ctx, int(screen))
         before = engine.ctx.screen_stats
         sp = SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=0, n_predict=64)
         ids = [
@@ -235,6 +232,4 @@ def test_ignore_eos_keeps_the_screen_and_the_tokens(engine):
         assert not any(engine._is_eog(t) for t in screened[:48])
         assert stats[0] >= 48, stats
     engine.ctx.ban(None)
-    from stdengine.reference.core import api
-
-    api().se_context_set_lazy_head(engine.ctx._h, 1)
+    lazy_head(engine.ctx, 1)

@@ -370,9 +370,7 @@ void se_forward_output(se_context *c, int ith, int nth) {
             if (sg->out) { src = c->x + (sg->start + sg->n - 1) * E; out = sg->ctx->logits; }
         }
         if (c->ub_defer) { /* the head waits for the sampler (screen.c): keep its input */
-            const se_ub_seg *sg = &c->ub_seg[0];
-            while (!sg->out) sg++;
-            if (ith == 0) memcpy(sg->ctx->head_x, src, (size_t)E * sizeof(float));
+            if (ith == 0) memcpy(c->ub_defer->head_x, src, (size_t)E * sizeof(float));
             return;
         }
     } else if (!out) {

@@ -326,7 +326,8 @@ struct se_context {
     /* the lazy head (screen.c) */
     int lazy_head;           /* se_context_set_lazy_head */
     int head_pending;        /* 1: logits are stale; head_x holds the head's input (before its norm) */
-    int ub_defer;            /* this ubatch leaves its one output row's head pending */
+    se_context *ub_defer;    /* the context whose head this ubatch leaves pending (its one output
+                              * row's logits not asked for yet), or NULL */
     float *head_x;           /* [n_embd] */
     float *scr_lo, *scr_hi;  /* [n_vocab] the screen's bounds (allocated at the first screen) */
     se_cand *scr_top;        /* [pool threads][SE_SCREEN_MAX_K] each thread's rows of largest lower bound */
@@ -339,6 +340,12 @@ struct se_context {
     int32_t screen_skip;     /* samples left that take the full head instead of a screen */
     int32_t *ban, n_ban;     /* tokens the sampler never picks (se_context_set_banned), ascending */
 };
+
+/* sampling.c, for screen.c: the candidates' min-heap h[0..*n) of at most k entries, in the
+ * sampler's order (higher logit first, lower id first among equal ones; the root is the last
+ * kept): after pushing every candidate it holds the first k; and qsort's order of int32_t */
+void se_cand_push(se_cand *h, int32_t k, int32_t *n, se_cand v);
+int se_cmp_i32(const void *x, const void *y);
 
 /* screen.c, for model.c, blocks.c and sampling.c */
 struct se_screen;

@@ -371,7 +371,7 @@ static int run_ubatch(se_context *c) {
         if (sg->out) out = sg->ctx;
     }
     /* one context's last row, its logits not asked for yet: the head can wait (screen.c) */
-    c->ub_defer = c->ub_nout == 1 && !c->ub_out && out->lazy_head && se_screen_possible(c->m);
+    c->ub_defer = c->ub_nout == 1 && !c->ub_out && out->lazy_head && se_screen_possible(c->m) ? out : NULL;
     int nth = c->ub_n == 1 ? c->cp.n_threads : c->cp.n_threads_batch;
     const struct se_dev_model *dm = c->m->dev;
     c->layer0 = 0;
@@ -384,7 +384,7 @@ static int run_ubatch(se_context *c) {
     if (!dm || !dm->head) se_pool_run(c->pool, nth, arch_of(c->m->hp.arch)->forward, c);
     for (int32_t si = 0; si < c->ub_nseg; si++) {
         se_ub_seg *sg = &c->ub_seg[si];
-        if (sg->out) sg->ctx->head_pending = c->ub_defer;
+        if (sg->out) sg->ctx->head_pending = sg->ctx == c->ub_defer;
         memcpy(sg->ctx->tokens + sg->ctx->n_past, c->ub_tokens + sg->start, (size_t)sg->n * sizeof(int32_t));
         sg->ctx->n_past += sg->n;
     }

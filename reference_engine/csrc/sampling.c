@@ -85,21 +85,27 @@ static void sift_down(se_cand *h, int32_t k, int32_t i) {
     }
 }
 
+void se_cand_push(se_cand *h, int32_t k, int32_t *n, se_cand v) {
+    if (*n < k) {
+        int32_t i = (*n)++;
+        h[i] = v;
+        for (; i > 0 && cand_before(&h[(i - 1) / 2], &h[i]); i = (i - 1) / 2) {
+            se_cand t = h[i]; h[i] = h[(i - 1) / 2]; h[(i - 1) / 2] = t;
+        }
+    } else if (cand_before(&v, &h[0])) {
+        h[0] = v;
+        sift_down(h, k, 0);
+    }
+}
+
 /* Moves the k largest of cand[0..n) to cand[0..k), sorted by descending logit. */
 static void top_k(se_cand *cand, int32_t n, int32_t k) {
-    if (k < n) {
-        for (int32_t i = k / 2 - 1; i >= 0; i--) sift_down(cand, k, i);
-        for (int32_t i = k; i < n; i++) {
-            if (cand_before(&cand[i], &cand[0])) {
-                cand[0] = cand[i]; /* i >= k, so nothing unread is overwritten */
-                sift_down(cand, k, 0);
-            }
-        }
-    }
+    int32_t m = 0;
+    for (int32_t i = 0; i < n; i++) se_cand_push(cand, k, &m, cand[i]); /* i >= m: nothing unread is overwritten */
     qsort(cand, (size_t)k, sizeof *cand, cand_desc);
 }
 
-static int cmp_i32(const void *x, const void *y) {
+int se_cmp_i32(const void *x, const void *y) {
     int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
     return (a > b) - (a < b);
 }
@@ -112,7 +118,7 @@ int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n) {
     if (n) {
         if (!(ban = malloc((size_t)n * sizeof(int32_t)))) return SE_ERR_NOMEM;
         memcpy(ban, ids, (size_t)n * sizeof(int32_t));
-        qsort(ban, (size_t)n, sizeof *ban, cmp_i32);
+        qsort(ban, (size_t)n, sizeof *ban, se_cmp_i32);
     }
     for (int32_t i = 0; i < n; i++) /* each once */
         if (m == 0 || ban[m - 1] != ban[i]) ban[m++] = ban[i];

@@ -32,11 +32,6 @@
 typedef struct { uint16_t d; int8_t qs[SE_QK]; } se_blk_q8_0;
 _Static_assert(sizeof(se_blk_q8_0) == 34, "a Q8_0 block is 34 bytes");
 
-static int cmp_i32(const void *x, const void *y) {
-    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
-    return (a > b) - (a < b);
-}
-
 /* ---------------------------------------------------------------------------------------------
  * The plane (built once per model)
  */
@@ -263,29 +258,6 @@ static int bounds(const se_screen *s, const se_screen_act *xa, int64_t r0, int64
     return numbers;
 }
 
-/* Min-heap (by logit) of the k entries with the largest logits seen */
-static void heap_push(se_cand *h, int k, int *n, se_cand v) {
-    if (*n < k) {
-        int i = (*n)++;
-        h[i] = v;
-        while (i > 0 && h[(i - 1) / 2].logit > h[i].logit) {
-            se_cand t = h[i]; h[i] = h[(i - 1) / 2]; h[(i - 1) / 2] = t;
-            i = (i - 1) / 2;
-        }
-    } else if (v.logit > h[0].logit) {
-        int i = 0;
-        h[0] = v;
-        for (;;) {
-            int l = 2 * i + 1, r = l + 1, m = i;
-            if (l < k && h[l].logit < h[m].logit) m = l;
-            if (r < k && h[r].logit < h[m].logit) m = r;
-            if (m == i) break;
-            se_cand t = h[i]; h[i] = h[m]; h[m] = t;
-            i = m;
-        }
-    }
-}
-
 /* Whether token t is in the ascending list of n tokens */
 static int is_listed(const int32_t *pen, int32_t n, int32_t t) {
     int32_t a = 0, b = n;
@@ -322,19 +294,19 @@ static void screen_rows(void *arg, int ith, int nth) {
     }
     /* this thread's k rows of largest lower bound */
     se_cand *top = c->scr_top + (size_t)ith * SE_SCREEN_MAX_K;
-    int n = 0;
-    for (int64_t r = r0; r < r1; r++) heap_push(top, k, &n, (se_cand){ (int32_t)r, lo[r] });
+    int32_t n = 0;
+    for (int64_t r = r0; r < r1; r++) se_cand_push(top, k, &n, (se_cand){ (int32_t)r, lo[r] });
     c->scr_n[ith] = numbers ? n : -1;
     se_pool_barrier(c->pool);
     /* The k rows of largest lower bound of all (each thread finds the same ones), computed
      * exactly: k rows whose logits are at least the smallest of theirs, a threshold above the
      * k-th lower bound by about half an interval */
     se_cand all[SE_SCREEN_MAX_K];
-    int na = 0;
+    int32_t na = 0;
     for (int t = 0; t < nth; t++)
         if (c->scr_n[t] < 0) na = -SE_SCREEN_MAX_K * nth; /* no threshold: the full head decides */
     for (int t = 0; t < nth && na >= 0; t++)
-        for (int i = 0; i < c->scr_n[t]; i++) heap_push(all, k, &na, c->scr_top[(size_t)t * SE_SCREEN_MAX_K + i]);
+        for (int i = 0; i < c->scr_n[t]; i++) se_cand_push(all, k, &na, c->scr_top[(size_t)t * SE_SCREEN_MAX_K + i]);
     for (int i = ith; i < na && na == k; i += nth)
         c->scr_exact[i] = is_listed(j->pen, j->n_pen, all[i].id) ? all[i].logit : exact_row(c, &a, all[i].id);
     se_pool_barrier(c->pool); /* everyone has read scr_n and written its exact rows */
@@ -348,14 +320,12 @@ static void screen_rows(void *arg, int ith, int nth) {
         /* the candidates' exact logits (the penalized rows have theirs), their rows asked for
          * from memory a few candidates ahead: they lie anywhere in the head */
         const se_tensor *w = &c->m->output;
-        int32_t p = p0;
         for (int32_t i = 0; i < n_cand; i++) {
             if (i + SCREEN_AHEAD < n_cand) {
                 const char *next = (const char *)w->data + (size_t)out[i + SCREEN_AHEAD].id * w->row_size;
                 for (size_t o = 0; o < w->row_size; o += 64) __builtin_prefetch(next + o);
             }
-            while (p < j->n_pen && j->pen[p] < out[i].id) p++;
-            if (!(p < j->n_pen && j->pen[p] == out[i].id)) out[i].logit = exact_row(c, &a, out[i].id);
+            if (!is_listed(j->pen, j->n_pen, out[i].id)) out[i].logit = exact_row(c, &a, out[i].id);
         }
     }
     c->scr_n[ith] = n_cand;
@@ -412,7 +382,7 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
         if (c->counts[hist[i]]++ == 0) pen[n_pen++] = hist[i];
     for (int32_t i = 0; i < c->n_ban; i++)
         if (c->counts[c->ban[i]]++ == 0) pen[n_pen++] = c->ban[i];
-    qsort(pen, (size_t)n_pen, sizeof *pen, cmp_i32);
+    qsort(pen, (size_t)n_pen, sizeof *pen, se_cmp_i32);
     screen_job j = { c, s, sp, k, pen, n_pen };
     int nth = c->cp.n_threads;
     se_pool_run(c->pool, nth, screen_rows, &j);
