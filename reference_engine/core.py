@@ -174,7 +174,7 @@ def api() -> ctypes.CDLL:
         "se_model_screen_bytes": ([_vp], ctypes.c_size_t),
         "se_context_screen": ([_vp, _i32, _vp, _vp, _i32], _i32),
         "se_context_screen_bounds": ([_vp, _i32], _vp),
-        "se_screen_bounds_test": ([_vp, _i64, _i64, _vp, _vp, _vp], ctypes.c_int),
+        "se_screen_bounds_test": ([_vp, _i64, _i64, _vp, _i32, _vp, _vp], ctypes.c_int),
         "se_traits": ([ctypes.c_int], _vp),
         "se_row_size": ([ctypes.c_int, _i64], ctypes.c_size_t),
         "se_isa_name": ([], ctypes.c_char_p),
@@ -603,12 +603,13 @@ class Context:
         return self._logits
 
     @property
-    def screen_stats(self) -> tuple[int, int, int]:
-        """(screened samples, rows they computed exactly, samples whose bounds were not numbers)"""
-        out = (ctypes.c_int64 * 3)()
+    def screen_stats(self) -> tuple[int, int, int, int]:
+        """(screened samples, rows they computed exactly, samples whose bounds were not numbers,
+        rows their stage 2 narrowed)"""
+        out = (ctypes.c_int64 * 4)()
         if self._h:
             api().se_context_screen_stats(self._h, out)
-        return (out[0], out[1], out[2])
+        return (out[0], out[1], out[2], out[3])
 
     def reset(self) -> None:
         """Empties the KV cache (and re-arms the seed for the next sample)."""

@@ -1,8 +1,9 @@
 """The screened output head (issue 22; spec/reference-engine.md, "Screening the output head").
 
 Two promises, checked on both catalogue models against the full head computed by the same engine:
-- every row's exact logit lies inside the interval the 5-bit plane gives it, and the rows the
-  screen computes exactly (its candidates) hold the true top k, with the full head's bits;
+- every row's exact logit lies inside the interval the screen gives it (from the 4-bit plane,
+  narrowed by the fifth bits where stage 1 left the row), and the rows the screen computes
+  exactly (its candidates) hold the true top k, with the full head's bits;
 - generation with the screen gives exactly the tokens of generation without it, greedy and
   sampled (top-k, top-p, min-p, penalties), over a thousand steps per model.
 """
@@ -129,7 +130,8 @@ def test_screened_generation_gives_the_full_heads_tokens(engine, sampler):
         full, none = generate(ctx, prompt, sp, 200, 0)
         assert screened == full
         assert stats[0] == 200 and stats[2] == 0, stats  # every sample was screened
-        assert none == (0, 0, 0)
+        assert stats[3] > 0, stats  # and stage 2 narrowed rows
+        assert none == (0, 0, 0, 0)
     lazy_head(ctx, 1)  # the engine's own setting again
 
 
@@ -144,7 +146,7 @@ def test_samplers_that_need_the_whole_distribution_are_not_screened(engine):
         SamplingParams(temp=0.8, top_k=500, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=3),
     ):
         _, stats = generate(ctx, prompt, sp, 8, ALWAYS)
-        assert stats == (0, 0, 0), sp
+        assert stats == (0, 0, 0, 0), sp
     lazy_head(ctx, 1)
 
 
@@ -157,17 +159,29 @@ def q8_rows(d: np.ndarray, q: np.ndarray) -> np.ndarray:
     return out
 
 
+def bounds(rows: np.ndarray, n: int, act: np.ndarray, stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """se_screen_bounds_test: every row's interval after stage 1 or stage 2"""
+    from stdengine.reference.core import api
+
+    lo, hi = np.empty(len(rows), np.float32), np.empty(len(rows), np.float32)
+    rc = api().se_screen_bounds_test(
+        rows.ctypes.data, len(rows), n, act.ctypes.data, stages, lo.ctypes.data, hi.ctypes.data
+    )
+    assert rc == 0
+    return lo, hi
+
+
 @pytest.mark.parametrize("isa_name", ["scalar", "avx2"])
 @pytest.mark.parametrize("n", [192, 576, 640])
 def test_the_bound_holds_and_is_reached(isa_name, n):
-    """The bound kernels against float64 numpy, on rows made to reach it: the low 3 bits of each
-    weight at 7 where the activation is positive and 0 elsewhere give the interval's upper end
-    exactly (and the opposite its lower end). Every exact logit, and the engine's own Q8_0 dot,
-    lies inside; the made rows sit at their end, within the rounding margin: a bound narrower
-    than the derivation's would fail here."""
+    """The bound kernels of both stages against float64 numpy, on rows made to reach them. A
+    weight is u - 128 with u = 16h + 8f + l: stage 1 knows h, stage 2 also f. The low 4 bits
+    (8f + l) at 15 where the activation is positive and 0 elsewhere give stage 1's upper end
+    exactly, the low 3 bits (l) at 7 there give stage 2's (and the opposite the lower ends).
+    Every exact logit, and the engine's own Q8_0 dot, lies inside both intervals; the made rows
+    sit at their end, within the rounding margin: a bound narrower than the derivation's fails."""
     from isa import using_isa
     from stdengine.reference import kernels as K
-    from stdengine.reference.core import api
 
     rng = np.random.default_rng(n)
     nb = n // 32
@@ -175,46 +189,42 @@ def test_the_bound_holds_and_is_reached(isa_name, n):
     blocks = act.reshape(nb, 34)
     dx = blocks[:, :2].copy().view(np.float16)[:, 0].astype(np.float64)
     xq = blocks[:, 2:].copy().view(np.int8).astype(np.int64)
-    high = rng.integers(0, 32, size=(96, nb, 32))
-    low = np.concatenate(
-        [
-            np.broadcast_to(np.where(xq > 0, 7, 0), (32, nb, 32)),  # the upper end
-            np.broadcast_to(np.where(xq < 0, 7, 0), (32, nb, 32)),  # the lower end
-            rng.integers(0, 8, size=(32, nb, 32)),
-        ]
-    )
-    q = 8 * high + low - 128
-    d = rng.uniform(0.001, 0.02, size=(96, nb)).astype(np.float16).astype(np.float64)
+    pos, neg = np.where(xq > 0, 1, 0), np.where(xq < 0, 1, 0)
+    fifth = rng.integers(0, 2, size=(128, nb, 32))
+    low3 = rng.integers(0, 8, size=(128, nb, 32))
+    low3[:32], low3[32:64] = 7 * pos, 7 * neg  # stage 2's upper, lower end
+    fifth[64:80], low3[64:80] = pos, 7 * pos  # stage 1's upper end (and stage 2's)
+    fifth[80:96], low3[80:96] = neg, 7 * neg  # stage 1's lower end (and stage 2's)
+    q = 16 * rng.integers(0, 16, size=(128, nb, 32)) + 8 * fifth + low3 - 128
+    d = rng.uniform(0.001, 0.02, size=(128, nb)).astype(np.float16).astype(np.float64)
     rows = q8_rows(d, q)
     exact = ((q * xq).sum(-1) * d * dx).sum(-1)
-    lo, hi = np.empty(96, np.float32), np.empty(96, np.float32)
     with using_isa(isa_name):
-        rc = api().se_screen_bounds_test(
-            rows.ctypes.data, 96, n, act.ctypes.data, lo.ctypes.data, hi.ctypes.data
-        )
-        assert rc == 0
-        engine = np.array([K.dot("q8_0", rows[r].reshape(-1), act, n) for r in range(96)])
-    assert (lo <= exact).all() and (exact <= hi).all()
-    assert (lo <= engine).all() and (engine <= hi).all()
-    width = hi.astype(np.float64) - lo
-    assert (hi[:32] - exact[:32] <= width[:32] * 2**-6).all(), "the upper end is not reached"
-    assert (exact[32:64] - lo[32:64] <= width[32:64] * 2**-6).all(), "the lower end is not reached"
+        engine = np.array([K.dot("q8_0", rows[r].reshape(-1), act, n) for r in range(128)])
+        stage = {s: bounds(rows, n, act, s) for s in (1, 2)}
+    for lo, hi in stage.values():
+        assert (lo <= exact).all() and (exact <= hi).all()
+        assert (lo <= engine).all() and (engine <= hi).all()
+    for s, upper, lower in ((1, slice(64, 80), slice(80, 96)), (2, slice(0, 32), slice(32, 64))):
+        lo, hi = stage[s]
+        margin = (hi.astype(np.float64) - lo) * 2**-6
+        assert (hi - exact <= margin)[upper].all(), f"stage {s}'s upper end is not reached"
+        assert (exact - lo <= margin)[lower].all(), f"stage {s}'s lower end is not reached"
+    assert (stage[2][1] - stage[2][0] < 0.5 * (stage[1][1] - stage[1][0])).all(), "stage 2 narrows"
     d[5, 1] = -d[5, 1]  # the bound assumes d >= 0: a negative scale is refused
-    rows = q8_rows(d, q)
-    assert (
-        api().se_screen_bounds_test(rows.ctypes.data, 96, n, act.ctypes.data, lo.ctypes.data, hi.ctypes.data)
-        < 0
-    )
+    with pytest.raises(AssertionError):
+        bounds(q8_rows(d, q), n, act, 1)
 
 
 def test_ignore_eos_keeps_the_screen_and_the_tokens(engine):
     """ignore_eos and min_tokens ban the end-of-generation tokens in the C sampler (Context.ban),
     so the head stays screened: the same tokens as with the screen off, no end-of-generation token
-    among them, and the screen ran."""
+    among them, and every sample but the first (the prompt's, whose logits generate() reads) was
+    screened."""
     from stdengine.adapter import GenerateRequest, TokenEvent
 
     def run(screen: bool, **eog) -> tuple[list[int], tuple]:
-        lazy_head(engine.ctx, int(screen))
+        lazy_head(engine.ctx, ALWAYS if screen else 0)
         before = engine.ctx.screen_stats
         sp = SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=0, n_predict=64)
         ids = [
@@ -230,6 +240,6 @@ def test_ignore_eos_keeps_the_screen_and_the_tokens(engine):
         full, _ = run(False, **eog)
         assert screened == full
         assert not any(engine._is_eog(t) for t in screened[:48])
-        assert stats[0] >= 48, stats
+        assert stats[0] >= len(screened) - 1 and stats[2] == 0, stats
     engine.ctx.ban(None)
     lazy_head(engine.ctx, 1)

@@ -172,8 +172,8 @@ SE_API int se_context_set_lazy_head(se_context *c, int32_t on); /* 2: as 1, and 
                                                                   * to the full head for speed (tests) */
 SE_API int se_context_head(se_context *c);
 /* out[0]: screened samples, out[1]: rows they computed exactly, out[2]: samples that found the
- * bounds unusable (not numbers) and ran the full head */
-SE_API void se_context_screen_stats(const se_context *c, int64_t out[3]);
+ * bounds unusable (not numbers) and ran the full head, out[3]: rows their stage 2 narrowed */
+SE_API void se_context_screen_stats(const se_context *c, int64_t out[4]);
 /* For tests: the screen of the pending head for a top-k sampler (no penalties): its candidates'
  * ids and exact logits (up to cap of them, in id order) and their count; -1 when it cannot
  * screen. The logits stay pending. Afterwards se_context_screen_bounds gives every row's interval
@@ -181,10 +181,11 @@ SE_API void se_context_screen_stats(const se_context *c, int64_t out[3]);
 SE_API int32_t se_context_screen(se_context *c, int32_t k, int32_t *ids, float *logits, int32_t cap);
 SE_API const float *se_context_screen_bounds(const se_context *c, int32_t upper);
 /* For tests: the intervals the screen gives rows (n_rows Q8_0 rows of n weights, n a multiple of
- * 64) for one token's Q8_0 activations, with the kernel of the ISA in use. SE_ERR_INVALID for a
- * bad shape or a negative scale. */
-SE_API int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const void *act, float *lo, float *hi);
-/* Bytes of the model's screen plane (0 until the first screened sample builds it) */
+ * 64) for one token's Q8_0 activations, with the kernels of the ISA in use: stage 1's (stages 1)
+ * or stage 2's on every row (2). SE_ERR_INVALID for a bad shape or a negative scale. */
+SE_API int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const void *act, int32_t stages,
+                                 float *lo, float *hi);
+/* Bytes of the model's screen planes (0 until the first screened sample builds them) */
 SE_API size_t se_model_screen_bytes(const se_model *m);
 
 /* Activation statistics, for importance matrices (`infer quantize --imatrix-from`). While set,
@@ -333,10 +334,12 @@ struct se_context {
     se_cand *scr_top;        /* [pool threads][SE_SCREEN_MAX_K] each thread's rows of largest lower bound */
     float *scr_exact;        /* [SE_SCREEN_MAX_K] the exact logits of the k rows of largest lower bound */
     int32_t *scr_n;          /* [pool threads] how many, then each thread's candidates */
-    int32_t *scr_pen;        /* [n_ctx] the penalized tokens */
+    int32_t *scr_pen;        /* [n_ctx + n_vocab] the penalized and the banned tokens */
+    int32_t *scr_ids;        /* [n_vocab] the rows stage 1 left, each thread's in its own range */
+    float *scr_up, *scr_down; /* [n_vocab] their stage-2 moves */
     void *scr_act;           /* [pool threads] the token's activations as the bound kernels read them */
     size_t scr_act_bytes;
-    int64_t screen_stats[3]; /* se_context_screen_stats */
+    int64_t screen_stats[4]; /* se_context_screen_stats */
     int32_t screen_skip;     /* samples left that take the full head instead of a screen */
     int32_t *ban, n_ban;     /* tokens the sampler never picks (se_context_set_banned), ascending */
 };

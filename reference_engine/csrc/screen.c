@@ -6,14 +6,15 @@
  * input (head_x) and marks the logits pending. Then
  *   - se_sample, when the sampler needs only the top k (greedy: k = 1; top-k up to
  *     SE_SCREEN_MAX_K; penalties that only lower logits), screens: it bounds every row's logit
- *     from the 5-bit plane, computes exactly the k rows of largest lower bound (the least of
- *     their logits is the threshold), then every row whose upper bound reaches the threshold
- *     (with the head's own kernel, so with the full head's bits), and samples from those: the
- *     same token the full head would give;
+ *     from the 4-bit plane, computes exactly the k rows of largest lower bound (the least of
+ *     their logits is the threshold), narrows the interval of every row whose upper bound
+ *     reaches the threshold with its fifth bits, computes exactly the rows whose upper bound
+ *     still reaches it (with the head's own kernel, so with the full head's bits), and samples
+ *     from those: the same token the full head would give;
  *   - anything else (se_context_head: the logits themselves, any other sampler) runs the full
  *     head first.
- * The plane is built once per model, at the first screened sample (65-71% of a Q8_0 head's
- * bytes). Models whose head is not Q8_0, or is on a device, are never screened.
+ * The planes are built once per model, at the first screened sample (about 67% of a Q8_0 head's
+ * bytes, of which a screen reads the 4-bit plane, 53%, and a few rows' fifth bits). Models whose head is not Q8_0, or is on a device, are never screened.
  */
 #define _GNU_SOURCE
 #define SE_ENGINE_INTERNAL
@@ -33,7 +34,7 @@ typedef struct { uint16_t d; int8_t qs[SE_QK]; } se_blk_q8_0;
 _Static_assert(sizeof(se_blk_q8_0) == 34, "a Q8_0 block is 34 bytes");
 
 /* ---------------------------------------------------------------------------------------------
- * The plane (built once per model)
+ * The planes (built once per model)
  */
 
 /* Whether the model's head could be screened at all (before the plane is built) */
@@ -48,26 +49,30 @@ typedef struct {
     int bad[64]; /* per thread: a scale that is negative or not finite (the bound assumes d >= 0) */
 } build_job;
 
-/* Row r of the plane from its Q8_0 row; 0 if a scale is negative or not finite (the bound
+static uint8_t *fifth_row(const se_screen *s, int64_t r) { return s->fifth + (size_t)r * s->fifth_size; }
+
+/* Row r of the planes from its Q8_0 row; 0 if a scale is negative or not finite (the bound
  * assumes d >= 0) */
 static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
     const int64_t nb = s->nb;
-    uint8_t *row = s->rows + (size_t)r * s->row_size;
+    uint8_t *row = s->rows + (size_t)r * s->row_size, *bits = fifth_row(s, r);
     uint16_t *d = (uint16_t *)row;
-    uint8_t *nib = row + 2 * s->nbp, *bits = nib + 16 * nb;
+    uint8_t *nib = row + 2 * nb;
     int ok = 1;
     memset(row, 0, s->row_size);
+    memset(bits, 0, s->fifth_size);
     for (int64_t b = 0; b < nb; b++) {
         float df = se_fp16_to_fp32(src[b].d);
         ok &= df >= 0 && isfinite(df);
         d[b] = src[b].d;
         uint8_t *pair = nib + 32 * (b / 2), *group = bits + 32 * (b / 8);
         for (int i = 0; i < SE_QK; i++) {
-            uint8_t h = (uint8_t)((uint8_t)(src[b].qs[i] + 128) >> 3);
-            pair[i] |= (uint8_t)((h & 15) << (b % 2 * 4));
-            group[i] |= (uint8_t)((h >> 4) << (b % 8));
+            uint8_t u = (uint8_t)(src[b].qs[i] + 128);
+            pair[i] |= (uint8_t)((u >> 4) << (b % 2 * 4));
+            group[i] |= (uint8_t)((u >> 3 & 1) << (b % 8));
         }
     }
+    memcpy(bits + 4 * s->nbp, d, 2 * (size_t)nb);
     return ok;
 }
 
@@ -80,12 +85,16 @@ static void build_rows(void *arg, int ith, int nth) {
             j->bad[ith] = 1;
 }
 
-/* A plane's shape for rows of n weights */
-static void screen_shape(se_screen *s, int64_t n, int64_t n_rows) {
+/* The planes' shape for rows of n weights, and their memory (0 if there is none) */
+static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows) {
     s->nb = n / SE_QK;
     s->nbp = (s->nb + 7) / 8 * 8;
     s->n_rows = n_rows;
-    s->row_size = (size_t)(2 * s->nbp + 16 * s->nb + 4 * s->nbp);
+    s->row_size = (size_t)(18 * s->nb);
+    s->fifth_size = (size_t)(4 * s->nbp + 2 * s->nb);
+    if (posix_memalign((void **)&s->rows, 64, s->row_size * (size_t)n_rows) != 0) s->rows = NULL;
+    if (posix_memalign((void **)&s->fifth, 64, s->fifth_size * (size_t)n_rows) != 0) s->fifth = NULL;
+    return s->rows && s->fifth;
 }
 
 /* The model's plane, built on c's pool the first time (the contexts of a model may ask from
@@ -96,11 +105,7 @@ static const se_screen *screen_of(se_context *c) {
     if (m->screen_state == 0) {
         se_screen *s = se_screen_possible(m) ? calloc(1, sizeof *s) : NULL;
         m->screen_state = -1; /* until it is built */
-        if (s) {
-            screen_shape(s, m->output.ne0, m->output.ne1);
-            if (posix_memalign((void **)&s->rows, 64, s->row_size * (size_t)s->n_rows) != 0) s->rows = NULL;
-        }
-        if (s && s->rows) {
+        if (s && screen_alloc(s, m->output.ne0, m->output.ne1)) {
             build_job j = { .s = s, .w = &m->output };
             int nth = c->cp.n_threads_batch < 64 ? c->cp.n_threads_batch : 64;
             se_pool_run(c->pool, nth, build_rows, &j);
@@ -108,22 +113,23 @@ static const se_screen *screen_of(se_context *c) {
             for (int i = 0; i < nth; i++) bad |= j.bad[i];
             if (!bad) { m->screen = s; m->screen_state = 1; s = NULL; }
         }
-        if (s) { free(s->rows); free(s); }
+        se_screen_free(s);
     }
     pthread_mutex_unlock(&m->screen_lock);
     return m->screen_state == 1 ? m->screen : NULL;
 }
 
 void se_screen_free(se_screen *s) {
-    if (s) { free(s->rows); free(s); }
+    if (s) { free(s->rows); free(s->fifth); free(s); }
 }
 
 size_t se_model_screen_bytes(const se_model *m) {
-    return m && m->screen ? m->screen->row_size * (size_t)m->screen->n_rows : 0;
+    const se_screen *s = m ? m->screen : NULL;
+    return s ? (s->row_size + s->fifth_size) * (size_t)s->n_rows : 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
- * The bound kernel, portable
+ * The bound kernels, portable
  */
 
 void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t r0, int64_t r1, float *lo,
@@ -132,20 +138,39 @@ void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = s->rows + (size_t)r * s->row_size;
         const uint16_t *d = (const uint16_t *)row;
-        const uint8_t *nib = row + 2 * s->nbp, *bits = nib + 16 * nb;
+        const uint8_t *nib = row + 2 * nb;
         float l = 0, h = 0;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *pair = nib + 32 * (b / 2), *group = bits + 32 * (b / 8);
+            const uint8_t *pair = nib + 32 * (b / 2);
             const int8_t *x = a->xq + 32 * b;
             int32_t sum = 0;
-            for (int i = 0; i < SE_QK; i++)
-                sum += (int32_t)((pair[i] >> (b % 2 * 4) & 15) | (group[i] >> (b % 8) & 1) << 4) * x[i];
+            for (int i = 0; i < SE_QK; i++) sum += (int32_t)(pair[i] >> (b % 2 * 4) & 15) * x[i];
             float dd = se_fp16_to_fp32(d[b]) * a->dx[b];
-            l += dd * (float)(8 * sum + a->lo_c[b]);
-            h += dd * (float)(8 * sum + a->hi_c[b]);
+            l += dd * (float)(16 * sum + a->lo_c[b]);
+            h += dd * (float)(16 * sum + a->hi_c[b]);
         }
         lo[r] = l;
         hi[r] = h;
+    }
+}
+
+void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
+                             float *down) {
+    for (int32_t i = 0; i < n; i++) {
+        const uint8_t *bits = fifth_row(s, ids[i]);
+        const uint16_t *d = (const uint16_t *)(bits + 4 * s->nbp);
+        float u = 0, w = 0;
+        for (int64_t b = 0; b < s->nb; b++) {
+            const uint8_t *group = bits + 32 * (b / 8);
+            const int8_t *x = a->xq + 32 * b;
+            int32_t sum = 0;
+            for (int j = 0; j < SE_QK; j++) sum += (group[j] >> (b % 8) & 1) * x[j];
+            float dd = se_fp16_to_fp32(d[b]) * a->dx[b];
+            u += dd * (float)(8 * sum + a->neg8[b]);
+            w += dd * (float)(8 * sum + a->pos8[b]);
+        }
+        up[i] = u;
+        down[i] = w;
     }
 }
 
@@ -161,6 +186,7 @@ typedef struct {
     int k;
     const int32_t *pen; /* the penalized and the banned tokens, ascending, and how many */
     int32_t n_pen;
+    int64_t n_left; /* out: the rows stage 1 left (stage 2 narrowed them) */
 } screen_job;
 
 /* This thread's activations of the head (the output norm, then the head's act type): the forward
@@ -197,8 +223,8 @@ int se_context_set_lazy_head(se_context *c, int32_t on) {
     return SE_OK;
 }
 
-void se_context_screen_stats(const se_context *c, int64_t out[3]) {
-    for (int i = 0; i < 3; i++) out[i] = c->screen_stats[i];
+void se_context_screen_stats(const se_context *c, int64_t out[4]) {
+    for (int i = 0; i < 4; i++) out[i] = c->screen_stats[i];
 }
 
 /* The exact logit of row r (the head's own kernel, one row: the bits of the full head's) */
@@ -217,13 +243,13 @@ float se_penalized(float l, int32_t n, const se_sampling_params *sp) {
 
 /* A token's activations in the kernels' form (screen.h) in buf (act_bytes(nb) bytes), from its
  * Q8_0 activations x */
-static size_t act_bytes(int64_t nb) { return (size_t)((nb + 7) / 8 * 8) * (32 + 3 * 4); }
+static size_t act_bytes(int64_t nb) { return (size_t)((nb + 7) / 8 * 8) * (32 + 5 * 4); }
 
 static void make_act(const se_blk_q8_0 *x, int64_t nb, void *buf, se_screen_act *out) {
     const int64_t nbp = (nb + 7) / 8 * 8;
     int8_t *xq = buf;
     float *dx = (float *)(xq + nbp * 32);
-    int32_t *lo_c = (int32_t *)(dx + nbp), *hi_c = lo_c + nbp;
+    int32_t *lo_c = (int32_t *)(dx + nbp), *hi_c = lo_c + nbp, *neg8 = hi_c + nbp, *pos8 = neg8 + nbp;
     memset(buf, 0, act_bytes(nb));
     for (int64_t b = 0; b < nb; b++) {
         int32_t sum = 0, neg = 0, pos = 0;
@@ -234,28 +260,45 @@ static void make_act(const se_blk_q8_0 *x, int64_t nb, void *buf, se_screen_act 
             if (v < 0) neg += v; else pos += v;
         }
         dx[b] = se_fp16_to_fp32(x[b].d);
-        lo_c[b] = -128 * sum + 7 * neg;
-        hi_c[b] = -128 * sum + 7 * pos;
+        lo_c[b] = -128 * sum + 15 * neg;
+        hi_c[b] = -128 * sum + 15 * pos;
+        neg8[b] = -8 * neg;
+        pos8[b] = -8 * pos;
     }
-    *out = (se_screen_act){ xq, dx, lo_c, hi_c };
+    *out = (se_screen_act){ xq, dx, lo_c, hi_c, neg8, pos8 };
 }
 
-/* Every row's interval for rows [r0, r1): the kernel's, widened by a bound on float rounding.
- * The kernels' sums and the head's own each err by under 2^-14 of a row's sum of |d*dx*block
- * sum| (nb <= SE_SCREEN_MAX_NB terms), and that sum is at most 511/7 times the interval's width
- * (spec/reference-engine.md). Returns 0 if an interval is not one (a NaN). */
+static int avx2(void) { return se_isa_in_use() >= SE_ISA_AVX2 && se_screen_bounds_avx2 && se_screen_refine_avx2; }
+
+/* Stage 1: every row's interval for rows [r0, r1), the kernel's widened by a bound on float
+ * rounding. The kernel's sums and the head's own each err by under 2^-14 of 511 times the row's
+ * sum over blocks of d*dx*sum|x|, and the interval's width is 15 times that sum
+ * (spec/reference-engine.md): 2^-8 of the width covers both. Returns 0 if an interval is not one
+ * (a NaN). */
 static int bounds(const se_screen *s, const se_screen_act *xa, int64_t r0, int64_t r1, float *lo, float *hi) {
-    se_screen_bounds_fn fn = se_isa_in_use() >= SE_ISA_AVX2 && se_screen_bounds_avx2 ? se_screen_bounds_avx2
-                                                                                      : se_screen_bounds_scalar;
-    if (r1 > r0) fn(s, xa, r0, r1, lo, hi);
+    if (r1 > r0) (avx2() ? se_screen_bounds_avx2 : se_screen_bounds_scalar)(s, xa, r0, r1, lo, hi);
     int numbers = 1;
     for (int64_t r = r0; r < r1; r++) {
-        float m = (hi[r] - lo[r]) * 0x1p-7f;
+        float m = (hi[r] - lo[r]) * 0x1p-8f;
         lo[r] -= m;
         hi[r] += m;
         numbers &= lo[r] <= hi[r]; /* false for a NaN */
     }
     return numbers;
+}
+
+/* Stage 2: the intervals of rows ids[0..n) narrowed by their fifth bits (up and down: n floats of
+ * scratch). The moves are sums of terms of one sign, each within 8*d*dx*sum|x|: they err by under
+ * 2^-14 of up - down, and adding them to the ends by far less, so widening by 2^-10 of up - down
+ * keeps the interval sound. */
+static void refine(const se_screen *s, const se_screen_act *xa, const int32_t *ids, int32_t n, float *up,
+                   float *down, float *lo, float *hi) {
+    if (n > 0) (avx2() ? se_screen_refine_avx2 : se_screen_refine_scalar)(s, xa, ids, n, up, down);
+    for (int32_t i = 0; i < n; i++) {
+        float m = (up[i] - down[i]) * 0x1p-10f;
+        lo[ids[i]] += up[i] - m;
+        hi[ids[i]] += down[i] + m;
+    }
 }
 
 /* Whether token t is in the ascending list of n tokens */
@@ -271,18 +314,96 @@ static int is_listed(const int32_t *pen, int32_t n, int32_t t) {
 #define SCREEN_BACKOFF 32 /* samples that take the full head after a screen that left too many rows */
 #define SCREEN_AHEAD 6 /* candidates whose rows are asked for before they are computed */
 
+/* A piece of work: entries [i0, i1) of the list that thread t made in its rows (from r0 on) */
+typedef void (*piece_fn)(screen_job *j, const se_screen_act *xa, const se_acts *a, int64_t r0, int32_t i0,
+                         int32_t i1);
+
+/* Stage 2 for a piece of the rows stage 1 left (the lists at scr_ids) */
+static void refine_piece(screen_job *j, const se_screen_act *xa, const se_acts *a, int64_t r0, int32_t i0,
+                         int32_t i1) {
+    se_context *c = j->c;
+    (void)a;
+    refine(j->s, xa, c->scr_ids + r0 + i0, i1 - i0, c->scr_up + r0 + i0, c->scr_down + r0 + i0, c->scr_lo,
+           c->scr_hi);
+}
+
+/* The exact logits of a piece of the candidates (the lists at cand; the penalized rows have
+ * theirs), their rows asked for from memory a few candidates ahead: they lie anywhere in the head */
+static void exact_piece(screen_job *j, const se_screen_act *xa, const se_acts *a, int64_t r0, int32_t i0,
+                        int32_t i1) {
+    se_context *c = j->c;
+    const se_tensor *w = &c->m->output;
+    se_cand *cand = c->cand + r0;
+    (void)xa;
+    for (int32_t i = i0; i < i1; i++) {
+        if (i + SCREEN_AHEAD < i1) {
+            const char *next = (const char *)w->data + (size_t)cand[i + SCREEN_AHEAD].id * w->row_size;
+            for (size_t o = 0; o < w->row_size; o += 64) __builtin_prefetch(next + o);
+        }
+        if (!is_listed(j->pen, j->n_pen, cand[i].id)) cand[i].logit = exact_row(c, a, cand[i].id);
+    }
+}
+
+/* fn over this thread's even share of the threads' lists (scr_n[t] entries each) laid end to end:
+ * the rows left are uneven across the vocabulary (common tokens have low ids), so each thread
+ * takes the same number whoever found them */
+static void for_my_share(screen_job *j, const se_screen_act *xa, const se_acts *a, int ith, int nth, piece_fn fn) {
+    se_context *c = j->c;
+    int64_t total = 0, off = 0;
+    for (int t = 0; t < nth; t++) total += c->scr_n[t];
+    const int64_t g0 = total * ith / nth, g1 = total * (ith + 1) / nth;
+    for (int t = 0; t < nth && off < g1; off += c->scr_n[t], t++) {
+        const int64_t i0 = g0 > off ? g0 - off : 0, i1 = g1 < off + c->scr_n[t] ? g1 - off : c->scr_n[t];
+        int64_t r0, r1;
+        se_split(c->m->hp.n_vocab, t, nth, SPLIT_ALIGN, &r0, &r1);
+        if (i0 < i1) fn(j, xa, a, r0, (int32_t)i0, (int32_t)i1);
+    }
+}
+
+/* This thread's k rows of largest lower bound among its rows [r0, r1) whose upper bound reaches
+ * thr, into its heap at scr_top and their count into scr_n (-1 if not all bounds are numbers) */
+static void my_top(screen_job *j, int ith, int64_t r0, int64_t r1, float thr, int numbers) {
+    se_context *c = j->c;
+    se_cand *top = c->scr_top + (size_t)ith * SE_SCREEN_MAX_K;
+    int32_t n = 0;
+    for (int64_t r = r0; r < r1; r++)
+        if (c->scr_hi[r] >= thr) se_cand_push(top, j->k, &n, (se_cand){ (int32_t)r, c->scr_lo[r] });
+    c->scr_n[ith] = numbers ? n : -1;
+}
+
+/* A threshold that k rows reach: the threads' heaps merged (each thread finds the same k rows of
+ * largest lower bound), those rows computed exactly, the least of their logits. A row whose upper
+ * bound is below it has a logit below k others: it cannot be in the top k, whatever the ties.
+ * NAN when there is none (fewer than k rows, or bounds that are not numbers). Call after a
+ * barrier that follows my_top on every thread; it ends with one. */
+static float threshold(screen_job *j, const se_acts *a, int ith, int nth) {
+    se_context *c = j->c;
+    const int k = j->k;
+    se_cand all[SE_SCREEN_MAX_K];
+    int32_t na = 0;
+    for (int t = 0; t < nth; t++)
+        if (c->scr_n[t] < 0) na = -SE_SCREEN_MAX_K * nth;
+    for (int t = 0; t < nth && na >= 0; t++)
+        for (int i = 0; i < c->scr_n[t]; i++) se_cand_push(all, k, &na, c->scr_top[(size_t)t * SE_SCREEN_MAX_K + i]);
+    for (int i = ith; i < na && na == k; i += nth)
+        c->scr_exact[i] = is_listed(j->pen, j->n_pen, all[i].id) ? all[i].logit : exact_row(c, a, all[i].id);
+    se_pool_barrier(c->pool); /* everyone has read scr_n and scr_top, and written its exact rows */
+    float thr = na == k ? INFINITY : NAN;
+    for (int i = 0; i < na && na == k; i++) thr = c->scr_exact[i] < thr ? c->scr_exact[i] : thr;
+    return thr;
+}
+
 static void screen_rows(void *arg, int ith, int nth) {
     screen_job *j = arg;
     se_context *c = j->c;
-    const int64_t V = c->m->hp.n_vocab;
-    const int k = j->k;
     se_acts a;
     head_acts(c, ith, nth, &a);
     se_screen_act xa;
     make_act(a.ptr[0], j->s->nb, (char *)c->scr_act + (size_t)ith * c->scr_act_bytes, &xa);
     int64_t r0, r1;
-    se_split(V, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    se_split(c->m->hp.n_vocab, ith, nth, SPLIT_ALIGN, &r0, &r1);
     float *lo = c->scr_lo, *hi = c->scr_hi;
+    /* stage 1 */
     int numbers = bounds(j->s, &xa, r0, r1, lo, hi);
     /* the penalized rows: exact, penalized, an interval of one point; the banned ones at -inf */
     int32_t p0 = 0;
@@ -292,43 +413,30 @@ static void screen_rows(void *arg, int ith, int nth) {
         lo[t] = hi[t] = is_listed(c->ban, c->n_ban, t) ? -INFINITY
                                                         : se_penalized(exact_row(c, &a, t), c->counts[t], j->sp);
     }
-    /* this thread's k rows of largest lower bound */
-    se_cand *top = c->scr_top + (size_t)ith * SE_SCREEN_MAX_K;
-    int32_t n = 0;
-    for (int64_t r = r0; r < r1; r++) se_cand_push(top, k, &n, (se_cand){ (int32_t)r, lo[r] });
-    c->scr_n[ith] = numbers ? n : -1;
+    my_top(j, ith, r0, r1, -INFINITY, numbers);
     se_pool_barrier(c->pool);
-    /* The k rows of largest lower bound of all (each thread finds the same ones), computed
-     * exactly: k rows whose logits are at least the smallest of theirs, a threshold above the
-     * k-th lower bound by about half an interval */
-    se_cand all[SE_SCREEN_MAX_K];
-    int32_t na = 0;
-    for (int t = 0; t < nth; t++)
-        if (c->scr_n[t] < 0) na = -SE_SCREEN_MAX_K * nth; /* no threshold: the full head decides */
-    for (int t = 0; t < nth && na >= 0; t++)
-        for (int i = 0; i < c->scr_n[t]; i++) se_cand_push(all, k, &na, c->scr_top[(size_t)t * SE_SCREEN_MAX_K + i]);
-    for (int i = ith; i < na && na == k; i += nth)
-        c->scr_exact[i] = is_listed(j->pen, j->n_pen, all[i].id) ? all[i].logit : exact_row(c, &a, all[i].id);
-    se_pool_barrier(c->pool); /* everyone has read scr_n and written its exact rows */
-    float thr = INFINITY;
-    for (int i = 0; i < na && na == k; i++) thr = c->scr_exact[i] < thr ? c->scr_exact[i] : thr;
+    const float thr1 = threshold(j, &a, ith, nth); /* the same on every thread */
+    /* stage 2 for the rows stage 1 left (a penalized row's interval is its exact value) */
+    int32_t n_left = 0;
+    for (int64_t r = r0; r < r1 && thr1 == thr1; r++)
+        if (hi[r] >= thr1 && !is_listed(j->pen, j->n_pen, (int32_t)r)) c->scr_ids[r0 + n_left++] = (int32_t)r;
+    c->scr_n[ith] = n_left;
+    se_pool_barrier(c->pool);
+    if (ith == 0)
+        for (int t = 0; t < nth; t++) j->n_left += c->scr_n[t];
+    for_my_share(j, &xa, &a, ith, nth, refine_piece);
+    se_pool_barrier(c->pool); /* every interval is final */
+    /* a second threshold from the narrower intervals: about half the exact rows where stage 1
+     * leaves many */
+    my_top(j, ith, r0, r1, thr1, 1);
+    se_pool_barrier(c->pool);
+    const float thr2 = thr1 == thr1 ? threshold(j, &a, ith, nth) : NAN, thr = thr2 > thr1 ? thr2 : thr1;
     int32_t n_cand = 0;
-    if (na == k && thr == thr) { /* (not a NaN) */
-        se_cand *out = c->cand + r0;
-        for (int64_t r = r0; r < r1; r++)
-            if (hi[r] >= thr) out[n_cand++] = (se_cand){ (int32_t)r, lo[r] };
-        /* the candidates' exact logits (the penalized rows have theirs), their rows asked for
-         * from memory a few candidates ahead: they lie anywhere in the head */
-        const se_tensor *w = &c->m->output;
-        for (int32_t i = 0; i < n_cand; i++) {
-            if (i + SCREEN_AHEAD < n_cand) {
-                const char *next = (const char *)w->data + (size_t)out[i + SCREEN_AHEAD].id * w->row_size;
-                for (size_t o = 0; o < w->row_size; o += 64) __builtin_prefetch(next + o);
-            }
-            if (!is_listed(j->pen, j->n_pen, out[i].id)) out[i].logit = exact_row(c, &a, out[i].id);
-        }
-    }
+    for (int64_t r = r0; r < r1 && thr == thr; r++)
+        if (hi[r] >= thr) c->cand[r0 + n_cand++] = (se_cand){ (int32_t)r, lo[r] };
     c->scr_n[ith] = n_cand;
+    se_pool_barrier(c->pool);
+    for_my_share(j, &xa, &a, ith, nth, exact_piece);
 }
 
 /* The k a screen serves for these sampling parameters, 0 when the sampler needs more than the top
@@ -351,17 +459,22 @@ static int screen_buffers(se_context *c) {
     c->scr_n = malloc((size_t)n_thr * sizeof(int32_t));
     c->scr_act = malloc((size_t)n_thr * c->scr_act_bytes);
     c->scr_pen = malloc((size_t)(c->cp.n_ctx + V) * sizeof(int32_t)); /* the window's and the banned tokens */
-    if (c->scr_lo && c->scr_hi && c->scr_top && c->scr_exact && c->scr_n && c->scr_act && c->scr_pen) return 1;
+    c->scr_ids = malloc((size_t)V * sizeof(int32_t));
+    c->scr_up = malloc((size_t)V * sizeof(float));
+    c->scr_down = malloc((size_t)V * sizeof(float));
+    if (c->scr_lo && c->scr_hi && c->scr_top && c->scr_exact && c->scr_n && c->scr_act && c->scr_pen && c->scr_ids &&
+        c->scr_up && c->scr_down)
+        return 1;
     se_screen_context_free(c);
     return 0;
 }
 
 void se_screen_context_free(se_context *c) {
     free(c->scr_lo); free(c->scr_hi); free(c->scr_top); free(c->scr_exact); free(c->scr_n); free(c->scr_act);
-    free(c->scr_pen);
-    c->scr_lo = c->scr_hi = c->scr_exact = NULL;
+    free(c->scr_pen); free(c->scr_ids); free(c->scr_up); free(c->scr_down);
+    c->scr_lo = c->scr_hi = c->scr_exact = c->scr_up = c->scr_down = NULL;
     c->scr_top = NULL;
-    c->scr_n = c->scr_pen = NULL;
+    c->scr_n = c->scr_pen = c->scr_ids = NULL;
     c->scr_act = NULL;
 }
 
@@ -383,7 +496,7 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     for (int32_t i = 0; i < c->n_ban; i++)
         if (c->counts[c->ban[i]]++ == 0) pen[n_pen++] = c->ban[i];
     qsort(pen, (size_t)n_pen, sizeof *pen, se_cmp_i32);
-    screen_job j = { c, s, sp, k, pen, n_pen };
+    screen_job j = { c, s, sp, k, pen, n_pen, 0 };
     int nth = c->cp.n_threads;
     se_pool_run(c->pool, nth, screen_rows, &j);
     for (int32_t i = 0; i < n_pen; i++) c->counts[pen[i]] = 0;
@@ -401,9 +514,13 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     }
     c->screen_stats[0]++;
     c->screen_stats[1] += n;
-    /* Past an eighth of the rows the exact rows (read one by one) and the plane cost about what
-     * the full head does: the next SCREEN_BACKOFF samples take the full head, then it tries again */
-    if (n > c->m->hp.n_vocab / 8 && c->lazy_head != 2) c->screen_skip = SCREEN_BACKOFF;
+    c->screen_stats[3] += j.n_left;
+    /* Past an eighth of the rows computed exactly (read one by one), or three quarters narrowed by
+     * stage 2 (a row of stage 1 or 2 costs about half a row of the full head), a screen costs about
+     * what the full head does: the next SCREEN_BACKOFF samples take the full head, then it tries
+     * again */
+    const int64_t V = c->m->hp.n_vocab;
+    if ((n > V / 8 || j.n_left > V / 4 * 3) && c->lazy_head != 2) c->screen_skip = SCREEN_BACKOFF;
     return n;
 }
 
@@ -422,22 +539,25 @@ const float *se_context_screen_bounds(const se_context *c, int32_t upper) {
     return upper ? c->scr_hi : c->scr_lo;
 }
 
-int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const void *act, float *lo, float *hi) {
-    if (!rows || !act || !lo || !hi || n_rows < 1 || n % (2 * SE_QK) || n / SE_QK > SE_SCREEN_MAX_NB)
+int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const void *act, int32_t stages, float *lo,
+                          float *hi) {
+    if (!rows || !act || !lo || !hi || n_rows < 1 || n_rows > INT32_MAX || n % (2 * SE_QK) ||
+        n / SE_QK > SE_SCREEN_MAX_NB || stages < 1 || stages > 2)
         return SE_ERR_INVALID;
-    se_screen s;
-    screen_shape(&s, n, n_rows);
-    s.rows = malloc(s.row_size * (size_t)n_rows);
-    void *buf = malloc(act_bytes(s.nb));
-    int rc = s.rows && buf ? SE_OK : SE_ERR_NOMEM;
+    se_screen s = { 0 };
+    void *buf = malloc(act_bytes(n / SE_QK));
+    int32_t *ids = malloc((size_t)n_rows * sizeof(int32_t));
+    float *moves = malloc(2 * (size_t)n_rows * sizeof(float));
+    int rc = screen_alloc(&s, n, n_rows) && buf && ids && moves ? SE_OK : SE_ERR_NOMEM;
     for (int64_t r = 0; rc == SE_OK && r < n_rows; r++)
         if (!build_row(&s, (const se_blk_q8_0 *)rows + r * s.nb, r)) rc = SE_ERR_INVALID;
     if (rc == SE_OK) {
         se_screen_act xa;
         make_act(act, s.nb, buf, &xa);
         bounds(&s, &xa, 0, n_rows, lo, hi);
+        for (int64_t r = 0; r < n_rows; r++) ids[r] = (int32_t)r;
+        if (stages == 2) refine(&s, &xa, ids, (int32_t)n_rows, moves, moves + n_rows, lo, hi);
     }
-    free(s.rows);
-    free(buf);
+    free(s.rows); free(s.fifth); free(buf); free(ids); free(moves);
     return rc;
 }

@@ -1,15 +1,19 @@
 /* The screened output head (screen.c; issue 22, spec/reference-engine.md "Screening the output
  * head"). Internal: include after defining SE_ENGINE_INTERNAL.
  *
- * A Q8_0 weight q is u = q + 128 = 8*h + l with h in [0, 31] (the 5-bit high plane, the copy kept
- * here) and l in [0, 7] (the low plane, not kept: the bound covers every value of it). For one
- * token's int8 activations x (block scale dx) and a block of the head with scale d >= 0:
+ * A Q8_0 weight q is u = q + 128 = 16*h + 8*f + l with h in [0, 15] (the 4-bit high plane), f in
+ * {0, 1} (the fifth bit, a plane of its own) and l in [0, 7] (not kept). For one token's int8
+ * activations x (block scale dx) and a block of the head with scale d >= 0:
  *
- *     d*dx * sum q*x  =  d*dx * (8 * sum h*x - 128 * sum x + sum l*x),
- *     7 * sum(x < 0)  <=  sum l*x  <=  7 * sum(x > 0)
+ *     d*dx * sum q*x  =  d*dx * (16 * sum h*x - 128 * sum x + sum (8f + l)*x),
+ *     15 * sum(x < 0)  <=  sum (8f + l)*x  <=  15 * sum(x > 0)              (stage 1)
+ *     sum (8f + l)*x  =  8 * sum f*x + sum l*x,  7 * sum(x < 0) <= sum l*x <= 7 * sum(x > 0)
  *
- * so every row's logit lies in an interval that the plane alone gives. The kernels compute it per
- * row; screen.c picks the rows whose interval reaches the top k and computes them exactly.
+ * so stage 1 bounds every row's logit from the 4-bit plane alone, and stage 2 narrows the interval
+ * of the rows stage 1 could not exclude with their fifth bits: it moves the lower end up by
+ * d*dx * 8 * (sum f*x - sum(x < 0)) >= 0 and the upper end down by d*dx * 8 * (sum(x > 0) - sum f*x)
+ * >= 0, per block. screen.c picks the rows whose interval reaches the top k and computes them
+ * exactly.
  */
 #ifndef SE_SCREEN_H
 #define SE_SCREEN_H
@@ -17,38 +21,48 @@
 #include "engine.h"
 
 #define SE_SCREEN_MAX_K 128 /* the largest top-k a screen serves (beyond it: the full head) */
-#define SE_SCREEN_PREFETCH 8192 /* bytes the bound kernels ask for ahead of the row they read */
-#define SE_SCREEN_MAX_NB 1024 /* blocks per row: the rounding margin (screen.c) is proven up to this */
+#define SE_SCREEN_PREFETCH 8192 /* bytes the stage-1 kernels ask for ahead of the row they read */
+#define SE_SCREEN_MAX_NB 1024 /* blocks per row: the rounding margins (screen.c) are proven up to this */
 
-/* The plane. Row r (row_size bytes at rows + r * row_size), laid out for the kernels' groups of 8
- * blocks (nbp = nb rounded up to 8, nb even):
- *   nbp fp16 scales d (the head's own; 0 past nb),
- *   nb/2 x 32 bytes of h's low 4 bits, two blocks at a time (byte j: element j of the first block
- *     in the low nibble, of the second in the high one),
- *   nbp/8 x 32 bytes of h's fifth bits, eight blocks at a time (bit p of byte j: element j of the
- *     group's block p). */
+/* The planes, nb blocks a row (nb even; nbp = nb rounded up to 8).
+ * rows: row r at rows + r * row_size (18 bytes a block, a Q4_0 block's size):
+ *   nb fp16 scales d (the head's own),
+ *   nb/2 x 32 bytes of h, two blocks at a time (byte j: element j of the first block in the low
+ *   nibble, of the second in the high one).
+ * fifth: row r at fifth + r * fifth_size (what stage 2 reads of a row, in one place):
+ *   nbp/8 x 32 bytes of fifth bits, eight blocks at a time (bit p of byte j: element j of the
+ *   group's block p; 0 past nb),
+ *   the nb fp16 scales again. */
 typedef struct se_screen {
     int64_t nb, nbp, n_rows;
-    size_t row_size;
-    uint8_t *rows;
+    size_t row_size, fifth_size;
+    uint8_t *rows, *fifth;
 } se_screen;
 
-/* One token's head activations as the kernels read them, nbp = nb rounded up to 8 blocks (the
- * extra blocks zero). */
+/* One token's head activations as the kernels read them (nbp blocks, those past nb zero) */
 typedef struct {
     const int8_t *xq;    /* [nbp * 32] the int8 activations, block after block */
     const float *dx;     /* [nbp] their block scales */
-    const int32_t *lo_c; /* [nbp] -128 * sum x + 7 * (sum of the negative x) */
-    const int32_t *hi_c; /* [nbp] -128 * sum x + 7 * (sum of the positive x) */
+    const int32_t *lo_c; /* [nbp] -128 * sum x + 15 * (sum of the negative x) */
+    const int32_t *hi_c; /* [nbp] -128 * sum x + 15 * (sum of the positive x) */
+    const int32_t *neg8; /* [nbp] -8 * (sum of the negative x) */
+    const int32_t *pos8; /* [nbp] -8 * (sum of the positive x) */
 } se_screen_act;
 
-/* lo[r], hi[r] for rows [r0, r1): sum over blocks of d*dx * (8 * sum h*x + lo_c / hi_c), each
- * computed in float (screen.c widens them by the rounding's bound). */
+/* Stage 1: lo[r], hi[r] for rows [r0, r1): the sum over blocks of d*dx * (16 * sum h*x + lo_c /
+ * hi_c), in float (screen.c widens them by the rounding's bound). */
 typedef void (*se_screen_bounds_fn)(const se_screen *s, const se_screen_act *a, int64_t r0, int64_t r1,
                                     float *lo, float *hi);
+/* Stage 2 for the rows ids[0..n): up[i] = sum over blocks of d*dx * (8 * sum f*x + neg8) >= 0 (the
+ * lower end's rise), down[i] = the same with pos8 <= 0 (the upper end's move) */
+typedef void (*se_screen_refine_fn)(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n,
+                                    float *up, float *down);
 void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t r0, int64_t r1, float *lo,
                              float *hi);
+void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
+                             float *down);
 /* screen_avx2.c: the same with AVX2, FMA and F16C; NULL where not compiled (not x86) */
 extern const se_screen_bounds_fn se_screen_bounds_avx2;
+extern const se_screen_refine_fn se_screen_refine_avx2;
 
 #endif

@@ -1,9 +1,10 @@
-/* The screen's bound kernel (screen.h) with AVX2, FMA and F16C. Only this file is compiled for
- * these ISAs (the pragma below); screen.c calls it when the CPU has them.
+/* The screen's bound kernels (screen.h) with AVX2, FMA and F16C. Only this file is compiled for
+ * these ISAs (the pragma below); screen.c calls them when the CPU has them.
  *
- * Eight blocks of a row at a time, block p in lane p: each block's sum h*x (vpmaddubsw: h is
- * unsigned and at most 31, so a pair stays far below s16's limit), the eight sums gathered into
- * one vector with horizontal adds, then the interval's two ends in integers and one FMA each.
+ * Eight blocks of a row at a time, block p in lane p: each block's integer sum (vpmaddubsw: the
+ * plane's values are unsigned and at most 15, so a pair stays far below s16's limit), the eight
+ * sums gathered into one vector with horizontal adds, then the two ends in integers and one FMA
+ * each.
  */
 #define SE_ENGINE_INTERNAL
 #include "screen.h"
@@ -22,44 +23,52 @@ INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-/* Block p's fifth bits from its group's 32 bytes (bit p of byte j), as 16 where set: a 16-bit
- * shift brings bit p to bit 4 (what crosses from the neighbouring byte lands below bit 4) */
-INLINE __m256i fifth_bits(__m256i bits, const int p) {
-    const __m256i b4 = _mm256_set1_epi8(16);
-    if (p < 4) return _mm256_and_si256(_mm256_slli_epi16(bits, 4 - p), b4);
-    if (p > 4) return _mm256_and_si256(_mm256_srli_epi16(bits, p - 4), b4);
-    return _mm256_and_si256(bits, b4);
-}
-
-/* Lane p: sum h*x over block p of a group of cnt <= 8 blocks (lanes past cnt: 0) */
-INLINE __m256i group_sums(const uint8_t *nib, const uint8_t *bits, const int8_t *xq, const int cnt) {
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
-    const __m256i b = _mm256_loadu_si256((const __m256i *)bits);
-    __m256i v[8];
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; q++) { /* two blocks per 32 bytes of nibbles */
-        if (2 * q >= cnt) { v[2 * q] = v[2 * q + 1] = _mm256_setzero_si256(); continue; }
-        const __m256i n = _mm256_loadu_si256((const __m256i *)(nib + 32 * q));
-        const __m256i h0 = _mm256_or_si256(_mm256_and_si256(n, low4), fifth_bits(b, 2 * q));
-        const __m256i h1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n, 4), low4), fifth_bits(b, 2 * q + 1));
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * q));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * q + 32));
-        v[2 * q] = _mm256_madd_epi16(_mm256_maddubs_epi16(h0, x0), ones);
-        v[2 * q + 1] = _mm256_madd_epi16(_mm256_maddubs_epi16(h1, x1), ones);
-    }
+/* Lane p: the sum of v[p]'s eight 32-bit lanes */
+INLINE __m256i lane_sums(const __m256i v[8]) {
     const __m256i a = _mm256_hadd_epi32(v[0], v[1]), c = _mm256_hadd_epi32(v[2], v[3]);
     const __m256i e = _mm256_hadd_epi32(v[4], v[5]), g = _mm256_hadd_epi32(v[6], v[7]);
     const __m256i ac = _mm256_hadd_epi32(a, c), eg = _mm256_hadd_epi32(e, g);
     return _mm256_add_epi32(_mm256_permute2x128_si256(ac, eg, 0x20), _mm256_permute2x128_si256(ac, eg, 0x31));
 }
 
-/* Blocks 8g .. 8g+cnt-1 added to the two accumulators (d: their 8 scales, 0 past cnt) */
-INLINE void group_step(const se_screen_act *a, int64_t g, const uint16_t *d, const uint8_t *nib, const uint8_t *bits,
-                       const int cnt, __m256 *lo, __m256 *hi) {
-    __m256i s8 = _mm256_slli_epi32(group_sums(nib, bits, a->xq + g * 256, cnt), 3);
-    __m256i l = _mm256_add_epi32(s8, _mm256_loadu_si256((const __m256i *)(a->lo_c + g * 8)));
-    __m256i h = _mm256_add_epi32(s8, _mm256_loadu_si256((const __m256i *)(a->hi_c + g * 8)));
-    __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)), _mm256_loadu_ps(a->dx + g * 8));
+/* sum u*x over 32 elements, in 8 lanes of 32 bits (u unsigned, small) */
+INLINE __m256i dot32(__m256i u, const int8_t *x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)x)), _mm256_set1_epi16(1));
+}
+
+/* The products d*dx of blocks 8g .. 8g+cnt-1 (0 past cnt: the row stores only nb scales). Loads
+ * of the exact size: a copy through memory would stall on store forwarding. */
+INLINE __m256 scales(const se_screen_act *a, int64_t g, const uint16_t *d, const int cnt) {
+    int32_t w;
+    __m128i h;
+    if (cnt == 8) {
+        h = _mm_loadu_si128((const __m128i *)d);
+    } else if (cnt >= 4) {
+        h = _mm_loadl_epi64((const __m128i *)d);
+        if (cnt == 6) { memcpy(&w, d + 4, 4); h = _mm_insert_epi32(h, w, 2); }
+    } else {
+        memcpy(&w, d, 4);
+        h = _mm_cvtsi32_si128(w);
+    }
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(a->dx + g * 8));
+}
+
+/* Blocks 8g .. 8g+cnt-1 of stage 1 added to the two accumulators (nib: their nibbles) */
+INLINE void group_step(const se_screen_act *a, int64_t g, const uint16_t *d, const uint8_t *nib, const int cnt,
+                       __m256 *lo, __m256 *hi) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256i v[8];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++) { /* two blocks per 32 bytes of nibbles */
+        if (2 * q >= cnt) { v[2 * q] = v[2 * q + 1] = _mm256_setzero_si256(); continue; }
+        const __m256i n = _mm256_loadu_si256((const __m256i *)(nib + 32 * q));
+        v[2 * q] = dot32(_mm256_and_si256(n, low4), a->xq + g * 256 + 64 * q);
+        v[2 * q + 1] = dot32(_mm256_and_si256(_mm256_srli_epi16(n, 4), low4), a->xq + g * 256 + 64 * q + 32);
+    }
+    __m256i s16 = _mm256_slli_epi32(lane_sums(v), 4);
+    __m256i l = _mm256_add_epi32(s16, _mm256_loadu_si256((const __m256i *)(a->lo_c + g * 8)));
+    __m256i h = _mm256_add_epi32(s16, _mm256_loadu_si256((const __m256i *)(a->hi_c + g * 8)));
+    __m256 dd = scales(a, g, d, cnt);
     *lo = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *lo);
     *hi = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(h), *hi);
 }
@@ -69,24 +78,67 @@ static void bounds_avx2(const se_screen *s, const se_screen_act *a, int64_t r0, 
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = s->rows + (size_t)r * s->row_size;
         const uint16_t *d = (const uint16_t *)row;
-        const uint8_t *nib = row + 2 * s->nbp, *bits = nib + 16 * nb;
+        const uint8_t *nib = row + 2 * nb;
         const uint8_t *ahead = row + SE_SCREEN_PREFETCH;
         for (size_t o = 0; o < s->row_size; o += 64) _mm_prefetch((const char *)ahead + o, _MM_HINT_T0);
         __m256 l = _mm256_setzero_ps(), h = _mm256_setzero_ps();
-        for (int64_t g = 0; g < full; g++) group_step(a, g, d + 8 * g, nib + 128 * g, bits + 32 * g, 8, &l, &h);
+        for (int64_t g = 0; g < full; g++) group_step(a, g, d + 8 * g, nib + 128 * g, 8, &l, &h);
         const uint16_t *dt = d + 8 * full;
-        const uint8_t *nt = nib + 128 * full, *bt = bits + 32 * full;
+        const uint8_t *nt = nib + 128 * full;
         switch (rest) { /* the last group's block count as a constant (nb is even) */
-        case 2: group_step(a, full, dt, nt, bt, 2, &l, &h); break;
-        case 4: group_step(a, full, dt, nt, bt, 4, &l, &h); break;
-        case 6: group_step(a, full, dt, nt, bt, 6, &l, &h); break;
+        case 2: group_step(a, full, dt, nt, 2, &l, &h); break;
+        case 4: group_step(a, full, dt, nt, 4, &l, &h); break;
+        case 6: group_step(a, full, dt, nt, 6, &l, &h); break;
         }
         lo[r] = hsum8(l);
         hi[r] = hsum8(h);
     }
 }
 
+/* Blocks 8g .. 8g+cnt-1 of stage 2 added to the two accumulators (bits: their fifth bits) */
+INLINE void refine_step(const se_screen_act *a, int64_t g, const uint16_t *d, const uint8_t *bits, const int cnt,
+                        __m256 *up, __m256 *down) {
+    const __m256i one = _mm256_set1_epi8(1), b = _mm256_loadu_si256((const __m256i *)bits);
+    __m256i v[8];
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++) /* bit p of each byte, as 0 or 1 (a 16-bit shift: the mask drops what crosses) */
+        v[p] = p < cnt ? dot32(_mm256_and_si256(_mm256_srli_epi16(b, p), one), a->xq + g * 256 + 32 * p)
+                       : _mm256_setzero_si256();
+    __m256i s8 = _mm256_slli_epi32(lane_sums(v), 3);
+    __m256i u = _mm256_add_epi32(s8, _mm256_loadu_si256((const __m256i *)(a->neg8 + g * 8)));
+    __m256i w = _mm256_add_epi32(s8, _mm256_loadu_si256((const __m256i *)(a->pos8 + g * 8)));
+    __m256 dd = scales(a, g, d, cnt);
+    *up = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(u), *up);
+    *down = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(w), *down);
+}
+
+#define REFINE_AHEAD 4 /* rows whose scales and fifth bits are asked for before they are read */
+
+static void refine_avx2(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
+                        float *down) {
+    const int64_t nb = s->nb, full = nb / 8, rest = nb % 8;
+    for (int32_t i = 0; i < n; i++) {
+        if (i + REFINE_AHEAD < n) {
+            const uint8_t *next = s->fifth + (size_t)ids[i + REFINE_AHEAD] * s->fifth_size;
+            for (size_t o = 0; o < s->fifth_size; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T0);
+        }
+        const uint8_t *bits = s->fifth + (size_t)ids[i] * s->fifth_size;
+        const uint16_t *d = (const uint16_t *)(bits + 4 * s->nbp);
+        __m256 u = _mm256_setzero_ps(), w = _mm256_setzero_ps();
+        for (int64_t g = 0; g < full; g++) refine_step(a, g, d + 8 * g, bits + 32 * g, 8, &u, &w);
+        switch (rest) {
+        case 2: refine_step(a, full, d + 8 * full, bits + 32 * full, 2, &u, &w); break;
+        case 4: refine_step(a, full, d + 8 * full, bits + 32 * full, 4, &u, &w); break;
+        case 6: refine_step(a, full, d + 8 * full, bits + 32 * full, 6, &u, &w); break;
+        }
+        up[i] = hsum8(u);
+        down[i] = hsum8(w);
+    }
+}
+
 const se_screen_bounds_fn se_screen_bounds_avx2 = bounds_avx2;
+const se_screen_refine_fn se_screen_refine_avx2 = refine_avx2;
 #else
 const se_screen_bounds_fn se_screen_bounds_avx2 = 0;
+const se_screen_refine_fn se_screen_refine_avx2 = 0;
 #endif
