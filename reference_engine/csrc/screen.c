@@ -13,8 +13,9 @@
  *     from those: the same token the full head would give;
  *   - anything else (se_context_head: the logits themselves, any other sampler) runs the full
  *     head first.
- * The planes are built once per model, at the first screened sample (about 67% of a Q8_0 head's
- * bytes, of which a screen reads the 4-bit plane, 53%, and a few rows' fifth bits). Models whose head is not Q8_0, or is on a device, are never screened.
+ * The planes are built once per model, at the first screened sample (73-75% of a Q8_0 head's
+ * bytes, of which a screen reads the 4-bit plane, 53%, and a few rows' fifth bits). Models whose
+ * head is not Q8_0, or is on a device, are never screened.
  */
 #define _GNU_SOURCE
 #define SE_ENGINE_INTERNAL
