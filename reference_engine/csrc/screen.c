@@ -274,18 +274,15 @@ static int avx2(void) { return se_isa_in_use() >= SE_ISA_AVX2 && se_screen_bound
 /* Stage 1: every row's interval for rows [r0, r1), the kernel's widened by a bound on float
  * rounding. The kernel's sums and the head's own each err by under 2^-14 of 511 times the row's
  * sum over blocks of d*dx*sum|x|, and the interval's width is 15 times that sum
- * (spec/reference-engine.md): 2^-8 of the width covers both. Returns 0 if an interval is not one
- * (a NaN). */
-static int bounds(const se_screen *s, const se_screen_act *xa, int64_t r0, int64_t r1, float *lo, float *hi) {
+ * (spec/reference-engine.md): 2^-8 of the width covers both. (A NaN, which makes no interval,
+ * is caught by my_top.) */
+static void bounds(const se_screen *s, const se_screen_act *xa, int64_t r0, int64_t r1, float *lo, float *hi) {
     if (r1 > r0) (avx2() ? se_screen_bounds_avx2 : se_screen_bounds_scalar)(s, xa, r0, r1, lo, hi);
-    int numbers = 1;
     for (int64_t r = r0; r < r1; r++) {
         float m = (hi[r] - lo[r]) * 0x1p-8f;
         lo[r] -= m;
         hi[r] += m;
-        numbers &= lo[r] <= hi[r]; /* false for a NaN */
     }
-    return numbers;
 }
 
 /* Stage 2: the intervals of rows ids[0..n) narrowed by their fifth bits (up and down: n floats of
@@ -361,14 +358,27 @@ static void for_my_share(screen_job *j, const se_screen_act *xa, const se_acts *
     }
 }
 
-/* This thread's k rows of largest lower bound among its rows [r0, r1) whose upper bound reaches
- * thr, into its heap at scr_top and their count into scr_n (-1 if not all bounds are numbers) */
-static void my_top(screen_job *j, int ith, int64_t r0, int64_t r1, float thr, int numbers) {
+/* Row r offered to a heap of the k rows of largest lower bound: most rows fall below its least
+ * one, and are turned away here without a call */
+static inline void offer(se_cand *top, int k, int32_t *n, int32_t r, float lo) {
+    if (*n < k || lo >= top[0].logit) se_cand_push(top, k, n, (se_cand){ r, lo });
+}
+
+/* This thread's k rows of largest lower bound, into its heap at scr_top and their count into
+ * scr_n (-1 if not all bounds are numbers): of all its rows [r0, r1) (left = NULL), or of the
+ * n_left rows at left whose upper bound still reaches thr */
+static void my_top(screen_job *j, int ith, int64_t r0, int64_t r1, const se_cand *left, int32_t n_left, float thr) {
     se_context *c = j->c;
+    const float *lo = c->scr_lo, *hi = c->scr_hi;
     se_cand *top = c->scr_top + (size_t)ith * SE_SCREEN_MAX_K;
-    int32_t n = 0;
-    for (int64_t r = r0; r < r1; r++)
-        if (c->scr_hi[r] >= thr) se_cand_push(top, j->k, &n, (se_cand){ (int32_t)r, c->scr_lo[r] });
+    int32_t n = 0, numbers = 1;
+    if (!left)
+        for (int64_t r = r0; r < r1; r++) {
+            numbers &= lo[r] <= hi[r]; /* false for a NaN */
+            offer(top, j->k, &n, (int32_t)r, lo[r]);
+        }
+    for (int32_t i = 0; left && i < n_left; i++)
+        if (hi[left[i].id] >= thr) offer(top, j->k, &n, left[i].id, lo[left[i].id]);
     c->scr_n[ith] = numbers ? n : -1;
 }
 
@@ -405,7 +415,7 @@ static void screen_rows(void *arg, int ith, int nth) {
     se_split(c->m->hp.n_vocab, ith, nth, SPLIT_ALIGN, &r0, &r1);
     float *lo = c->scr_lo, *hi = c->scr_hi;
     /* stage 1 */
-    int numbers = bounds(j->s, &xa, r0, r1, lo, hi);
+    bounds(j->s, &xa, r0, r1, lo, hi);
     /* the penalized rows: exact, penalized, an interval of one point; the banned ones at -inf */
     int32_t p0 = 0;
     while (p0 < j->n_pen && j->pen[p0] < r0) p0++;
@@ -414,13 +424,18 @@ static void screen_rows(void *arg, int ith, int nth) {
         lo[t] = hi[t] = is_listed(c->ban, c->n_ban, t) ? -INFINITY
                                                         : se_penalized(exact_row(c, &a, t), c->counts[t], j->sp);
     }
-    my_top(j, ith, r0, r1, -INFINITY, numbers);
+    my_top(j, ith, r0, r1, NULL, 0, -INFINITY);
     se_pool_barrier(c->pool);
     const float thr1 = threshold(j, &a, ith, nth); /* the same on every thread */
-    /* stage 2 for the rows stage 1 left (a penalized row's interval is its exact value) */
-    int32_t n_left = 0;
+    /* the rows stage 1 left, in order, to this thread's part of cand (the rest of the screen looks
+     * at them only); stage 2 for those not penalized (a penalized row's interval is its exact value) */
+    se_cand *left = c->cand + r0;
+    int32_t n_left = 0, n_kept = 0;
     for (int64_t r = r0; r < r1 && thr1 == thr1; r++)
-        if (hi[r] >= thr1 && !is_listed(j->pen, j->n_pen, (int32_t)r)) c->scr_ids[r0 + n_left++] = (int32_t)r;
+        if (hi[r] >= thr1) {
+            left[n_kept++].id = (int32_t)r;
+            if (!is_listed(j->pen, j->n_pen, (int32_t)r)) c->scr_ids[r0 + n_left++] = (int32_t)r;
+        }
     c->scr_n[ith] = n_left;
     se_pool_barrier(c->pool);
     if (ith == 0)
@@ -429,12 +444,12 @@ static void screen_rows(void *arg, int ith, int nth) {
     se_pool_barrier(c->pool); /* every interval is final */
     /* a second threshold from the narrower intervals: about half the exact rows where stage 1
      * leaves many */
-    my_top(j, ith, r0, r1, thr1, 1);
+    my_top(j, ith, r0, r1, left, n_kept, thr1);
     se_pool_barrier(c->pool);
     const float thr2 = thr1 == thr1 ? threshold(j, &a, ith, nth) : NAN, thr = thr2 > thr1 ? thr2 : thr1;
-    int32_t n_cand = 0;
-    for (int64_t r = r0; r < r1 && thr == thr; r++)
-        if (hi[r] >= thr) c->cand[r0 + n_cand++] = (se_cand){ (int32_t)r, lo[r] };
+    int32_t n_cand = 0; /* the candidates, in place of the rows left (n_cand <= i) */
+    for (int32_t i = 0; i < n_kept && thr == thr; i++)
+        if (hi[left[i].id] >= thr) left[n_cand++] = (se_cand){ left[i].id, lo[left[i].id] };
     c->scr_n[ith] = n_cand;
     se_pool_barrier(c->pool);
     for_my_share(j, &xa, &a, ith, nth, exact_piece);
