@@ -53,7 +53,19 @@ INLINE __m256 scales(const se_screen_act *a, int64_t g, const uint16_t *d, const
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(a->dx + g * 8));
 }
 
-/* Blocks 8g .. 8g+cnt-1 of stage 1 added to the two accumulators (nib: their nibbles) */
+/* A group's block sums (lane p: block p's) into the two ends: each end's integer, (sums << shift)
+ * plus its per-block constant, times the blocks' scales d*dx, added to its accumulator */
+INLINE void fold_ends(const se_screen_act *a, int64_t g, const uint16_t *d, const int cnt, const __m256i v[8],
+                      int shift, const int32_t *c_lo, const int32_t *c_hi, __m256 *lo, __m256 *hi) {
+    const __m256i s = _mm256_slli_epi32(lane_sums(v), shift);
+    const __m256i l = _mm256_add_epi32(s, _mm256_loadu_si256((const __m256i *)(c_lo + g * 8)));
+    const __m256i h = _mm256_add_epi32(s, _mm256_loadu_si256((const __m256i *)(c_hi + g * 8)));
+    const __m256 dd = scales(a, g, d, cnt);
+    *lo = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *lo);
+    *hi = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(h), *hi);
+}
+
+/* Stage 1, blocks 8g .. 8g+cnt-1 (nib: their nibbles, 128 bytes a group) into the two ends */
 INLINE void group_step(const se_screen_act *a, int64_t g, const uint16_t *d, const uint8_t *nib, const int cnt,
                        __m256 *lo, __m256 *hi) {
     const __m256i low4 = _mm256_set1_epi8(15);
@@ -65,37 +77,10 @@ INLINE void group_step(const se_screen_act *a, int64_t g, const uint16_t *d, con
         v[2 * q] = dot32(_mm256_and_si256(n, low4), a->xq + g * 256 + 64 * q);
         v[2 * q + 1] = dot32(_mm256_and_si256(_mm256_srli_epi16(n, 4), low4), a->xq + g * 256 + 64 * q + 32);
     }
-    __m256i s16 = _mm256_slli_epi32(lane_sums(v), 4);
-    __m256i l = _mm256_add_epi32(s16, _mm256_loadu_si256((const __m256i *)(a->lo_c + g * 8)));
-    __m256i h = _mm256_add_epi32(s16, _mm256_loadu_si256((const __m256i *)(a->hi_c + g * 8)));
-    __m256 dd = scales(a, g, d, cnt);
-    *lo = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *lo);
-    *hi = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(h), *hi);
+    fold_ends(a, g, d, cnt, v, 4, a->lo_c, a->hi_c, lo, hi);
 }
 
-static void bounds_avx2(const se_screen *s, const se_screen_act *a, int64_t r0, int64_t r1, float *lo, float *hi) {
-    const int64_t nb = s->nb, full = nb / 8, rest = nb % 8;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = s->rows + (size_t)r * s->row_size;
-        const uint16_t *d = (const uint16_t *)row;
-        const uint8_t *nib = row + 2 * nb;
-        const uint8_t *ahead = row + SE_SCREEN_PREFETCH;
-        for (size_t o = 0; o < s->row_size; o += 64) _mm_prefetch((const char *)ahead + o, _MM_HINT_T0);
-        __m256 l = _mm256_setzero_ps(), h = _mm256_setzero_ps();
-        for (int64_t g = 0; g < full; g++) group_step(a, g, d + 8 * g, nib + 128 * g, 8, &l, &h);
-        const uint16_t *dt = d + 8 * full;
-        const uint8_t *nt = nib + 128 * full;
-        switch (rest) { /* the last group's block count as a constant (nb is even) */
-        case 2: group_step(a, full, dt, nt, 2, &l, &h); break;
-        case 4: group_step(a, full, dt, nt, 4, &l, &h); break;
-        case 6: group_step(a, full, dt, nt, 6, &l, &h); break;
-        }
-        lo[r] = hsum8(l);
-        hi[r] = hsum8(h);
-    }
-}
-
-/* Blocks 8g .. 8g+cnt-1 of stage 2 added to the two accumulators (bits: their fifth bits) */
+/* Stage 2, blocks 8g .. 8g+cnt-1 (bits: their fifth bits, 32 bytes a group) into up and down */
 INLINE void refine_step(const se_screen_act *a, int64_t g, const uint16_t *d, const uint8_t *bits, const int cnt,
                         __m256 *up, __m256 *down) {
     const __m256i one = _mm256_set1_epi8(1), b = _mm256_loadu_si256((const __m256i *)bits);
@@ -104,35 +89,49 @@ INLINE void refine_step(const se_screen_act *a, int64_t g, const uint16_t *d, co
     for (int p = 0; p < 8; p++) /* bit p of each byte, as 0 or 1 (a 16-bit shift: the mask drops what crosses) */
         v[p] = p < cnt ? dot32(_mm256_and_si256(_mm256_srli_epi16(b, p), one), a->xq + g * 256 + 32 * p)
                        : _mm256_setzero_si256();
-    __m256i s8 = _mm256_slli_epi32(lane_sums(v), 3);
-    __m256i u = _mm256_add_epi32(s8, _mm256_loadu_si256((const __m256i *)(a->neg8 + g * 8)));
-    __m256i w = _mm256_add_epi32(s8, _mm256_loadu_si256((const __m256i *)(a->pos8 + g * 8)));
-    __m256 dd = scales(a, g, d, cnt);
-    *up = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(u), *up);
-    *down = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(w), *down);
+    fold_ends(a, g, d, cnt, v, 3, a->neg8, a->pos8, up, down);
+}
+
+typedef void step_fn(const se_screen_act *a, int64_t g, const uint16_t *d, const uint8_t *q, const int cnt,
+                     __m256 *x, __m256 *y);
+
+/* One row through a step, eight blocks at a time (q: its plane, group_bytes a group; d: its
+ * scales), the last group's block count as a constant (nb is even); the two sums into x and y */
+INLINE void walk_row(step_fn *step, const se_screen_act *a, int64_t nb, const uint16_t *d, const uint8_t *q,
+                     size_t group_bytes, float *x, float *y) {
+    const int64_t full = nb / 8;
+    __m256 u = _mm256_setzero_ps(), w = _mm256_setzero_ps();
+    for (int64_t g = 0; g < full; g++) step(a, g, d + 8 * g, q + group_bytes * g, 8, &u, &w);
+    d += 8 * full, q += group_bytes * full;
+    switch (nb % 8) {
+    case 2: step(a, full, d, q, 2, &u, &w); break;
+    case 4: step(a, full, d, q, 4, &u, &w); break;
+    case 6: step(a, full, d, q, 6, &u, &w); break;
+    }
+    *x = hsum8(u);
+    *y = hsum8(w);
+}
+
+static void bounds_avx2(const se_screen *s, const se_screen_act *a, int64_t r0, int64_t r1, float *lo, float *hi) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = s->rows + (size_t)r * s->row_size;
+        const uint8_t *ahead = row + SE_SCREEN_PREFETCH;
+        for (size_t o = 0; o < s->row_size; o += 64) _mm_prefetch((const char *)ahead + o, _MM_HINT_T0);
+        walk_row(group_step, a, s->nb, (const uint16_t *)row, row + 2 * s->nb, 128, &lo[r], &hi[r]);
+    }
 }
 
 #define REFINE_AHEAD 4 /* rows whose scales and fifth bits are asked for before they are read */
 
 static void refine_avx2(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
                         float *down) {
-    const int64_t nb = s->nb, full = nb / 8, rest = nb % 8;
     for (int32_t i = 0; i < n; i++) {
         if (i + REFINE_AHEAD < n) {
             const uint8_t *next = s->fifth + (size_t)ids[i + REFINE_AHEAD] * s->fifth_size;
             for (size_t o = 0; o < s->fifth_size; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T0);
         }
         const uint8_t *bits = s->fifth + (size_t)ids[i] * s->fifth_size;
-        const uint16_t *d = (const uint16_t *)(bits + 4 * s->nbp);
-        __m256 u = _mm256_setzero_ps(), w = _mm256_setzero_ps();
-        for (int64_t g = 0; g < full; g++) refine_step(a, g, d + 8 * g, bits + 32 * g, 8, &u, &w);
-        switch (rest) {
-        case 2: refine_step(a, full, d + 8 * full, bits + 32 * full, 2, &u, &w); break;
-        case 4: refine_step(a, full, d + 8 * full, bits + 32 * full, 4, &u, &w); break;
-        case 6: refine_step(a, full, d + 8 * full, bits + 32 * full, 6, &u, &w); break;
-        }
-        up[i] = hsum8(u);
-        down[i] = hsum8(w);
+        walk_row(refine_step, a, s->nb, (const uint16_t *)(bits + 4 * s->nbp), bits, 32, &up[i], &down[i]);
     }
 }
 
