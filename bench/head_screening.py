@@ -1,6 +1,6 @@
 """How much of the output head an exact screen could skip: measured on the catalogue models.
 
-    python -m stdengine.bench.head_screening [--models A,B] [--schedules 4,5,4+5]
+    python -m stdengine.bench.head_screening [--models A,B] [--schedules 4,5,4+5] [--threshold exact]
 
 Issue 22 asks for a screened output head: a cheap pass over a compact copy of the head gives
 every row's logit within a guaranteed bound, and only the rows whose upper bound can reach the
@@ -128,29 +128,37 @@ class Row:
 
 
 def screen_chunk(
-    screens: dict[int, Screen], schedule: tuple[int, ...], x: np.ndarray, k: int
+    screens: dict[int, Screen], schedule: tuple[int, ...], x: np.ndarray, k: int, logits: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Screen inputs x plane by plane: every row is bounded by the first plane; the rows still in
-    the running are bounded again with each next plane (its extra bits read for them only).
-    Returns the candidates [n, V] and the bytes read per position (the low plane of each
-    candidate included)."""
+    the running are bounded again with each next plane (its extra bits read for them only). The
+    threshold after each plane is the k-th largest lower end, or with logits (the exact
+    threshold, the engine's) the least exact logit of the k rows of largest lower end, those rows
+    read whole, and never below the last plane's. Returns the candidates [n, V] and the bytes read
+    per position (the low plane of each candidate included)."""
     V, nb = screens[schedule[0]].head.d.shape
     cand = np.ones((x.shape[0], V), dtype=bool)
     read = cand.sum(1) * nb * 2.0  # the scales
+    thr = np.full(x.shape[0], -np.inf)
     have = 0
     for bits in schedule:
         read += cand.sum(1) * nb * 4 * (bits - have)  # 32 weights x the new bits / 8
         have = bits
         lower, upper = screens[bits].intervals(x)
         lower[~cand] = -np.inf
-        kth = -np.partition(-lower, k - 1, axis=1)[:, k - 1]
-        cand &= upper >= kth[:, None]
+        if logits is None:
+            thr = np.maximum(thr, -np.partition(-lower, k - 1, axis=1)[:, k - 1])
+        else:
+            top = np.argpartition(-lower, k - 1, axis=1)[:, :k]
+            thr = np.maximum(thr, np.take_along_axis(logits, top, 1).min(1))
+            read += k * nb * Q8_0_BLOCK
+        cand &= upper >= thr[:, None]
     read += cand.sum(1) * nb * 4 * (8 - have)  # the candidates' rows completed
     return cand, read
 
 
 def study(
-    model: str, schedules: list[tuple[int, ...]], chunk: int = 32
+    model: str, schedules: list[tuple[int, ...]], exact: bool, chunk: int = 32
 ) -> tuple[list[Row], dict[str, float]]:
     path = str(resolve_model(model))
     head = read_head(path)
@@ -166,8 +174,9 @@ def study(
         for k in KS:
             counts, reads = [], []
             for i in range(0, len(x), chunk):
-                cand, read = screen_chunk(screens, schedule, x[i : i + chunk], k)
-                top = np.argpartition(-logits[i : i + chunk], k - 1, axis=1)[:, :k]
+                part = logits[i : i + chunk]
+                cand, read = screen_chunk(screens, schedule, x[i : i + chunk], k, part if exact else None)
+                top = np.argpartition(-part, k - 1, axis=1)[:, :k]
                 if not np.take_along_axis(cand, top, 1).all():
                     raise SystemExit(f"{model} {schedule} k={k}: a true top-k row was screened out")
                 counts += list(cand.sum(1))
@@ -195,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         help="plane widths to screen with, comma-separated; 4+5: the 4-bit plane for every row, "
         "then the 5th bit for the rows it left (widths 1-7, increasing)",
     )
+    ap.add_argument(
+        "--threshold",
+        choices=["kth-lower", "exact"],
+        default="kth-lower",
+        help="what a row's upper end must reach: the k-th largest lower end, or the least exact "
+        "logit of the k rows of largest lower end (the engine's; those rows read whole)",
+    )
     args = ap.parse_args(argv)
     try:
         schedules = [tuple(int(b) for b in item.split("+")) for item in args.schedules.split(",")]
@@ -204,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     if not increasing or any(not 1 <= b <= 7 for sch in schedules for b in sch):
         ap.error("--schedules: increasing plane widths from 1 to 7, such as 5 or 4+5")
     m = machine()
-    print(f"machine: {m['cpu']}; {m['date']}; stdengine {m['stdengine_commit']}\n")
+    print(
+        f"machine: {m['cpu']}; {m['date']}; stdengine {m['stdengine_commit']}; threshold {args.threshold}\n"
+    )
     table = []
     for model in args.models.split(","):
-        rows, facts = study(model, schedules)
+        rows, facts = study(model, schedules, args.threshold == "exact")
         print(
             f"{model}: {facts['positions']:.0f} positions, head input recovered to {facts['fit_rms']:.1e} rms "
             f"(logits' std {facts['logit_std']:.2f}); the head is {facts['head_of_weights']:.0%} of the "

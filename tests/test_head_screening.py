@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stdengine.bench.head_screening import Head, Screen
+from stdengine.bench.head_screening import Head, Screen, screen_chunk
 
 MARGIN = Screen.MARGIN  # Screen.intervals widens each end by this much
 
@@ -54,3 +54,21 @@ def test_the_interval_is_tight(bits):
         exact = x @ adversarial.matrix.T
         end = upper - MARGIN if want == "upper" else lower + MARGIN
         np.testing.assert_allclose(exact, end, rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("schedule", [(3,), (4,), (3, 5), (2, 4, 6)])
+@pytest.mark.parametrize("k", [1, 5])
+def test_both_thresholds_keep_the_true_top_k(schedule, k):
+    """Plane by plane, with the k-th largest lower end or with the exact logits of the k rows of
+    largest lower end (the engine's threshold): every true top-k row stays a candidate, and the
+    exact threshold, never below the other, leaves a subset of its candidates."""
+    rng = np.random.default_rng(sum(schedule) + k)
+    head = random_head(rng, rows=256)
+    x = rng.normal(0, 3, (6, 4 * 32))
+    logits = x @ head.matrix.T
+    screens = {b: Screen(head, b) for b in schedule}
+    loose, _ = screen_chunk(screens, schedule, x, k, None)
+    tight, _ = screen_chunk(screens, schedule, x, k, logits)
+    top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    assert np.take_along_axis(tight, top, 1).all() and np.take_along_axis(loose, top, 1).all()
+    assert (tight <= loose).all() and tight.sum() < loose.sum()
