@@ -135,6 +135,21 @@ def test_screened_generation_gives_the_full_heads_tokens(engine, sampler):
     lazy_head(ctx, 1)  # the engine's own setting again
 
 
+def test_the_speed_fallback_keeps_the_full_heads_tokens_and_tries_again(smollm2_path):
+    """SmolLM2 at top-k 40 leaves most of its rows to stage 2 (spec: "Fallbacks for speed"). With
+    the engine's own setting some samples then take the full head and later ones are screened
+    again; the tokens are the full head's."""
+    e = load(smollm2_path)
+    try:
+        prompt, sp = e.tokenize("The history of the printing press"), SAMPLERS["top-k 40"]
+        tokens, stats = generate(e.ctx, prompt, sp, 64, 1)
+        full, _ = generate(e.ctx, prompt, sp, 64, 0)
+        assert tokens == full
+        assert 2 <= stats[0] < 64, stats
+    finally:
+        e.close()
+
+
 def test_samplers_that_need_the_whole_distribution_are_not_screened(engine):
     """Top-p without top-k at temperature > 0, and penalties that raise logits, read the full head:
     no screen runs (the tokens are the full head's by construction)."""

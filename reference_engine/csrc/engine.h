@@ -341,6 +341,7 @@ struct se_context {
     size_t scr_act_bytes;
     int64_t screen_stats[4]; /* se_context_screen_stats */
     int32_t screen_skip;     /* samples left that take the full head instead of a screen */
+    int32_t screen_backoff;  /* the samples the next screen that leaves too many rows skips (screen.c) */
     int32_t *ban, n_ban;     /* tokens the sampler never picks (se_context_set_banned), ascending */
 };
 

@@ -221,6 +221,7 @@ int se_context_set_lazy_head(se_context *c, int32_t on) {
     if (!on) se_context_head(c); /* nothing stays pending once it is off */
     c->lazy_head = on == 2 ? 2 : on != 0;
     c->screen_skip = 0;
+    c->screen_backoff = 1;
     return SE_OK;
 }
 
@@ -309,7 +310,7 @@ static int is_listed(const int32_t *pen, int32_t n, int32_t t) {
     return a < n && pen[a] == t;
 }
 
-#define SCREEN_BACKOFF 32 /* samples that take the full head after a screen that left too many rows */
+#define SCREEN_BACKOFF_MAX 32 /* the most samples that take the full head after a screen that left too many rows */
 #define SCREEN_AHEAD 6 /* candidates whose rows are asked for before they are computed */
 
 /* A piece of work: entries [i0, i1) of the list that thread t made in its rows (from r0 on) */
@@ -533,10 +534,17 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     c->screen_stats[3] += j.n_left;
     /* Past an eighth of the rows computed exactly (read one by one), or three quarters narrowed by
      * stage 2 (a row of stage 1 or 2 costs about half a row of the full head), a screen costs about
-     * what the full head does: the next SCREEN_BACKOFF samples take the full head, then it tries
-     * again */
+     * what the full head does: the next samples take the full head, then it tries again. One such
+     * sample among good ones is common (SmolLM2 at greedy), a run of them too (SmolLM2 at top-k 40):
+     * each one in a row doubles the samples skipped, from 1 up to SCREEN_BACKOFF_MAX */
     const int64_t V = c->m->hp.n_vocab;
-    if ((n > V / 8 || j.n_left > V / 4 * 3) && c->lazy_head != 2) c->screen_skip = SCREEN_BACKOFF;
+    if (c->lazy_head == 2) return n;
+    if (n > V / 8 || j.n_left > V / 4 * 3) {
+        c->screen_skip = c->screen_backoff;
+        c->screen_backoff = c->screen_backoff < SCREEN_BACKOFF_MAX ? 2 * c->screen_backoff : SCREEN_BACKOFF_MAX;
+    } else {
+        c->screen_backoff = 1;
+    }
     return n;
 }
 
