@@ -186,7 +186,7 @@ def bounds(rows: np.ndarray, n: int, act: np.ndarray, stages: int) -> tuple[np.n
     return lo, hi
 
 
-@pytest.mark.parametrize("isa_name", ["scalar", "avx2"])
+@pytest.mark.parametrize("isa_name", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("n", [192, 576, 640])
 def test_the_bound_holds_and_is_reached(isa_name, n):
     """The bound kernels of both stages against float64 numpy, on rows made to reach them. A
@@ -229,6 +229,33 @@ def test_the_bound_holds_and_is_reached(isa_name, n):
     d[5, 1] = -d[5, 1]  # the bound assumes d >= 0: a negative scale is refused
     with pytest.raises(AssertionError):
         bounds(q8_rows(d, q), n, act, 1)
+
+
+@pytest.mark.parametrize("isa_name", ["avx2", "avx512"])
+@pytest.mark.parametrize("n", [64, 640])
+def test_stage_1_gives_the_same_bits_on_every_path(isa_name, n):
+    """Stage 1 adds a row's blocks in one order with the same operations on every path (screen.h),
+    so a SIMD path's ends are the portable path's bits, also in a tile of 16 rows that the head
+    only partly fills (37 rows here); and every exact logit lies inside."""
+    from isa import using_isa
+    from stdengine.reference import kernels as K
+
+    rng = np.random.default_rng(n + 1)
+    nb, n_rows = n // 32, 37
+    act = K.quantize("q8_0", rng.standard_normal(n).astype(np.float32))[0]
+    blocks = act.reshape(nb, 34)
+    dx = blocks[:, :2].copy().view(np.float16)[:, 0].astype(np.float64)
+    xq = blocks[:, 2:].copy().view(np.int8).astype(np.int64)
+    q = rng.integers(-128, 128, size=(n_rows, nb, 32))
+    d = rng.uniform(0.0, 0.05, size=(n_rows, nb)).astype(np.float16).astype(np.float64)
+    rows = q8_rows(d, q)
+    with using_isa("scalar"):
+        portable = bounds(rows, n, act, 1)
+    with using_isa(isa_name):
+        simd = bounds(rows, n, act, 1)
+    assert np.array_equal(portable[0], simd[0]) and np.array_equal(portable[1], simd[1])
+    exact = ((q * xq).sum(-1) * d * dx).sum(-1)
+    assert (simd[0] <= exact).all() and (exact <= simd[1]).all()
 
 
 def test_ignore_eos_keeps_the_screen_and_the_tokens(engine):

@@ -33,6 +33,7 @@
 #define SE_QK 32
 typedef struct { uint16_t d; int8_t qs[SE_QK]; } se_blk_q8_0;
 _Static_assert(sizeof(se_blk_q8_0) == 34, "a Q8_0 block is 34 bytes");
+_Static_assert(SPLIT_ALIGN % SE_SCREEN_TILE == 0, "a thread's rows start on a tile");
 
 /* ---------------------------------------------------------------------------------------------
  * The planes (built once per model)
@@ -52,35 +53,36 @@ typedef struct {
 
 static uint8_t *fifth_row(const se_screen *s, int64_t r) { return s->fifth + (size_t)r * s->fifth_size; }
 
-/* Row r of the planes from its Q8_0 row; 0 if a scale is negative or not finite (the bound
- * assumes d >= 0) */
+/* Row r of the planes from its Q8_0 row, into slot r % 16 of its tile (the first row of a tile
+ * clears it: a tile's rows are built in order, by one thread); 0 if a scale is negative or not
+ * finite (the bound assumes d >= 0) */
 static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
     const int64_t nb = s->nb;
-    uint8_t *row = s->rows + (size_t)r * s->row_size, *bits = fifth_row(s, r);
-    uint16_t *d = (uint16_t *)row;
-    uint8_t *nib = row + 2 * nb;
+    const int i = (int)(r % SE_SCREEN_TILE);
+    uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = fifth_row(s, r);
+    uint16_t *d = (uint16_t *)(bits + 4 * s->nbp);
     int ok = 1;
-    memset(row, 0, s->row_size);
+    if (i == 0) memset(tile, 0, s->tile_size);
     memset(bits, 0, s->fifth_size);
     for (int64_t b = 0; b < nb; b++) {
         float df = se_fp16_to_fp32(src[b].d);
         ok &= df >= 0 && isfinite(df);
+        uint8_t *blk = tile + SE_SCREEN_TILE_BLOCK * b, *group = bits + 32 * (b / 8);
+        memcpy(blk + 2 * i, &src[b].d, 2);
         d[b] = src[b].d;
-        uint8_t *pair = nib + 32 * (b / 2), *group = bits + 32 * (b / 8);
-        for (int i = 0; i < SE_QK; i++) {
-            uint8_t u = (uint8_t)(src[b].qs[i] + 128);
-            pair[i] |= (uint8_t)((u >> 4) << (b % 2 * 4));
-            group[i] |= (uint8_t)((u >> 3 & 1) << (b % 8));
+        for (int e = 0; e < SE_QK; e++) {
+            uint8_t u = (uint8_t)(src[b].qs[e] + 128);
+            blk[32 + 64 * (e / 8) + 4 * i + e % 4] |= (uint8_t)((u >> 4) << (e % 8 / 4 * 4));
+            group[e] |= (uint8_t)((u >> 3 & 1) << (b % 8));
         }
     }
-    memcpy(bits + 4 * s->nbp, d, 2 * (size_t)nb);
     return ok;
 }
 
 static void build_rows(void *arg, int ith, int nth) {
     build_job *j = arg;
     int64_t r0, r1;
-    se_split(j->s->n_rows, ith, nth, 1, &r0, &r1);
+    se_split(j->s->n_rows, ith, nth, SE_SCREEN_TILE, &r0, &r1);
     for (int64_t r = r0; r < r1; r++)
         if (!build_row(j->s, (const se_blk_q8_0 *)((const char *)j->w->data + (size_t)r * j->w->row_size), r))
             j->bad[ith] = 1;
@@ -91,11 +93,12 @@ static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows) {
     s->nb = n / SE_QK;
     s->nbp = (s->nb + 7) / 8 * 8;
     s->n_rows = n_rows;
-    s->row_size = (size_t)(18 * s->nb);
+    s->n_tiles = (n_rows + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE;
+    s->tile_size = (size_t)(SE_SCREEN_TILE_BLOCK * s->nb);
     s->fifth_size = (size_t)(4 * s->nbp + 2 * s->nb);
-    if (posix_memalign((void **)&s->rows, 64, s->row_size * (size_t)n_rows) != 0) s->rows = NULL;
+    if (posix_memalign((void **)&s->tiles, 64, s->tile_size * (size_t)s->n_tiles) != 0) s->tiles = NULL;
     if (posix_memalign((void **)&s->fifth, 64, s->fifth_size * (size_t)n_rows) != 0) s->fifth = NULL;
-    return s->rows && s->fifth;
+    return s->tiles && s->fifth;
 }
 
 /* The model's plane, built on c's pool the first time (the contexts of a model may ask from
@@ -121,38 +124,40 @@ static const se_screen *screen_of(se_context *c) {
 }
 
 void se_screen_free(se_screen *s) {
-    if (s) { free(s->rows); free(s->fifth); free(s); }
+    if (s) { free(s->tiles); free(s->fifth); free(s); }
 }
 
 size_t se_model_screen_bytes(const se_model *m) {
     const se_screen *s = m ? m->screen : NULL;
-    return s ? (s->row_size + s->fifth_size) * (size_t)s->n_rows : 0;
+    return s ? s->tile_size * (size_t)s->n_tiles + s->fifth_size * (size_t)s->n_rows : 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
  * The bound kernels, portable
  */
 
-void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t r0, int64_t r1, float *lo,
+void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, float *lo,
                              float *hi) {
-    const int64_t nb = s->nb;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = s->rows + (size_t)r * s->row_size;
-        const uint16_t *d = (const uint16_t *)row;
-        const uint8_t *nib = row + 2 * nb;
-        float l = 0, h = 0;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *pair = nib + 32 * (b / 2);
-            const int8_t *x = a->xq + 32 * b;
-            int32_t sum = 0;
-            for (int i = 0; i < SE_QK; i++) sum += (int32_t)(pair[i] >> (b % 2 * 4) & 15) * x[i];
-            float dd = se_fp16_to_fp32(d[b]) * a->dx[b];
-            l += dd * (float)(16 * sum + a->lo_c[b]);
-            h += dd * (float)(16 * sum + a->hi_c[b]);
+    for (int64_t t = t0; t < t1; t++)
+        for (int i = 0; i < SE_SCREEN_TILE; i++) {
+            const uint8_t *tile = s->tiles + (size_t)t * s->tile_size;
+            float l = 0, h = 0;
+            for (int64_t b = 0; b < s->nb; b++) {
+                const uint8_t *blk = tile + SE_SCREEN_TILE_BLOCK * b, *nib = blk + 32 + 4 * i;
+                const int8_t *x = a->xq + 32 * b;
+                int32_t sum = 0;
+                for (int m = 0; m < 4; m++)
+                    for (int e = 0; e < 4; e++)
+                        sum += (nib[64 * m + e] & 15) * x[8 * m + e] + (nib[64 * m + e] >> 4) * x[8 * m + 4 + e];
+                uint16_t d;
+                memcpy(&d, blk + 2 * i, 2);
+                const float dd = se_fp16_to_fp32(d) * a->dx[b];
+                l = fmaf(dd, (float)(16 * sum + a->lo_c[b]), l); /* the SIMD paths' operations, in their order */
+                h = fmaf(dd, (float)(16 * sum + a->hi_c[b]), h);
+            }
+            lo[t * SE_SCREEN_TILE + i] = l;
+            hi[t * SE_SCREEN_TILE + i] = h;
         }
-        lo[r] = l;
-        hi[r] = h;
-    }
 }
 
 void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
@@ -272,13 +277,18 @@ static void make_act(const se_blk_q8_0 *x, int64_t nb, void *buf, se_screen_act 
 
 static int avx2(void) { return se_isa_in_use() >= SE_ISA_AVX2 && se_screen_bounds_avx2 && se_screen_refine_avx2; }
 
-/* Stage 1: every row's interval for rows [r0, r1), the kernel's widened by a bound on float
- * rounding. The kernel's sums and the head's own each err by under 2^-14 of 511 times the row's
+static se_screen_bounds_fn bounds_kernel(void) {
+    if (se_isa_in_use() >= SE_ISA_AVX512 && se_screen_bounds_avx512) return se_screen_bounds_avx512;
+    return avx2() ? se_screen_bounds_avx2 : se_screen_bounds_scalar;
+}
+
+/* Stage 1: every row's interval for rows [r0, r1) (r0 on a tile's first row; lo and hi hold
+ * whole tiles), the kernel's widened by a bound on float rounding. The kernel's sums and the head's own each err by under 2^-14 of 511 times the row's
  * sum over blocks of d*dx*sum|x|, and the interval's width is 15 times that sum
  * (spec/reference-engine.md): 2^-8 of the width covers both. (A NaN, which makes no interval,
  * is caught by my_top.) */
 static void bounds(const se_screen *s, const se_screen_act *xa, int64_t r0, int64_t r1, float *lo, float *hi) {
-    if (r1 > r0) (avx2() ? se_screen_bounds_avx2 : se_screen_bounds_scalar)(s, xa, r0, r1, lo, hi);
+    if (r1 > r0) bounds_kernel()(s, xa, r0 / SE_SCREEN_TILE, (r1 + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE, lo, hi);
     for (int64_t r = r0; r < r1; r++) {
         float m = (hi[r] - lo[r]) * 0x1p-8f;
         lo[r] -= m;
@@ -373,13 +383,15 @@ static void my_top(screen_job *j, int ith, int64_t r0, int64_t r1, const se_cand
     const float *lo = c->scr_lo, *hi = c->scr_hi;
     se_cand *top = c->scr_top + (size_t)ith * SE_SCREEN_MAX_K;
     int32_t n = 0, numbers = 1;
-    if (!left)
+    if (!left) {
         for (int64_t r = r0; r < r1; r++) {
             numbers &= lo[r] <= hi[r]; /* false for a NaN */
             offer(top, j->k, &n, (int32_t)r, lo[r]);
         }
-    for (int32_t i = 0; left && i < n_left; i++)
-        if (hi[left[i].id] >= thr) offer(top, j->k, &n, left[i].id, lo[left[i].id]);
+    } else {
+        for (int32_t i = 0; i < n_left; i++)
+            if (hi[left[i].id] >= thr) offer(top, j->k, &n, left[i].id, lo[left[i].id]);
+    }
     c->scr_n[ith] = numbers ? n : -1;
 }
 
@@ -467,10 +479,11 @@ static int screen_k(const se_sampling_params *sp) {
 static int screen_buffers(se_context *c) {
     if (c->scr_lo) return 1;
     const int64_t V = c->m->hp.n_vocab, nbp = (c->m->output.ne0 / SE_QK + 7) / 8 * 8;
+    const size_t tiled = (size_t)(V + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE * SE_SCREEN_TILE; /* stage 1 writes whole tiles */
     int n_thr = se_pool_size(c->pool);
     c->scr_act_bytes = act_bytes(nbp);
-    c->scr_lo = malloc((size_t)V * sizeof(float));
-    c->scr_hi = malloc((size_t)V * sizeof(float));
+    c->scr_lo = malloc(tiled * sizeof(float));
+    c->scr_hi = malloc(tiled * sizeof(float));
     c->scr_top = malloc((size_t)n_thr * SE_SCREEN_MAX_K * sizeof(se_cand));
     c->scr_exact = malloc(SE_SCREEN_MAX_K * sizeof(float));
     c->scr_n = malloc((size_t)n_thr * sizeof(int32_t));
@@ -537,8 +550,8 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
      * what the full head does: the next samples take the full head, then it tries again. One such
      * sample among good ones is common (SmolLM2 at greedy), a run of them too (SmolLM2 at top-k 40):
      * each one in a row doubles the samples skipped, from 1 up to SCREEN_BACKOFF_MAX */
-    const int64_t V = c->m->hp.n_vocab;
     if (c->lazy_head == 2) return n;
+    const int64_t V = c->m->hp.n_vocab;
     if (n > V / 8 || j.n_left > V / 4 * 3) {
         c->screen_skip = c->screen_backoff;
         c->screen_backoff = c->screen_backoff < SCREEN_BACKOFF_MAX ? 2 * c->screen_backoff : SCREEN_BACKOFF_MAX;
@@ -569,19 +582,22 @@ int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const voi
         n / SE_QK > SE_SCREEN_MAX_NB || stages < 1 || stages > 2)
         return SE_ERR_INVALID;
     se_screen s = { 0 };
+    const size_t tiled = (size_t)(n_rows + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE * SE_SCREEN_TILE;
     void *buf = malloc(act_bytes(n / SE_QK));
     int32_t *ids = malloc((size_t)n_rows * sizeof(int32_t));
-    float *moves = malloc(2 * (size_t)n_rows * sizeof(float));
-    int rc = screen_alloc(&s, n, n_rows) && buf && ids && moves ? SE_OK : SE_ERR_NOMEM;
+    float *moves = malloc(2 * (size_t)n_rows * sizeof(float)), *ends = malloc(2 * tiled * sizeof(float));
+    int rc = screen_alloc(&s, n, n_rows) && buf && ids && moves && ends ? SE_OK : SE_ERR_NOMEM;
     for (int64_t r = 0; rc == SE_OK && r < n_rows; r++)
         if (!build_row(&s, (const se_blk_q8_0 *)rows + r * s.nb, r)) rc = SE_ERR_INVALID;
     if (rc == SE_OK) {
         se_screen_act xa;
         make_act(act, s.nb, buf, &xa);
-        bounds(&s, &xa, 0, n_rows, lo, hi);
+        bounds(&s, &xa, 0, n_rows, ends, ends + tiled);
         for (int64_t r = 0; r < n_rows; r++) ids[r] = (int32_t)r;
-        if (stages == 2) refine(&s, &xa, ids, (int32_t)n_rows, moves, moves + n_rows, lo, hi);
+        if (stages == 2) refine(&s, &xa, ids, (int32_t)n_rows, moves, moves + n_rows, ends, ends + tiled);
+        memcpy(lo, ends, (size_t)n_rows * sizeof(float));
+        memcpy(hi, ends + tiled, (size_t)n_rows * sizeof(float));
     }
-    free(s.rows); free(s.fifth); free(buf); free(ids); free(moves);
+    free(s.tiles); free(s.fifth); free(buf); free(ids); free(moves); free(ends);
     return rc;
 }

@@ -21,22 +21,25 @@
 #include "engine.h"
 
 #define SE_SCREEN_MAX_K 128 /* the largest top-k a screen serves (beyond it: the full head) */
-#define SE_SCREEN_PREFETCH 8192 /* bytes the stage-1 kernels ask for ahead of the row they read */
+#define SE_SCREEN_PREFETCH 8192 /* bytes the stage-1 kernels ask for ahead of the ones they read */
 #define SE_SCREEN_MAX_NB 1024 /* blocks per row: the rounding margins (screen.c) are proven up to this */
+#define SE_SCREEN_TILE 16 /* rows of the 4-bit plane side by side (one int32 lane each in AVX-512) */
+#define SE_SCREEN_TILE_BLOCK 288 /* bytes of one block of a tile: 16 scales, 16 x 16 bytes of h */
 
 /* The planes, nb blocks a row (nb even; nbp = nb rounded up to 8).
- * rows: row r at rows + r * row_size (18 bytes a block, a Q4_0 block's size):
- *   nb fp16 scales d (the head's own),
- *   nb/2 x 32 bytes of h, two blocks at a time (byte j: element j of the first block in the low
- *   nibble, of the second in the high one).
+ * tiles: the 4-bit plane, rows 16 at a time so that a kernel keeps a row per lane and never adds
+ * lanes across (rows past n_rows are zeros); tile t's block b at tiles + t * tile_size + 288 * b:
+ *   16 fp16 scales d (row i's at i, the head's own),
+ *   4 vectors of 64 bytes of h: in vector m, byte 4i + e holds row i's element 8m + e in its low
+ *   nibble and element 8m + 4 + e in its high one (a lane's 4 bytes meet 4 activations).
  * fifth: row r at fifth + r * fifth_size (what stage 2 reads of a row, in one place):
  *   nbp/8 x 32 bytes of fifth bits, eight blocks at a time (bit p of byte j: element j of the
  *   group's block p; 0 past nb),
  *   the nb fp16 scales again. */
 typedef struct se_screen {
-    int64_t nb, nbp, n_rows;
-    size_t row_size, fifth_size;
-    uint8_t *rows, *fifth;
+    int64_t nb, nbp, n_rows, n_tiles;
+    size_t tile_size, fifth_size;
+    uint8_t *tiles, *fifth;
 } se_screen;
 
 /* One token's head activations as the kernels read them (nbp blocks, those past nb zero) */
@@ -49,20 +52,24 @@ typedef struct {
     const int32_t *pos8; /* [nbp] -8 * (sum of the positive x) */
 } se_screen_act;
 
-/* Stage 1: lo[r], hi[r] for rows [r0, r1): the sum over blocks of d*dx * (16 * sum h*x + lo_c /
- * hi_c), in float (screen.c widens them by the rounding's bound). */
-typedef void (*se_screen_bounds_fn)(const se_screen *s, const se_screen_act *a, int64_t r0, int64_t r1,
-                                    float *lo, float *hi);
+/* Stage 1: lo[r], hi[r] for the rows of tiles [t0, t1) (r from 16 * t0 to 16 * t1: the arrays
+ * hold whole tiles): the sum over blocks of d*dx * (16 * sum h*x + lo_c / hi_c), block after block
+ * in float with one fma each, in the same order on every path (so their results are the same bits;
+ * screen.c widens them by the rounding's bound). */
+typedef void (*se_screen_bounds_fn)(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, float *lo,
+                                    float *hi);
 /* Stage 2 for the rows ids[0..n): up[i] = sum over blocks of d*dx * (8 * sum f*x + neg8) >= 0 (the
  * lower end's rise), down[i] = the same with pos8 <= 0 (the upper end's move) */
 typedef void (*se_screen_refine_fn)(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n,
                                     float *up, float *down);
-void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t r0, int64_t r1, float *lo,
+void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, float *lo,
                              float *hi);
 void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
                              float *down);
-/* screen_avx2.c: the same with AVX2, FMA and F16C; NULL where not compiled (not x86) */
+/* screen_avx2.c: the same with AVX2, FMA and F16C; screen_avx512.c: stage 1 with AVX-512 VNNI.
+ * NULL where not compiled (not x86). */
 extern const se_screen_bounds_fn se_screen_bounds_avx2;
 extern const se_screen_refine_fn se_screen_refine_avx2;
+extern const se_screen_bounds_fn se_screen_bounds_avx512;
 
 #endif

@@ -1,10 +1,12 @@
 /* The screen's bound kernels (screen.h) with AVX2, FMA and F16C. Only this file is compiled for
  * these ISAs (the pragma below); screen.c calls them when the CPU has them.
  *
- * Eight blocks of a row at a time, block p in lane p: each block's integer sum (vpmaddubsw: the
- * plane's values are unsigned and at most 15, so a pair stays far below s16's limit), the eight
- * sums gathered into one vector with horizontal adds, then the two ends in integers and one FMA
- * each.
+ * Stage 1 holds a tile's rows in lanes, eight at a time: vpmaddubsw of the 4-bit plane's values
+ * (unsigned, at most 15) by four activations broadcast, added in 16 bits (16 products of at most
+ * 15 * 128 per lane: far below s16's limit), one vpmaddwd, then per block the two ends in integers
+ * and one fma each. Stage 2 reads one row's fifth bits, eight blocks at a time, block p in lane p:
+ * each block's integer sum, the eight sums gathered into one vector with horizontal adds, then the
+ * two moves in integers and one fma each.
  */
 #define SE_ENGINE_INTERNAL
 #include "screen.h"
@@ -36,7 +38,43 @@ INLINE __m256i dot32(__m256i u, const int8_t *x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)x)), _mm256_set1_epi16(1));
 }
 
-/* The products d*dx of blocks 8g .. 8g+cnt-1 (0 past cnt: the row stores only nb scales). Loads
+INLINE int32_t ld32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* Stage 1 for the rows of tiles [t0, t1): per block, each half of the tile (8 rows) as above */
+static void bounds_avx2(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, float *lo, float *hi) {
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tile = s->tiles + (size_t)t * s->tile_size;
+        __m256 l[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() }, h[2] = { l[0], l[0] };
+        for (int64_t b = 0; b < s->nb; b++) {
+            const uint8_t *blk = tile + SE_SCREEN_TILE_BLOCK * b;
+            for (int o = 0; o < SE_SCREEN_TILE_BLOCK; o += 64) _mm_prefetch((const char *)blk + SE_SCREEN_PREFETCH + o, _MM_HINT_T0);
+            const int8_t *x = a->xq + 32 * b;
+            __m256i xb[8]; /* elements 4p .. 4p+3 in every lane */
+            for (int p = 0; p < 8; p++) xb[p] = _mm256_set1_epi32(ld32(x + 4 * p));
+            const __m256 dx = _mm256_set1_ps(a->dx[b]);
+            const __m256i lo_c = _mm256_set1_epi32(a->lo_c[b]), hi_c = _mm256_set1_epi32(a->hi_c[b]);
+            for (int half = 0; half < 2; half++) {
+                __m256i acc = _mm256_setzero_si256();
+                for (int m = 0; m < 4; m++) {
+                    const __m256i n = _mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * m + 32 * half));
+                    acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(_mm256_and_si256(n, low4), xb[2 * m]));
+                    acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(n, 4), low4), xb[2 * m + 1]));
+                }
+                const __m256i s16 = _mm256_slli_epi32(_mm256_madd_epi16(acc, ones), 4);
+                const __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * half))), dx);
+                l[half] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_add_epi32(s16, lo_c)), l[half]);
+                h[half] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_add_epi32(s16, hi_c)), h[half]);
+            }
+        }
+        for (int half = 0; half < 2; half++) {
+            _mm256_storeu_ps(lo + t * SE_SCREEN_TILE + 8 * half, l[half]);
+            _mm256_storeu_ps(hi + t * SE_SCREEN_TILE + 8 * half, h[half]);
+        }
+    }
+}
+
+/* The products d*dx of blocks 8g .. 8g+cnt-1 (0 past cnt: the record stores only nb scales). Loads
  * of the exact size: a copy through memory would stall on store forwarding. */
 INLINE __m256 scales(const se_screen_act *a, int64_t g, const uint16_t *d, const int cnt) {
     int32_t w;
@@ -53,31 +91,16 @@ INLINE __m256 scales(const se_screen_act *a, int64_t g, const uint16_t *d, const
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(a->dx + g * 8));
 }
 
-/* A group's block sums (lane p: block p's) into the two ends: each end's integer, (sums << shift)
+/* A group's block sums (lane p: block p's) into the two moves: each one's integer, (sums << 3)
  * plus its per-block constant, times the blocks' scales d*dx, added to its accumulator */
-INLINE void fold_ends(const se_screen_act *a, int64_t g, const uint16_t *d, const int cnt, const __m256i v[8],
-                      int shift, const int32_t *c_lo, const int32_t *c_hi, __m256 *lo, __m256 *hi) {
-    const __m256i s = _mm256_slli_epi32(lane_sums(v), shift);
+INLINE void fold_moves(const se_screen_act *a, int64_t g, const uint16_t *d, const int cnt, const __m256i v[8],
+                      const int32_t *c_lo, const int32_t *c_hi, __m256 *lo, __m256 *hi) {
+    const __m256i s = _mm256_slli_epi32(lane_sums(v), 3);
     const __m256i l = _mm256_add_epi32(s, _mm256_loadu_si256((const __m256i *)(c_lo + g * 8)));
     const __m256i h = _mm256_add_epi32(s, _mm256_loadu_si256((const __m256i *)(c_hi + g * 8)));
     const __m256 dd = scales(a, g, d, cnt);
     *lo = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(l), *lo);
     *hi = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(h), *hi);
-}
-
-/* Stage 1, blocks 8g .. 8g+cnt-1 (nib: their nibbles, 128 bytes a group) into the two ends */
-INLINE void group_step(const se_screen_act *a, int64_t g, const uint16_t *d, const uint8_t *nib, const int cnt,
-                       __m256 *lo, __m256 *hi) {
-    const __m256i low4 = _mm256_set1_epi8(15);
-    __m256i v[8];
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; q++) { /* two blocks per 32 bytes of nibbles */
-        if (2 * q >= cnt) { v[2 * q] = v[2 * q + 1] = _mm256_setzero_si256(); continue; }
-        const __m256i n = _mm256_loadu_si256((const __m256i *)(nib + 32 * q));
-        v[2 * q] = dot32(_mm256_and_si256(n, low4), a->xq + g * 256 + 64 * q);
-        v[2 * q + 1] = dot32(_mm256_and_si256(_mm256_srli_epi16(n, 4), low4), a->xq + g * 256 + 64 * q + 32);
-    }
-    fold_ends(a, g, d, cnt, v, 4, a->lo_c, a->hi_c, lo, hi);
 }
 
 /* Stage 2, blocks 8g .. 8g+cnt-1 (bits: their fifth bits, 32 bytes a group) into up and down */
@@ -89,36 +112,24 @@ INLINE void refine_step(const se_screen_act *a, int64_t g, const uint16_t *d, co
     for (int p = 0; p < 8; p++) /* bit p of each byte, as 0 or 1 (a 16-bit shift: the mask drops what crosses) */
         v[p] = p < cnt ? dot32(_mm256_and_si256(_mm256_srli_epi16(b, p), one), a->xq + g * 256 + 32 * p)
                        : _mm256_setzero_si256();
-    fold_ends(a, g, d, cnt, v, 3, a->neg8, a->pos8, up, down);
+    fold_moves(a, g, d, cnt, v, a->neg8, a->pos8, up, down);
 }
 
-typedef void step_fn(const se_screen_act *a, int64_t g, const uint16_t *d, const uint8_t *q, const int cnt,
-                     __m256 *x, __m256 *y);
-
-/* One row through a step, eight blocks at a time (q: its plane, group_bytes a group; d: its
- * scales), the last group's block count as a constant (nb is even); the two sums into x and y */
-INLINE void walk_row(step_fn *step, const se_screen_act *a, int64_t nb, const uint16_t *d, const uint8_t *q,
-                     size_t group_bytes, float *x, float *y) {
+/* One row's stage 2, eight blocks at a time (bits: its record), the last group's block count as a
+ * constant (nb is even) */
+INLINE void refine_row(const se_screen_act *a, int64_t nb, const uint16_t *d, const uint8_t *bits, float *up,
+                       float *down) {
     const int64_t full = nb / 8;
     __m256 u = _mm256_setzero_ps(), w = _mm256_setzero_ps();
-    for (int64_t g = 0; g < full; g++) step(a, g, d + 8 * g, q + group_bytes * g, 8, &u, &w);
-    d += 8 * full, q += group_bytes * full;
+    for (int64_t g = 0; g < full; g++) refine_step(a, g, d + 8 * g, bits + 32 * g, 8, &u, &w);
+    d += 8 * full, bits += 32 * full;
     switch (nb % 8) {
-    case 2: step(a, full, d, q, 2, &u, &w); break;
-    case 4: step(a, full, d, q, 4, &u, &w); break;
-    case 6: step(a, full, d, q, 6, &u, &w); break;
+    case 2: refine_step(a, full, d, bits, 2, &u, &w); break;
+    case 4: refine_step(a, full, d, bits, 4, &u, &w); break;
+    case 6: refine_step(a, full, d, bits, 6, &u, &w); break;
     }
-    *x = hsum8(u);
-    *y = hsum8(w);
-}
-
-static void bounds_avx2(const se_screen *s, const se_screen_act *a, int64_t r0, int64_t r1, float *lo, float *hi) {
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = s->rows + (size_t)r * s->row_size;
-        const uint8_t *ahead = row + SE_SCREEN_PREFETCH;
-        for (size_t o = 0; o < s->row_size; o += 64) _mm_prefetch((const char *)ahead + o, _MM_HINT_T0);
-        walk_row(group_step, a, s->nb, (const uint16_t *)row, row + 2 * s->nb, 128, &lo[r], &hi[r]);
-    }
+    *up = hsum8(u);
+    *down = hsum8(w);
 }
 
 #define REFINE_AHEAD 4 /* rows whose scales and fifth bits are asked for before they are read */
@@ -131,7 +142,7 @@ static void refine_avx2(const se_screen *s, const se_screen_act *a, const int32_
             for (size_t o = 0; o < s->fifth_size; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T0);
         }
         const uint8_t *bits = s->fifth + (size_t)ids[i] * s->fifth_size;
-        walk_row(refine_step, a, s->nb, (const uint16_t *)(bits + 4 * s->nbp), bits, 32, &up[i], &down[i]);
+        refine_row(a, s->nb, (const uint16_t *)(bits + 4 * s->nbp), bits, &up[i], &down[i]);
     }
 }
 
