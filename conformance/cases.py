@@ -8,6 +8,7 @@ correct engine reproduces it exactly at temperature 0.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from stdengine.conformance.suite import Context, Skip
@@ -28,6 +29,31 @@ def find_case(ctx: Context, name: str | None = None, kind: str | None = None) ->
         if c["name"] == name or (name is None and c["kind"] == kind):
             return c
     raise Skip(f"the golden data has no generation case {name or kind!r}")
+
+
+# The seeds a "this setting makes sampling greedy" check draws with, and its temperature.
+GREEDY_SEEDS = (11, 12, 13, 14, 15, 16)
+GREEDY_TEMP = 1.5
+
+
+def chance_of_greedy(case: dict[str, Any], temp: float) -> float:
+    """An upper bound on the chance that sampling at temp (top-k or not) draws the case's whole
+    greedy continuation: at each step the top token's probability is at most
+    1 / (1 + e^(-margin/temp)), the runner-up alone taking the rest."""
+    return math.prod(1 / (1 + math.exp(-m / temp)) for m in case.get("margins") or [math.inf])
+
+
+def least_greedy_raw_case(ctx: Context) -> tuple[dict[str, Any], float]:
+    """The raw golden case a sampler that ignores a greedy-making setting is least likely to
+    reproduce at GREEDY_TEMP, and the bound on that chance for all GREEDY_SEEDS together. A check
+    on the first case alone had no power on a counting prompt the model continues with near
+    certainty even at temperature 1.5."""
+    ctx.need_golden("generation")
+    raw = [c for c in all_cases(ctx) if c["kind"] == "raw"]
+    if not raw:
+        raise Skip("the golden data has no raw generation case")
+    case = min(raw, key=lambda c: chance_of_greedy(c, GREEDY_TEMP))
+    return case, chance_of_greedy(case, GREEDY_TEMP) ** len(GREEDY_SEEDS)
 
 
 def eog_texts(ctx: Context) -> list[str]:
