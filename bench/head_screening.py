@@ -20,6 +20,12 @@ copy of a Q8_0 head leaves to compute, on real hidden states:
 A screen may also go plane by plane (`4+5`: the 4-bit plane bounds every row, then the 5th bit
 is read for the rows still in the running only, and bounds them again).
 
+`--ranks 64,128` adds the other copy the issue names, a low-rank projection: P holds the head's R
+leading right singular vectors (from the head alone, not from the inputs), each row keeps its
+coefficients c = int8(w P) with one scale, and the row's two error norms e = |w P - c| and
+r = |w - w P P^T|. Then |w.x - c.(P^T x)| <= e |P^T x| + r |x - P P^T x| (Cauchy-Schwarz on
+the two orthogonal parts), an interval per row from R bytes and three floats.
+
 The head's input is recovered from the engine's logits by least squares (the head has full
 column rank; the printed residual shows the recovery is exact to float rounding), over the
 conformance suite's logits texts. For each schedule and k (1: greedy; 40: a usual top-k) it
@@ -36,6 +42,7 @@ import argparse
 import io
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gguf import GGUFReader
@@ -116,10 +123,55 @@ class Screen:
         return lower - self.MARGIN, upper + self.MARGIN
 
 
+def threshold(lower: np.ndarray, k: int, logits: np.ndarray | None) -> np.ndarray:
+    """What a row's upper end must reach, per position: the k-th largest lower end, or with the
+    exact logits (the engine's threshold) the least logit of the k rows of largest lower end."""
+    if logits is None:
+        return -np.partition(-lower, k - 1, axis=1)[:, k - 1]
+    top = np.argpartition(-lower, k - 1, axis=1)[:, :k]
+    return np.take_along_axis(logits, top, 1).min(1)
+
+
+class LowRank:
+    """A rank-R copy of a head (see the module's doc) and the logit intervals it gives."""
+
+    def __init__(self, head: Head, rank: int) -> None:
+        w = head.matrix
+        vecs = np.linalg.eigh(w.T @ w)[1]  # ascending eigenvalues: the last columns lead
+        self.p = vecs[:, ::-1][:, :rank]
+        coef = w @ self.p
+        scale = np.abs(coef).max(1, keepdims=True) / 127
+        self.c = np.round(coef / np.where(scale > 0, scale, 1)) * scale
+        self.e = np.linalg.norm(coef - self.c, axis=1)
+        self.r = np.sqrt(np.maximum((w * w).sum(1) - (coef * coef).sum(1), 0))
+        self.bytes_per_row = rank + 4 * 3
+
+    def intervals(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        px = x @ self.p
+        perp = np.sqrt(np.maximum((x * x).sum(1) - (px * px).sum(1), 0))
+        centre = px @ self.c.T
+        half = np.linalg.norm(px, axis=1)[:, None] * self.e + perp[:, None] * self.r + Screen.MARGIN
+        return centre - half, centre + half
+
+
+def low_rank_chunk(
+    lr: LowRank, x: np.ndarray, k: int, logits: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """screen_chunk for a low-rank copy: the candidates [n, V] and the bytes read per position
+    (the copy, then each candidate's whole row)."""
+    V, nb = lr.c.shape[0], lr.p.shape[0] // 32
+    lower, upper = lr.intervals(x)
+    read = np.full(x.shape[0], float(V * lr.bytes_per_row))
+    if logits is not None:
+        read += k * nb * Q8_0_BLOCK
+    cand = upper >= threshold(lower, k, logits)[:, None]
+    return cand, read + cand.sum(1) * nb * Q8_0_BLOCK
+
+
 @dataclass
 class Row:
     model: str
-    schedule: tuple[int, ...]
+    schedule: str  # "4+5", or "rank 128"
     k: int
     cand_mean: float  # share of the vocabulary left after the last plane
     cand_max: float
@@ -146,11 +198,8 @@ def screen_chunk(
         have = bits
         lower, upper = screens[bits].intervals(x)
         lower[~cand] = -np.inf
-        if logits is None:
-            thr = np.maximum(thr, -np.partition(-lower, k - 1, axis=1)[:, k - 1])
-        else:
-            top = np.argpartition(-lower, k - 1, axis=1)[:, :k]
-            thr = np.maximum(thr, np.take_along_axis(logits, top, 1).min(1))
+        thr = np.maximum(thr, threshold(lower, k, logits))
+        if logits is not None:
             read += k * nb * Q8_0_BLOCK
         cand &= upper >= thr[:, None]
     read += cand.sum(1) * nb * 4 * (8 - have)  # the candidates' rows completed
@@ -158,7 +207,7 @@ def screen_chunk(
 
 
 def study(
-    model: str, schedules: list[tuple[int, ...]], exact: bool, chunk: int = 32
+    model: str, schedules: list[tuple[int, ...]], exact: bool, ranks: list[int], chunk: int = 32
 ) -> tuple[list[Row], dict[str, float]]:
     path = str(resolve_model(model))
     head = read_head(path)
@@ -170,22 +219,28 @@ def study(
     V, nb = head.d.shape
     screens = {b: Screen(head, b) for b in sorted({b for sch in schedules for b in sch})}
     rows = []
-    for schedule in schedules:
+    copies: list[tuple[str, Any]] = [("+".join(map(str, sch)), sch) for sch in schedules]
+    copies += [(f"rank {r}", LowRank(head, r)) for r in ranks]
+    for label, copy in copies:
         for k in KS:
             counts, reads = [], []
             for i in range(0, len(x), chunk):
                 part = logits[i : i + chunk]
-                cand, read = screen_chunk(screens, schedule, x[i : i + chunk], k, part if exact else None)
+                given = part if exact else None
+                if isinstance(copy, LowRank):
+                    cand, read = low_rank_chunk(copy, x[i : i + chunk], k, given)
+                else:
+                    cand, read = screen_chunk(screens, copy, x[i : i + chunk], k, given)
                 top = np.argpartition(-part, k - 1, axis=1)[:, :k]
                 if not np.take_along_axis(cand, top, 1).all():
-                    raise SystemExit(f"{model} {schedule} k={k}: a true top-k row was screened out")
+                    raise SystemExit(f"{model} {label} k={k}: a true top-k row was screened out")
                 counts += list(cand.sum(1))
                 reads += list(read)
             c = np.array(counts, dtype=np.float64)
             share = float(np.mean(reads) / (V * nb * Q8_0_BLOCK))
             layers, head_bytes = cost.layer_weight_bytes, cost.head_bytes
             ceiling = (layers + head_bytes) / (layers + share * head_bytes)
-            rows.append(Row(model, schedule, k, float(c.mean() / V), float(c.max() / V), share, ceiling))
+            rows.append(Row(model, label, k, float(c.mean() / V), float(c.max() / V), share, ceiling))
     facts = {
         "positions": float(len(x)),
         "fit_rms": fit,
@@ -211,7 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         help="what a row's upper end must reach: the k-th largest lower end, or the least exact "
         "logit of the k rows of largest lower end (the engine's; those rows read whole)",
     )
+    ap.add_argument("--ranks", default="", help="low-rank copies to screen with too, comma-separated: 64,128")
     args = ap.parse_args(argv)
+    try:
+        ranks = [int(r) for r in args.ranks.split(",") if r]
+    except ValueError:
+        ranks = [0]
+    if any(r < 1 for r in ranks):
+        ap.error("--ranks: comma-separated ranks of at least 1, such as 64,128")
     try:
         schedules = [tuple(int(b) for b in item.split("+")) for item in args.schedules.split(",")]
     except ValueError:
@@ -225,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     table = []
     for model in args.models.split(","):
-        rows, facts = study(model, schedules, args.threshold == "exact")
+        rows, facts = study(model, schedules, args.threshold == "exact", ranks)
         print(
             f"{model}: {facts['positions']:.0f} positions, head input recovered to {facts['fit_rms']:.1e} rms "
             f"(logits' std {facts['logit_std']:.2f}); the head is {facts['head_of_weights']:.0%} of the "
@@ -236,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             table.append(
                 [
                     r.model,
-                    "+".join(map(str, r.schedule)),
+                    r.schedule,
                     str(r.k),
                     f"{r.cand_mean:.2%}",
                     f"{r.cand_max:.2%}",

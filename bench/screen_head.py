@@ -12,6 +12,10 @@ token is counted from its evaluation to its sample. It checks that the screened 
 unscreened ones, and reports tokens/s (median, min-max), the rows each screened sample narrowed
 with the fifth bits (stage 2) and computed exactly (shares of the vocabulary), the planes' memory
 (share of the head) and the time the first screened sample took to build them.
+
+A fourth row, "reference, no head", replays the screened run's tokens with the head and the sampler
+left out (with the lazy head, a decode whose logits nobody reads never runs the head): the speed no
+screen can exceed, so its "vs screen off" is the ceiling of any screen on this machine.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ CONFIGS = {  # label -> (engine, -E settings)
     "reference, screen off": ("reference", {"screen_head": "off"}),
     "llama.cpp": ("llamacpp", {}),
 }
+NO_HEAD = "reference, no head"
 
 
 def load(engine: str, model: str, args: dict[str, str], threads: int) -> Any:
@@ -62,6 +67,16 @@ def generate(engine: Any, sampler: SamplingParams, n: int) -> tuple[list[int], f
         out.append(next(samples))
     samples.close()
     return out, n / (time.perf_counter() - t0)
+
+
+def replay_without_head(engine: Any, tokens: list[int]) -> float:
+    """generate's steps for these tokens (its output), without the head and the sampler; tokens/s"""
+    engine.reset()
+    engine._prefill(engine.tokenize(PROMPT))
+    t0 = time.perf_counter()
+    for t in tokens[:-1]:
+        engine._step([t])  # the lazy head: nothing reads these logits, so the head never runs
+    return (len(tokens) - 1) / (time.perf_counter() - t0)
 
 
 def first_sample_ms(model: str, threads: int) -> tuple[float, float]:
@@ -93,7 +108,7 @@ def study(model: str, n: int, rounds: int, threads: int) -> list[list[str]]:
         ref = engines["reference"]
         head = ref.model.tensors.get("output.weight") or ref.model.tensors["token_embd.weight"]
         for name, sampler in SAMPLERS.items():
-            speeds: dict[str, list[float]] = {label: [] for label in engines}
+            speeds: dict[str, list[float]] = {label: [] for label in [*engines, NO_HEAD]}
             tokens: dict[str, list[int]] = {}
             before = ref.ctx.screen_stats
             for _ in range(rounds):
@@ -101,6 +116,7 @@ def study(model: str, n: int, rounds: int, threads: int) -> list[list[str]]:
                     toks, speed = generate(e, sampler, n)
                     speeds[label].append(speed)
                     tokens.setdefault(label, toks)
+                speeds[NO_HEAD].append(replay_without_head(ref, tokens["reference"]))
             if tokens["reference"] != tokens["reference, screen off"]:
                 raise SystemExit(f"{model} {name}: the screened tokens differ from the full head's")
             after = ref.ctx.screen_stats

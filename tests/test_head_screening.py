@@ -1,13 +1,14 @@
 """The screening bound of the output head (bench/head_screening.py, spec/reference-engine.md
 "Screening the output head"): every row's exact logit lies in the interval computed from the high
 bit plane, and the interval is the tightest one the plane allows (a low plane chosen against the
-input reaches each end). Checked with numpy's exact products on random Q8_0-shaped heads."""
+input reaches each end); the same for the low-rank copy's interval. Checked with numpy's exact
+products on random Q8_0-shaped heads."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from stdengine.bench.head_screening import Head, Screen, screen_chunk
+from stdengine.bench.head_screening import Head, LowRank, Screen, low_rank_chunk, screen_chunk
 
 MARGIN = Screen.MARGIN  # Screen.intervals widens each end by this much
 
@@ -72,3 +73,30 @@ def test_both_thresholds_keep_the_true_top_k(schedule, k):
     top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
     assert np.take_along_axis(tight, top, 1).all() and np.take_along_axis(loose, top, 1).all()
     assert (tight <= loose).all() and tight.sum() < loose.sum()
+
+
+@pytest.mark.parametrize("rank", [1, 16, 127, 128])
+def test_low_rank_intervals_hold_every_exact_logit(rank):
+    """The low-rank copy's interval holds every row's logit, at any rank; at full rank only the
+    coefficients' rounding is left, so the interval is narrow."""
+    rng = np.random.default_rng(rank)
+    head = random_head(rng)
+    x = rng.normal(0, 3, (8, 4 * 32))
+    lower, upper = LowRank(head, rank).intervals(x)
+    exact = x @ head.matrix.T
+    assert (lower <= exact).all() and (exact <= upper).all()
+    if rank == 128:
+        full_width = 2 * np.abs(exact).max()
+        assert ((upper - lower) < 0.1 * full_width).all()
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_low_rank_keeps_the_true_top_k(k):
+    rng = np.random.default_rng(200 + k)
+    head = random_head(rng, rows=256)
+    x = rng.normal(0, 3, (6, 4 * 32))
+    logits = x @ head.matrix.T
+    cand, read = low_rank_chunk(LowRank(head, 96), x, k, logits)
+    top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    assert np.take_along_axis(cand, top, 1).all() and cand.sum() < cand.size
+    assert (read >= 256 * (96 + 12)).all()
