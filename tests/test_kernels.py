@@ -171,12 +171,17 @@ def test_f16_every_value():
 # ------------------------------------------------------------------ from_float (activations)
 
 
-def test_f16_bf16_from_float_round_like_numpy():
+def test_f16_bf16_from_float_round_like_numpy(isa):
     rng = np.random.default_rng(1)
+    halfway = (np.arange(1, 200, dtype=np.float32) + np.float32(0.5)) * np.float32(2.0**-10)  # f16 ties
     x = np.concatenate(
         [
             rng.standard_normal(4096) * 10.0 ** rng.integers(-9, 6, 4096),  # normals, subnormals, overflow
-            np.array([65504, 65519.99, 65520, 1e6, -1e6, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 0.0, -0.0]),
+            np.array(
+                [65504, 65519.99, 65520, 1e6, -1e6, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 0.0, -0.0, np.inf]
+            ),
+            halfway + 1,
+            -(halfway * 2.0**-14),  # ties among the subnormal halves
         ]
     ).astype(np.float32)
     x = x[: len(x) // 2 * 2]
@@ -184,6 +189,19 @@ def test_f16_bf16_from_float_round_like_numpy():
         f16 = x.astype(np.float16)
     np.testing.assert_array_equal(K.quantize(T.F16, x).view(np.uint16)[0], f16.view(np.uint16))
     np.testing.assert_array_equal(K.quantize(T.BF16, x)[0], gg_quantize(x, T.BF16).view(np.uint8))
+
+
+def test_f16_from_float_nan_is_one_quiet_nan(isa):
+    """Every NaN becomes sign | 0x7e00 whatever its payload (F16C would keep part of it), beside
+    ordinary values in the same 8 and 16 lanes and in a row's tail."""
+    bits = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFFFFF, 0xFFA5A5A5, 0x7FB00000], dtype=np.uint32)
+    x = np.linspace(-3, 3, 41).astype(np.float32)
+    where = [0, 9, 17, 30, 38, 40]
+    x.view(np.uint32)[where] = bits
+    got = K.quantize(T.F16, x).view(np.uint16)[0]
+    want = x.astype(np.float16).view(np.uint16).copy()
+    want[where] = np.where(bits >> 31, 0xFE00, 0x7E00)
+    np.testing.assert_array_equal(got, want)
 
 
 def _ties(n: int) -> np.ndarray:

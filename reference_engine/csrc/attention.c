@@ -5,8 +5,8 @@
  * and values each their own (cp.type_k, cp.type_v). Per layer and kv head:
  *   keys    in tiles of 16 positions, each tile transposed: [position / 16][head dim][16];
  *   values  a row per position: [position][head dim].
- * An f16 element is the f32 value rounded to nearest even (se_fp32_to_fp16, the same bits on every
- * SIMD path), widened back to f32 as the kernel loads it: attention is otherwise the same.
+ * An f16 element is the f32 value rounded to nearest even (the F16 type's from_float: the same bits
+ * on every SIMD path), widened back to f32 as the kernel loads it: attention is otherwise the same.
  * A key tile puts dimension d of 16 keys side by side, so the scores of one query against 16 keys
  * are one vector: the sum over d of q[d] * (row d of the tile), with no horizontal sum per score.
  * Values are used the other way round (out += p * v, along the head dim), so rows suit them.
@@ -36,12 +36,21 @@ int64_t se_kv_positions(int64_t n_ctx) { return (n_ctx + TILE - 1) / TILE * TILE
 
 size_t se_kv_elem_size(int type) { return type == SE_F16 ? sizeof(uint16_t) : sizeof(float); }
 
-/* Element i of the cache at kv (of the type given) set to x. */
-static void put(void *kv, int type, int64_t i, float x) {
-    if (type == SE_F16)
-        ((uint16_t *)kv)[i] = se_fp32_to_fp16(x);
-    else
-        ((float *)kv)[i] = x;
+/* n elements of the cache at kv (of the type given) set to x[0..n): elements i, i + stride, ...
+ * An f16 row is converted by the path's F16 from_float (the same bits on every path), a chunk at a
+ * time. */
+static void put_row(void *kv, int type, int64_t i, int64_t stride, const float *x, int n) {
+    if (type != SE_F16) {
+        for (int d = 0; d < n; d++) ((float *)kv)[i + d * stride] = x[d];
+        return;
+    }
+    const se_from_float_fn to_f16 = se_traits(SE_F16)->from_float;
+    uint16_t h[64];
+    for (int d0 = 0; d0 < n; d0 += 64) {
+        const int m = n - d0 < 64 ? n - d0 : 64;
+        to_f16(x + d0, h, m);
+        for (int d = 0; d < m; d++) ((uint16_t *)kv)[i + (d0 + d) * stride] = h[d];
+    }
 }
 
 /* The keys (or values: the cache and its type) of layer il, kv head h. */
@@ -68,16 +77,15 @@ void se_kv_store_keys(se_context *c, int il, int h, int64_t p0, int n, const flo
     int hd = c->m->hp.head_dim, type = c->cp.type_k;
     void *kc = kv_head(c, c->k_cache, type, il, h);
     for (int t = 0; t < n; t++) {
-        int64_t p = p0 + t, tile = p / TILE * TILE * hd;
-        for (int d = 0; d < hd; d++) put(kc, type, tile + d * TILE + p % TILE, k[(int64_t)t * ldk + d]);
+        int64_t p = p0 + t;
+        put_row(kc, type, p / TILE * TILE * hd + p % TILE, TILE, k + (int64_t)t * ldk, hd);
     }
 }
 
 void se_kv_store_values(se_context *c, int il, int h, int64_t p0, int n, const float *v, int64_t ldv) {
     int hd = c->m->hp.head_dim, type = c->cp.type_v;
     void *vc = kv_head(c, c->v_cache, type, il, h);
-    for (int t = 0; t < n; t++)
-        for (int d = 0; d < hd; d++) put(vc, type, (p0 + t) * hd + d, v[(int64_t)t * ldv + d]);
+    for (int t = 0; t < n; t++) put_row(vc, type, (p0 + t) * hd, 1, v + (int64_t)t * ldv, hd);
 }
 
 /* ---------------------------------------------------------------------------------------------

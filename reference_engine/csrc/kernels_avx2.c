@@ -665,6 +665,23 @@ static void q8_1_from_float(const float *x, void *dst, int64_t n) {
     }
 }
 
+/* F16 (the KV cache's f16 elements): F16C rounds to nearest even, as se_fp32_to_fp16 does; only a
+ * NaN differs there (F16C keeps part of its payload), so 8 values with a NaN among them take the
+ * scalar function: the same bits on every path. */
+static void f16_from_float(const float *x, void *dst, int64_t n) {
+    uint16_t *h = dst;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+            for (int j = 0; j < 8; j++) h[i + j] = se_fp32_to_fp16(x[i + j]);
+            continue;
+        }
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    for (; i < n; i++) h[i] = se_fp32_to_fp16(x[i]);
+}
+
 /* Q8_K: the first element of largest |x| maps to -127; the rest round to nearest even (the
  * vector default, like lrintf) and clip at 127. Each 16 quants make one bsum. */
 static void q8_K_from_float(const float *x, void *dst, int64_t n) {
@@ -805,7 +822,7 @@ const se_isa_kernels se_kernels_avx2[SE_TYPE_COUNT] = {
     [SE_Q5_K] = { .dot = dot_q5_K, .tile = tile_q5_K, .tg_rows = 1, .pp_rows = 1 },
     [SE_Q6_K] = { .dot = dot_q6_K, .tile = tile_q6_K, .tg_rows = 1, .pp_rows = 1 },
     [SE_F32] = { .dot = dot_f32, .tile = tile_f32, .tg_rows = 1, .pp_rows = 1 },
-    [SE_F16] = { .dot = dot_f16, .tile = tile_f16, .tg_rows = 1, .pp_rows = 1 },
+    [SE_F16] = { .dot = dot_f16, .tile = tile_f16, .tg_rows = 1, .pp_rows = 1, .from_float = f16_from_float },
     [SE_BF16] = { .dot = dot_bf16, .tile = tile_bf16, .tg_rows = 1, .pp_rows = 1 },
     [SE_Q8_1] = { .from_float = q8_1_from_float },
     [SE_Q8_K] = { .from_float = q8_K_from_float },
