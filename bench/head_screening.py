@@ -41,8 +41,9 @@ from __future__ import annotations
 import argparse
 import io
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
 
 import numpy as np
 from gguf import GGUFReader
@@ -132,19 +133,23 @@ def threshold(lower: np.ndarray, k: int, logits: np.ndarray | None) -> np.ndarra
     return np.take_along_axis(logits, top, 1).min(1)
 
 
-class LowRank:
-    """A rank-R copy of a head (see the module's doc) and the logit intervals it gives."""
+def leading_directions(w: np.ndarray) -> np.ndarray:
+    """The right singular vectors of a head [V, n_embd] as columns, the leading one first."""
+    return np.linalg.eigh(w.T @ w)[1][:, ::-1]  # eigh: ascending eigenvalues
 
-    def __init__(self, head: Head, rank: int) -> None:
-        w = head.matrix
-        vecs = np.linalg.eigh(w.T @ w)[1]  # ascending eigenvalues: the last columns lead
-        self.p = vecs[:, ::-1][:, :rank]
-        coef = w @ self.p
+
+class LowRank:
+    """The copy of a head w [V, n_embd] on the directions p [n_embd, R] (see the module's doc)
+    and the logit intervals it gives."""
+
+    def __init__(self, w: np.ndarray, p: np.ndarray) -> None:
+        self.p = p
+        coef = w @ p
         scale = np.abs(coef).max(1, keepdims=True) / 127
         self.c = np.round(coef / np.where(scale > 0, scale, 1)) * scale
         self.e = np.linalg.norm(coef - self.c, axis=1)
         self.r = np.sqrt(np.maximum((w * w).sum(1) - (coef * coef).sum(1), 0))
-        self.bytes_per_row = rank + 4 * 3
+        self.bytes_per_row = p.shape[1] + 4 * 3
 
     def intervals(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         px = x @ self.p
@@ -219,18 +224,19 @@ def study(
     V, nb = head.d.shape
     screens = {b: Screen(head, b) for b in sorted({b for sch in schedules for b in sch})}
     rows = []
-    copies: list[tuple[str, Any]] = [("+".join(map(str, sch)), sch) for sch in schedules]
-    copies += [(f"rank {r}", LowRank(head, r)) for r in ranks]
-    for label, copy in copies:
+    # each copy of the head as its screen of a chunk: (x, k, logits or None) -> candidates, bytes read
+    copies: list[tuple[str, Callable[..., tuple[np.ndarray, np.ndarray]]]] = [
+        ("+".join(map(str, sch)), partial(screen_chunk, screens, sch)) for sch in schedules
+    ]
+    if ranks:
+        directions = leading_directions(w)
+        copies += [(f"rank {r}", partial(low_rank_chunk, LowRank(w, directions[:, :r]))) for r in ranks]
+    for label, screen in copies:
         for k in KS:
             counts, reads = [], []
             for i in range(0, len(x), chunk):
                 part = logits[i : i + chunk]
-                given = part if exact else None
-                if isinstance(copy, LowRank):
-                    cand, read = low_rank_chunk(copy, x[i : i + chunk], k, given)
-                else:
-                    cand, read = screen_chunk(screens, copy, x[i : i + chunk], k, given)
+                cand, read = screen(x[i : i + chunk], k, part if exact else None)
                 top = np.argpartition(-part, k - 1, axis=1)[:, :k]
                 if not np.take_along_axis(cand, top, 1).all():
                     raise SystemExit(f"{model} {label} k={k}: a true top-k row was screened out")

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stdengine.bench.head_screening import Head, LowRank, Screen, low_rank_chunk, screen_chunk
+from stdengine.bench.head_screening import (
+    Head,
+    LowRank,
+    Screen,
+    leading_directions,
+    low_rank_chunk,
+    screen_chunk,
+)
 
 MARGIN = Screen.MARGIN  # Screen.intervals widens each end by this much
 
@@ -82,7 +89,8 @@ def test_low_rank_intervals_hold_every_exact_logit(rank):
     rng = np.random.default_rng(rank)
     head = random_head(rng)
     x = rng.normal(0, 3, (8, 4 * 32))
-    lower, upper = LowRank(head, rank).intervals(x)
+    w = head.matrix
+    lower, upper = LowRank(w, leading_directions(w)[:, :rank]).intervals(x)
     exact = x @ head.matrix.T
     assert (lower <= exact).all() and (exact <= upper).all()
     if rank == 128:
@@ -96,7 +104,8 @@ def test_low_rank_keeps_the_true_top_k(k):
     head = random_head(rng, rows=256)
     x = rng.normal(0, 3, (6, 4 * 32))
     logits = x @ head.matrix.T
-    cand, read = low_rank_chunk(LowRank(head, 96), x, k, logits)
+    w = head.matrix
+    cand, read = low_rank_chunk(LowRank(w, leading_directions(w)[:, :96]), x, k, logits)
     top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
     assert np.take_along_axis(cand, top, 1).all() and cand.sum() < cand.size
     assert (read >= 256 * (96 + 12)).all()
