@@ -1,5 +1,6 @@
 /* Attention: softmax(q.K * scale) V for every query head of a ubatch, over the KV cache; and the
- * KV cache's layout, which only this file knows (se_forward_qkv stores through se_kv_*).
+ * KV cache's layout, which only this file knows (se_forward_qkv, or the attention step itself in
+ * batched steps, stores through se_kv_*).
  *
  * The cache's elements are f32 (exact) or f16 (half the bytes, as llama.cpp's default cache), keys
  * and values each their own (cp.type_k, cp.type_v). Per layer and kv head:
@@ -213,6 +214,23 @@ static void attention_split(const se_context *c, int nth, int *T, int *g) {
         }
 }
 
+/* 1 when every work item of this ubatch's attention is a whole (segment, kv head): all the
+ * segment's tokens and all the kv head's query heads (steps of batched decoding: a token or a few
+ * per context). Then no other item reads what it stores, so each item stores its keys and values
+ * into its context's cache itself, just before it reads them (se_forward_qkv leaves them): the
+ * stores, a cache line per few dimensions of a key tile long evicted by the weights, are then dealt
+ * out with the items instead of falling on the threads that computed the K and V heads (one of
+ * two threads on SmolLM2: its QKV step took about twice the other's), and the attention finds the
+ * tile's lines in cache. */
+int se_attention_stores(const se_context *c, int nth) {
+    int T, g;
+    attention_split(c, nth, &T, &g);
+    if (g != c->m->hp.n_head / c->m->hp.n_head_kv) return 0;
+    for (int si = 0; si < c->ub_nseg; si++)
+        if (c->ub_seg[si].n > T) return 0;
+    return 1;
+}
+
 /* Attention of every (token, query head) of the ubatch, in work items dealt to the threads: in
  * batches round-robin (later tokens see more keys, so contiguous shares would be unequal); for a
  * few tokens in contiguous shares, which put a thread's heads on fewer kv heads, so that it reads
@@ -228,7 +246,8 @@ void se_forward_attention(se_context *c, int il, int ith, int nth) {
     for (int si = 0; si < c->ub_nseg; si++) n_items += (c->ub_seg[si].n + T - 1) / T * per_chunk;
     att_row rows[ATT_TOKENS * ATT_MAX_GROUP];
     const attend_fn(*kernels)[2] = attend_kernels[se_isa_in_use()];
-    int64_t i0 = 0, i1 = n_items, i = 0;
+    const int store = se_attention_stores(c, nth);
+    int64_t Dkv = (int64_t)hp->n_head_kv * hd, i0 = 0, i1 = n_items, i = 0;
     if (T == 1) se_split(n_items, ith, nth, 1, &i0, &i1);
     for (int si = 0; si < c->ub_nseg && i < i1; si++) {
         const se_ub_seg *sg = &c->ub_seg[si];
@@ -238,6 +257,10 @@ void se_forward_attention(se_context *c, int il, int ith, int nth) {
             for (int64_t hc = 0; hc < per_chunk; hc++, i++) {
                 if (T == 1 ? i < i0 || i >= i1 : i % nth != ith) continue;
                 int h0 = (int)hc * g, kvh = h0 / group, n = 0;
+                if (store) {
+                    se_kv_store_keys(sc, il, kvh, sg->pos, sg->n, c->k_new + sg->start * Dkv + kvh * hd, Dkv);
+                    se_kv_store_values(sc, il, kvh, sg->pos, sg->n, c->v_new + sg->start * Dkv + kvh * hd, Dkv);
+                }
                 for (int t = t0; t < t0 + T && t < sg->start + sg->n; t++) {
                     int64_t pos = sg->pos + (t - sg->start);
                     for (int h = h0; h < h0 + g; h++) {

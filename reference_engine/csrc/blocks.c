@@ -250,9 +250,10 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
     qkv_heads(hp, ith, nth, h6);
     int64_t q0 = h6[0], q1 = h6[1], k0 = h6[2], k1 = h6[3], v0 = h6[4], v1 = h6[5];
     if (q1 > q0) qk_heads(c, L, a, SE_T_ATTN_Q, SE_T_ATTN_Q_NORM, c->q, Dq, q0, q1);
+    const int store = !se_attention_stores(c, nth); /* else each attention item stores its own */
     if (k1 > k0) {
         qk_heads(c, L, a, SE_T_ATTN_K, SE_T_ATTN_K_NORM, c->k_new, Dkv, k0, k1);
-        for (int si = 0; si < c->ub_nseg; si++) {
+        for (int si = 0; si < c->ub_nseg && store; si++) {
             const se_ub_seg *sg = &c->ub_seg[si];
             for (int64_t h = k0; h < k1; h++)
                 se_kv_store_keys(sg->ctx, il, (int)h, sg->pos, sg->n, c->k_new + sg->start * Dkv + h * hd, Dkv);
@@ -260,7 +261,7 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
     }
     if (v1 > v0) {
         se_matmul_rows(&L->t[SE_T_ATTN_V], a, n, c->v_new, Dkv, v0 * hd, v1 * hd);
-        for (int si = 0; si < c->ub_nseg; si++) {
+        for (int si = 0; si < c->ub_nseg && store; si++) {
             const se_ub_seg *sg = &c->ub_seg[si];
             for (int64_t h = v0; h < v1; h++)
                 se_kv_store_values(sg->ctx, il, (int)h, sg->pos, sg->n, c->v_new + sg->start * Dkv + h * hd, Dkv);

@@ -110,6 +110,9 @@ void se_matmul_rows(const se_tensor *W, const se_acts *a, int n_tok, float *y, i
                     int64_t r0, int64_t r1);
 /* Q, K, V of layer il (q/k norms when the layer has them, rope, K and V into the cache); barrier. */
 void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth);
+/* 1 when se_forward_attention stores the ubatch's keys and values (from c->k_new, c->v_new) into
+ * the cache itself, so se_forward_qkv does not: each of its work items a whole (segment, kv head) */
+int se_attention_stores(const se_context *c, int nth);
 /* Attention of every (token, head) over its own context's cache, sliding window per layer, into
  * c->att; barrier. */
 void se_forward_attention(se_context *c, int il, int ith, int nth);
