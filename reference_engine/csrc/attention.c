@@ -258,8 +258,8 @@ void se_forward_attention(se_context *c, int il, int ith, int nth) {
                 if (T == 1 ? i < i0 || i >= i1 : i % nth != ith) continue;
                 int h0 = (int)hc * g, kvh = h0 / group, n = 0;
                 if (store) {
-                    se_kv_store_keys(sc, il, kvh, sg->pos, sg->n, c->k_new + sg->start * Dkv + kvh * hd, Dkv);
-                    se_kv_store_values(sc, il, kvh, sg->pos, sg->n, c->v_new + sg->start * Dkv + kvh * hd, Dkv);
+                    se_kv_store_keys(sg->ctx, il, kvh, sg->pos, sg->n, c->k_new + sg->start * Dkv + kvh * hd, Dkv);
+                    se_kv_store_values(sg->ctx, il, kvh, sg->pos, sg->n, c->v_new + sg->start * Dkv + kvh * hd, Dkv);
                 }
                 for (int t = t0; t < t0 + T && t < sg->start + sg->n; t++) {
                     int64_t pos = sg->pos + (t - sg->start);
