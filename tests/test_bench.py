@@ -634,3 +634,15 @@ def test_compare_plot_without_matplotlib_is_a_usage_error_before_the_table(tmp_p
     # without --plot the same files compare
     r = subprocess.run([sys.executable, "-c", code, *argv[:3]], capture_output=True, text=True)
     assert r.returncode == 0 and "speedup" in r.stdout, r.stderr
+
+
+def test_sample_speed_times_every_sampler(tmp_path, capsys):
+    """bench/sample_speed.py runs on any GGUF file and prints a positive time for each sampler."""
+    from stdengine.bench import sample_speed
+
+    path = tmp_path / "m.gguf"
+    write_llama_gguf(path, tokens=["<unk>", "<s>", "</s>"] + [f"tok{i}" for i in range(200)], seed=1)
+    assert sample_speed.main(["--models", str(path), "--samples", "5", "--rounds", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if str(path) in line]
+    assert len(rows) == len(sample_speed.SAMPLERS)
+    assert all(float(r.rstrip(" |").rsplit("|", 1)[1]) > 0 for r in rows)

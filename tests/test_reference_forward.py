@@ -515,6 +515,69 @@ def test_sampling_penalties(syn_ctx):
     assert syn_ctx.sample(strong) not in set(SYN_TOKENS)
 
 
+@pytest.fixture()
+def wide_ctx(tmp_path):
+    """A context of a tiny model with 1003 tokens (62 runs of 16 and 11 more), after 24 tokens."""
+    from gguf_factory import write_llama_gguf
+
+    path = tmp_path / "wide.gguf"
+    write_llama_gguf(
+        path, tokens=["<unk>", "<s>", "</s>"] + [f"tok{i}" for i in range(1000)], n_layer=1, seed=5
+    )
+    m = Model.load(path)
+    ctx = Context(m, n_ctx=64, n_threads=1)
+    ctx.decode([int(t) for t in np.random.default_rng(6).integers(3, 1003, 24)])
+    yield ctx
+    m.close()
+
+
+def _penalized(logits, hist, rp, fp, pp):
+    """llama.cpp's penalties over the window's tokens (float32, as the sampler computes them)."""
+    want = logits.copy()
+    counts = np.bincount(hist, minlength=len(logits)).astype(np.float32)
+    seen = counts > 0
+    want[seen] = np.where(want[seen] <= 0, want[seen] * np.float32(rp), want[seen] / np.float32(rp))
+    return want - (counts * np.float32(fp) + seen * np.float32(pp))
+
+
+def _top(logits, k):
+    """The k tokens of highest logit, the lower id first among equal logits."""
+    return set(np.lexsort((np.arange(len(logits)), -logits.astype(np.float64)))[:k].tolist())
+
+
+def test_sampling_top_k_without_a_copy_of_the_vocabulary(wide_ctx):
+    """Greedy and top-k read the logits once, passing over runs of 16 that cannot enter, and add
+    the penalized and banned tokens with their new logits (sampling.c, top_candidates): the same
+    token and the same top k as numpy over the whole penalized vocabulary. Logits with exact ties
+    (at the k-th place too), the best rows at run edges and in the tail, a banned best row, and
+    penalties that raise a token from far below the top (repeat_penalty < 1 on a negative logit)."""
+    ctx, rng = wide_ctx, np.random.default_rng(0)
+    V, hist = ctx.n_vocab, np.array(ctx.tokens[-8:])
+    for trial in range(300):
+        x = rng.normal(0, 2, V).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x * 2) / 2  # many exact ties
+        if trial % 5 == 0:  # the best rows at the edges of runs of 16 and in the tail
+            x[rng.choice([0, 15, 16, 31, 991, 992, 1002], 3, replace=False)] = x.max() + 1
+        ban = rng.choice(V, rng.integers(0, 4), replace=False)
+        if trial % 7 == 0:
+            ban = np.append(ban, np.argmax(x))
+        rp, fp, pp = [(1.0, 0.0, 0.0), (1.8, 0.3, 0.5), (0.05, 0.0, -10.0)][trial % 3]
+        if trial % 3 == 2:
+            x[hist] = -abs(x[hist]) - 4  # far below the top, until repeat_penalty < 1 and pp < 0 lift them
+        ctx.logits_buffer[:] = x
+        ctx.ban(ban.tolist())
+        want = _penalized(x, hist, rp, fp, pp)
+        want[ban] = -np.inf
+        penalties = dict(repeat_penalty=rp, repeat_last_n=8, frequency_penalty=fp, presence_penalty=pp)
+        assert ctx.sample(SamplingParams(temp=0.0, **penalties)) == int(np.argmax(want)), trial
+        k = [1, 5, 40][trial % 3]
+        params = SamplingParams(temp=1e4, top_k=k, top_p=1.0, min_p=0.0, seed=trial, **penalties)
+        draws = {ctx.sample(params) for _ in range(60 * k)}
+        assert draws == _top(want, k), trial
+    ctx.ban([])
+
+
 # ---------------------------------------------------------------------------------------------
 # SmolLM2-135M-Instruct Q4_1 against llama.cpp
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* splitmix64: the next 64-bit output of the sequence seeded with *s (advances *s). */
 static uint64_t splitmix64(uint64_t *s) {
@@ -52,13 +55,6 @@ static void rng_seed(se_context *c, int64_t seed) {
     c->rng[1] = splitmix64(&x);
     c->rng_seed = seed;
     c->rng_seeded = 1;
-}
-
-static int32_t argmax(const float *x, int32_t n) {
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
 }
 
 /* The candidates' order: higher logit first, the lower id first among equal logits. A total
@@ -105,6 +101,70 @@ static void top_k(se_cand *cand, int32_t n, int32_t k) {
     qsort(cand, (size_t)k, sizeof *cand, cand_desc);
 }
 
+/* The largest of x[0..16), NaNs left out (-inf when there is nothing else). */
+static float max16(const float *x) {
+#if defined(__SSE2__)
+    __m128 m = _mm_set1_ps(-INFINITY);
+    for (int i = 0; i < 16; i += 4) m = _mm_max_ps(_mm_loadu_ps(x + i), m); /* a NaN x gives m */
+    m = _mm_max_ps(_mm_shuffle_ps(m, m, 0x4E), m);
+    m = _mm_max_ps(_mm_shuffle_ps(m, m, 0xB1), m);
+    return _mm_cvtss_f32(m);
+#else
+    float m = -INFINITY;
+    for (int i = 0; i < 16; i++)
+        if (x[i] > m) m = x[i];
+    return m;
+#endif
+}
+
+/* The k rows of largest logit (the candidates' order) as a heap in h[0..k): every row offered in
+ * id order as top_k does, except that once the heap is full, a run of 16 rows none of which is
+ * above its least is passed over whole (no row of it would enter: equal logits with higher ids
+ * come after). Reads the logits once, 16 at a time, with no copy. */
+static int32_t top_rows(const float *x, int32_t V, int32_t k, se_cand *h) {
+    int32_t n = 0, i = 0;
+    for (; i < V && n < k; i++) se_cand_push(h, k, &n, (se_cand){ i, x[i] });
+    for (; i < V && i % 16; i++) se_cand_push(h, k, &n, (se_cand){ i, x[i] });
+    for (; i + 16 <= V; i += 16)
+        if (!(max16(x + i) <= h[0].logit)) /* a NaN root lets every row be offered, as top_k does */
+            for (int32_t j = i; j < i + 16; j++) se_cand_push(h, k, &n, (se_cand){ j, x[j] });
+    for (; i < V; i++) se_cand_push(h, k, &n, (se_cand){ i, x[i] });
+    return n;
+}
+
+/* For a sampler that keeps only the top k (greedy: k = 1), the candidates that can be in it,
+ * with their penalized logits, without a copy of the whole vocabulary: the k + |S| rows of
+ * largest raw logit, where S is the tokens whose logit the penalties (the window's) or the ban
+ * change, then S with their new logits instead. A token outside S in the top k has fewer than k
+ * tokens outside S above it, so it is among those rows. Returns their count (at least k), in
+ * no particular order; -1 when S is too large for it to pay. */
+static int32_t top_candidates(se_context *c, const se_sampling_params *sp, int32_t window, int32_t k) {
+    const int32_t V = c->m->hp.n_vocab;
+    const float *x = c->logits;
+    const int32_t *hist = c->tokens + (c->n_past - window);
+    const int64_t m = (int64_t)k + window + c->n_ban;
+    if (m > V / 4) return -1;
+    se_cand *cand = c->cand;
+    int32_t n = top_rows(x, V, (int32_t)m, cand);
+    /* counts marks S: the window's tokens by their occurrences, a banned token by one more */
+    for (int32_t i = 0; i < window; i++) c->counts[hist[i]]++;
+    for (int32_t i = 0; i < c->n_ban; i++) c->counts[c->ban[i]]++;
+    int32_t kept = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (!c->counts[cand[i].id]) cand[kept++] = cand[i];
+    for (int32_t i = 0; i < c->n_ban; i++) { /* banned: -inf, whatever the penalties */
+        cand[kept++] = (se_cand){ c->ban[i], -INFINITY };
+        c->counts[c->ban[i]] = 0;
+    }
+    for (int32_t i = 0; i < window; i++) {
+        int32_t tok = hist[i];
+        if (c->counts[tok] == 0) continue; /* banned, or already done (a repeated token) */
+        cand[kept++] = (se_cand){ tok, se_penalized(x[tok], c->counts[tok], sp) };
+        c->counts[tok] = 0;
+    }
+    return kept;
+}
+
 int se_cmp_i32(const void *x, const void *y) {
     int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
     return (a > b) - (a < b);
@@ -144,8 +204,11 @@ int32_t se_sample(se_context *c, const se_sampling_params *sp) {
     int32_t n = c->head_pending ? se_screen_candidates(c, sp, penalize ? window : 0) : -1;
     if (n < 0) {
         se_context_head(c);
+        const int32_t k = sp->temp <= 0 ? 1 : sp->top_k > 0 && sp->top_k < V ? sp->top_k : 0;
+        if (k) n = top_candidates(c, sp, penalize ? window : 0, k);
+    }
+    if (n < 0) {
         const float *logits = c->logits;
-        if (sp->temp <= 0 && !penalize && !c->n_ban) return argmax(logits, V); /* plain greedy: no copy */
         for (int32_t i = 0; i < V; i++) {
             cand[i].id = i;
             cand[i].logit = logits[i];
@@ -163,10 +226,10 @@ int32_t se_sample(se_context *c, const se_sampling_params *sp) {
         }
         for (int32_t i = 0; i < c->n_ban; i++) cand[c->ban[i]].logit = -INFINITY;
     }
-    if (sp->temp <= 0) {
+    if (sp->temp <= 0) { /* the highest logit, the lowest id among equal ones: cand's order may be any */
         int32_t best = 0;
         for (int32_t i = 1; i < n; i++)
-            if (cand[i].logit > cand[best].logit) best = i;
+            if (cand_before(&cand[i], &cand[best])) best = i;
         return cand[best].id;
     }
 
