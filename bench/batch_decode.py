@@ -1,7 +1,7 @@
 """One-token steps of N contexts of one model: batched (one se_decode_batch per step, the weights
 read once) against N separate se_decode calls per step, in one process, in alternation.
 
-    python -m stdengine.bench.batch_decode MODEL [-n 1 2 4 8 16] [-t 2] [--steps 16] [--rounds 5]
+    python -m stdengine.bench.batch_decode MODEL [-n 1 2 4 8 16] [-t 2] [--steps 16] [--rounds 5] [--cache f16]
 
 Each context first holds its own 32-token prompt; a round times `--steps` steps of every context
 in each mode (the contexts truncated back to their prompts before each), A B A B, and the table
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16, help="one-token steps per round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--cache", choices=["f32", "f16"], default="f32", help="KV cache type (infer serve's default: f16)"
+    )
     ap.add_argument("--modes", nargs="+", default=["batched", "separate"], choices=["batched", "separate"])
     ap.add_argument("--gemm-min", type=int, nargs="+", help="batched once per value: the GEMM from N rows on")
     args = ap.parse_args(argv)
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         path = str(resolve_model(path))
     rng = np.random.default_rng(0)
     print(
-        f"model {path}, {args.threads} threads, {args.steps} steps x {args.rounds} rounds, tokens/s aggregate"
+        f"model {path}, {args.threads} threads, {args.cache} cache, {args.steps} steps x {args.rounds} rounds, tokens/s aggregate"
         " and tokens per CPU-second (medians)"
     )
     last = args.modes[-1]
@@ -79,7 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---|" * (len(args.modes) + 1))
     with Model.load(path) as model:
         for n in args.n:
-            contexts = [Context(model, n_ctx=PROMPT + args.steps, n_threads=args.threads) for _ in range(n)]
+            contexts = [
+                Context(
+                    model,
+                    n_ctx=PROMPT + args.steps,
+                    n_threads=args.threads,
+                    cache_type_k=args.cache,
+                    cache_type_v=args.cache,
+                )
+                for _ in range(n)
+            ]
             for c in contexts:
                 c.decode(rng.integers(100, 30000, PROMPT).tolist())
             _round(args.modes[0], contexts, 2, rng)  # warm-up: pages, thread pools
