@@ -30,6 +30,7 @@ def _core() -> ctypes.CDLL:
     c.se_matmul.restype = None
     c.se_gemm_min_tokens.argtypes, c.se_gemm_min_tokens.restype = [], _int
     c.se_set_gemm_min_tokens.argtypes, c.se_set_gemm_min_tokens.restype = [_int], _int
+    c.se_glu.argtypes, c.se_glu.restype = [_int, _vp, _vp, _i64], None
     return c
 
 
@@ -124,6 +125,19 @@ def matmul(t: int | str, w, k: int, x: np.ndarray, r0: int = 0, r1: int | None =
     y = np.full((x.shape[0], rows), np.nan, dtype=np.float32)
     _core().se_matmul(type_id(t), w.ctypes.data, k, act.ctypes.data, x.shape[0], y.ctypes.data, rows, r0, r1)
     return y
+
+
+GLU_ACTS = {"silu": 0, "gelu_tanh": 1}  # se_ffn_act (csrc/blocks.h)
+
+
+def glu(act: str, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """act(g) * u elementwise (the feed-forward's gated activation, csrc/activation.c), float32."""
+    out = np.ascontiguousarray(g, dtype=np.float32).copy()
+    u = np.ascontiguousarray(u, dtype=np.float32)
+    if u.shape != out.shape:
+        raise ValueError("g and u must have the same shape")
+    _core().se_glu(GLU_ACTS[act], out.ctypes.data, u.ctypes.data, out.size)
+    return out
 
 
 def random_weights(t: int | str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:

@@ -626,3 +626,35 @@ def test_tests_leave_the_forced_path():
     """After the per-ISA tests, the process is back on INFER_REF_ISA's path (the best one when unset)."""
     forced = os.environ.get("INFER_REF_ISA")
     assert K.isa() == (forced if forced in ISAS else ISAS[-1])
+
+
+def _glu_reference(act: str, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """act(g) * u in float64, from the exponent z that blocks.h computes in float32 (its rounding
+    is the formula's, on every path)."""
+    g32 = g.astype(np.float32)
+    if act == "silu":
+        z = -g32
+    else:
+        c = np.float32(-1.59576912160573071176)
+        z = c * g32 * (np.float32(1) + np.float32(0.044715) * g32 * g32)
+    with np.errstate(over="ignore"):
+        return g32.astype(np.float64) / (1 + np.exp(z.astype(np.float64))) * u.astype(np.float64)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_glu_matches_numpy_and_ignores_where_a_row_is_cut(act, isa):
+    rng = np.random.default_rng(11)
+    n = 1003  # not a multiple of any vector: every path has a tail
+    g = (rng.standard_normal(n) * rng.choice([0.1, 1, 5, 30], n)).astype(np.float32)
+    g[:12] = [0, -0.0, 1e-30, -1e-30, 87, -87, 88.5, -88.5, 89, -89, 1e4, -1e4]  # exp's edges, both signs
+    u = rng.standard_normal(n).astype(np.float32)
+    got = K.glu(act, g, u)
+    want = _glu_reference(act, g, u)
+    # expf within 2 ulp, then 1 + e, the quotient and the product: a few ulp; where e^z passes
+    # float's range the quotient is below 1e-36 (libm's: -0)
+    np.testing.assert_allclose(got, want, rtol=5e-7, atol=1e-35)
+    assert not np.isnan(got).any()
+    # a thread computes its share of a row: the same bits wherever the share starts and ends
+    cuts = [0, 5, 21, 22, 500, 517, n]
+    pieces = [K.glu(act, g[a:b], u[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    np.testing.assert_array_equal(np.concatenate(pieces), got)

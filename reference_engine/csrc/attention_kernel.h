@@ -70,29 +70,11 @@ SE_INLINE float ATT_NAME(hmax)(const vf *x, int n) {
     return m[0];
 }
 
-/* e^x for x <= 88, within 2 ulp of expf; 0 below -87.3 (where expf is subnormal: nothing next to
- * the 1 that the row's max adds to a softmax sum), for -inf and for NaN.
- * x = k ln2 + r with |r| <= ln2/2; e^r by its Taylor series to r^7 (truncation error < 1e-8
- * relative); 2^k goes straight into the exponent bits. */
-SE_INLINE vf ATT_NAME(exp)(const vf *xp) {
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
-    vi ok = *xp >= -87.3f;
-    vf x = SELECT(ok, *xp, SPLAT(0));
-    vf t = ATT_FMA(x, SPLAT(1.44269502f), SPLAT(magic));
-    vf k = t - magic;
-    /* ln2 in two parts: k * hi is exact */
-    vf r = ATT_FMA(k, SPLAT(-1.42860677e-6f), ATT_FMA(k, SPLAT(-0.693145751953125f), x));
-    vf p = SPLAT(1.0f / 5040);
-    p = ATT_FMA(p, r, SPLAT(1.0f / 720));
-    p = ATT_FMA(p, r, SPLAT(1.0f / 120));
-    p = ATT_FMA(p, r, SPLAT(1.0f / 24));
-    p = ATT_FMA(p, r, SPLAT(1.0f / 6));
-    p = ATT_FMA(p, r, SPLAT(0.5f));
-    p = ATT_FMA(p, r, SPLAT(1.0f));
-    p = ATT_FMA(p, r, SPLAT(1.0f));
-    vi scale = ((vi)t - (vi)SPLAT(magic) + 127) << 23;
-    return (vf)((vi)(p * (vf)scale) & ok);
-}
+#define VEXP_NAME ATT_NAME
+#define VEXP_FMA ATT_FMA
+#include "vexp.h"
+#undef VEXP_NAME
+#undef VEXP_FMA
 
 /* out[r][c0, c0 + cw * ATT_VL) = out[r] * corr[r] + sum over k < nk of p[r][k] * v[k]: the value
  * rows' columns loaded once for the nr rows (nr, cw constants once inlined). */

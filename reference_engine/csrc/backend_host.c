@@ -211,7 +211,7 @@ static int host_ffn_act(se_device *d, se_dview g, se_dview u, int64_t n, int32_t
     float *gs = FLOATS(g, n);
     const float *us = FLOATS(u, n);
     if (!gs || !us) return SE_ERR_INVALID;
-    for (int64_t i = 0; i < n; i++) gs[i] = (act == SE_FFN_SILU ? se_silu(gs[i]) : se_gelu_tanh(gs[i])) * us[i];
+    se_glu((se_ffn_act)act, gs, us, n);
     return SE_OK;
 }
 

@@ -323,14 +323,7 @@ static void forward_gate(se_context *c, const se_layer *L, se_ffn_act act, const
     se_split(F, ith, nth, SPLIT_ALIGN, &r0, &r1);
     se_matmul_rows(&L->t[SE_T_FFN_GATE], a, c->ub_n, c->hb, F, r0, r1);
     se_matmul_rows(&L->t[SE_T_FFN_UP], a, c->ub_n, c->hb2, F, r0, r1);
-    for (int t = 0; t < c->ub_n; t++) {
-        float *g = c->hb + t * F;
-        const float *u = c->hb2 + t * F;
-        if (act == SE_FFN_SILU)
-            for (int64_t r = r0; r < r1; r++) g[r] = se_silu(g[r]) * u[r];
-        else
-            for (int64_t r = r0; r < r1; r++) g[r] = se_gelu_tanh(g[r]) * u[r];
-    }
+    for (int t = 0; t < c->ub_n; t++) se_glu(act, c->hb + t * F + r0, c->hb2 + t * F + r0, r1 - r0);
     se_prefetch_span next = share_span(&L->t[SE_T_FFN_DOWN], ith, nth);
     se_pool_barrier_prefetch(c->pool, &next, 1);
 }

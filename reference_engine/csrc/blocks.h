@@ -41,6 +41,10 @@ static inline float se_gelu_tanh(float x) {
     return x / (1.0f + expf(-two_sqrt_2_over_pi * x * (1.0f + 0.044715f * x * x)));
 }
 
+/* g[i] = act(g[i]) * u[i] for i < n: the gated feed-forward's activation at the SIMD level in use
+ * (activation.c; the bits depend on the level, not on where a thread's share of a row starts). */
+void se_glu(se_ffn_act act, float *g, const float *u, int64_t n);
+
 /* Rotates one head's first n_rot dims by the angles in cs ((cos, sin) pairs, n_rot/2 of them). */
 static inline void se_rope_apply(float *x, const float *cs, int n_rot, int mode) {
     int half = n_rot / 2;
