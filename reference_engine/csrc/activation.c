@@ -13,7 +13,6 @@
 #include <string.h>
 
 #define SE_INLINE static inline __attribute__((always_inline))
-#define GELU_C 1.59576912160573071176f /* 2 sqrt(2/pi): blocks.h's se_gelu_tanh */
 
 static void glu_portable(se_ffn_act act, float *g, const float *u, int64_t n) {
     if (act == SE_FFN_SILU)

@@ -17,7 +17,7 @@ typedef int32_t vi __attribute__((vector_size(4 * ACT_VL)));
  * to fuse (-ffp-contract=fast) has nothing left to fuse, in the loop's instance or the tail's), z
  * clamped to 88 (e^z's range: the quotient is then below 1e-36 in magnitude where libm's is -0) */
 SE_INLINE vf ACT_CAT(glu_vec, ACT_ISA)(se_ffn_act act, vf x, vf y) {
-    vf z = act == SE_FFN_SILU ? -x : SPLAT(-GELU_C) * x * ACT_FMA(SPLAT(0.044715f) * x, x, SPLAT(1.0f));
+    vf z = act == SE_FFN_SILU ? -x : SPLAT(-SE_GELU_C) * x * ACT_FMA(SPLAT(SE_GELU_A) * x, x, SPLAT(1.0f));
     z = SELECT(z > SPLAT(88.0f), SPLAT(88.0f), z);
     return x / (SPLAT(1.0f) + ACT_CAT(exp, ACT_ISA)(&z)) * y;
 }
