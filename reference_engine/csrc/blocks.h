@@ -44,6 +44,18 @@ static inline float se_gelu_tanh(float x) { return x / (1.0f + expf(-SE_GELU_C *
  * (activation.c; the bits depend on the level, not on where a thread's share of a row starts). */
 void se_glu(se_ffn_act act, float *g, const float *u, int64_t n);
 
+/* Rows [r0, r1) of a matmul step (blocks.c, se_share_rows). */
+typedef void (*se_rows_fn)(se_context *c, const void *arg, int64_t r0, int64_t r1);
+
+/* Runs fn over rows [0, n) of a matmul step on the nth threads of a pass: each thread first on
+ * its se_split share, then on rows left in the others' (thread ith of nth calls it, every thread
+ * the same steps in the same order). w[0..nw): the weights fn streams, whose next rows are asked
+ * for ahead. Which rows a thread computes varies from run to run; the results do not. */
+void se_share_rows(se_context *c, int ith, int nth, int64_t n, se_rows_fn fn, const void *arg,
+                   const se_tensor *const *w, int nw);
+/* Before a pass starts on nth threads (no thread of the pool running). */
+void se_share_rows_reset(se_context *c, int nth);
+
 /* Rotates one head's first n_rot dims by the angles in cs ((cos, sin) pairs, n_rot/2 of them). */
 static inline void se_rope_apply(float *x, const float *cs, int n_rot, int mode) {
     int half = n_rot / 2;

@@ -228,6 +228,7 @@ SE_API int32_t se_model_gpu_layers(const se_model *m, int32_t *head);
 #include "threadpool.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 
 typedef struct {
     const void *data;  /* NULL: absent */
@@ -262,6 +263,8 @@ struct se_model {
 typedef struct {
     float *norm;       /* normalised rows for small batches, SE_PRIVATE_TOKENS x max width */
     void *act[3];      /* quantized activations for small batches, one per act type */
+    _Atomic uint64_t rows_left; /* the rows of its share of a matmul step not taken yet (blocks.c, se_share_rows) */
+    uint32_t step;              /* the matmul steps this thread has begun in the pass (ditto) */
 } se_thread_scratch;
 
 typedef struct {

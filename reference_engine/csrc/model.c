@@ -381,7 +381,10 @@ static int run_ubatch(se_context *c) {
         if (rc != SE_OK) return rc;
         c->layer0 = dm->n_layers;
     }
-    if (!dm || !dm->head) se_pool_run(c->pool, nth, arch_of(c->m->hp.arch)->forward, c);
+    if (!dm || !dm->head) {
+        se_share_rows_reset(c, nth);
+        se_pool_run(c->pool, nth, arch_of(c->m->hp.arch)->forward, c);
+    }
     for (int32_t si = 0; si < c->ub_nseg; si++) {
         se_ub_seg *sg = &c->ub_seg[si];
         if (sg->out) sg->ctx->head_pending = sg->ctx == c->ub_defer;
