@@ -57,12 +57,13 @@ static se_prefetch_span share_span(const se_tensor *W, int ith, int nth) {
  * barrier. So a thread that has done its share takes rows from the end of another's. Each share's
  * rows not taken yet are one atomic word (the step's number, lo, hi): the owner takes from the
  * front, half of what is left at a time (each call of a batch kernel prepares its activations
- * again: few calls), a helper a quarter from the back, in multiples of SPLIT_ALIGN rows. Every row is computed once, by one kernel
- * call whatever its range, so the results are bit for bit the same; only who computes which rows
- * changes. Every thread of a pass runs the same steps in the same order, so the step numbers
- * agree; se_share_rows_reset starts them again before each pass. A pass of one token keeps the
- * static split: there the sharing measured 3-5% slower (SmolLM2 in process, AVX2), where a batch
- * of 8 sequences gained 4-15%. */
+ * again: few calls), a helper a quarter from the back, in multiples of SPLIT_ALIGN rows. Every
+ * row is computed once, by one kernel call whatever its range, so the results are bit for bit
+ * the same; only who computes which rows changes. Every thread of a pass runs the same steps in
+ * the same order, with a barrier after each, so the step numbers agree; se_share_rows_reset
+ * starts them again before each pass. A pass of one token keeps the static split: there the
+ * sharing measured 3-7% slower (SmolLM2 in process, AVX2), where a batch of 8 sequences gained
+ * 4-15%. */
 
 #define ROWS_BITS 24 /* lo and hi: rows below 2^24 (a vocabulary of 262144 needs 18 bits) */
 #define ROWS_MASK ((UINT64_C(1) << ROWS_BITS) - 1)
