@@ -171,6 +171,8 @@ def api() -> ctypes.CDLL:
         "se_context_set_banned": ([_vp, _vp, _i32], ctypes.c_int),
         "se_context_head": ([_vp], ctypes.c_int),
         "se_context_screen_stats": ([_vp, _vp], None),
+        "se_set_share_rows_skew": ([ctypes.c_int], ctypes.c_int),
+        "se_rows_taken_from_others": ([], _i64),
         "se_model_screen_bytes": ([_vp], ctypes.c_size_t),
         "se_context_screen": ([_vp, _i32, _vp, _vp, _i32], _i32),
         "se_context_screen_bounds": ([_vp, _i32], _vp),
@@ -261,6 +263,18 @@ def isa_name() -> str:
 
 
 ISAS = ("scalar", "avx2", "avx512", "amx")  # the kernels' SIMD paths, slowest first (kernels.c)
+
+
+def set_share_rows_skew(on: bool) -> bool:
+    """Test hook: with on, batched passes give every matmul step's rows to the last thread first,
+    so that the others compute only rows they take from it (se_set_share_rows_skew); returns the
+    previous setting. Call it between passes."""
+    return bool(api().se_set_share_rows_skew(int(on)))
+
+
+def rows_taken_from_others() -> int:
+    """The matmul rows threads have taken from another thread's share, in this process so far."""
+    return int(api().se_rows_taken_from_others())
 
 
 def check_isa_env(env: Mapping[str, str] | None = None) -> None:

@@ -112,3 +112,19 @@ def smollm2_golden(smollm2_path: Path) -> dict:
     assert golden is not None, note
     assert golden.get("generation", {}).get("cases"), "golden data without generation cases: regenerate it"
     return golden
+
+
+@pytest.fixture
+def skewed_shares():
+    """Passes of more than one token start every matmul step with all its rows in the last
+    thread's share (se_set_share_rows_skew), so the other threads compute only rows they take from
+    it: what the threads' timing does now and then, made certain. Yields a function that returns
+    how many rows were taken from another thread's share since the fixture began."""
+    from stdengine.reference import core
+
+    before = core.rows_taken_from_others()
+    was = core.set_share_rows_skew(True)
+    try:
+        yield lambda: core.rows_taken_from_others() - before
+    finally:
+        core.set_share_rows_skew(was)

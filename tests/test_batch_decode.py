@@ -94,6 +94,21 @@ def test_contexts_stepped_together_match_each_alone(model, isa, cache):
                     p.close()
 
 
+def test_rows_taken_from_another_threads_share(model, skewed_shares):
+    """Batched steps whose every matmul row a thread took from another's share (se_share_rows,
+    forced by the test hook; a context decoded alone, one token at a time, keeps the static
+    split): each context's logits are still those it has alone."""
+    pairs = [Pair(model) for _ in range(5)]
+    try:
+        logits = _step(pairs, [_tokens(3 + 4 * i, seed=70 + i) for i in range(5)], "prompts, rows taken")
+        for step in range(3):
+            logits = _step(pairs, _greedy(logits), f"step {step}, rows taken")
+        assert skewed_shares() > 0, "no thread took rows from another's share"
+    finally:
+        for p in pairs:
+            p.close()
+
+
 def test_a_prompt_chunk_among_single_tokens(model):
     """One context takes a prompt chunk while the others take one token each (the chunk first, in
     the middle, last; with the scratch context's ubatch smaller than the chunk), and contexts of

@@ -107,6 +107,20 @@ def test_logits_do_not_depend_on_threads_or_split(model, isa, cache):
             _same_bytes(got, want[prefix:], f"{isa} {cache} prefix={prefix}")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_rows_taken_from_another_threads_share(model, isa, skewed_shares):
+    """Every matmul row of the batched passes computed by a thread that took it from another's
+    share (se_share_rows, forced by the test hook): the same bytes as one thread, through the GEMM
+    (one ubatch) and the small-batch kernels (ubatch 7), on 2 and 3 threads."""
+    with using_isa(isa):
+        tokens = _tokens(model, N // 2 if isa == "scalar" else N)
+        want = _logits(model, tokens, threads=1)  # one thread: no sharing
+        for layout in (dict(threads=2), dict(threads=3, ubatch=7), dict(threads=2, ubatch=17)):
+            taken = skewed_shares()
+            _same_bytes(_logits(model, tokens, **layout), want, f"{isa} {layout}, rows taken")
+            assert skewed_shares() > taken, f"{isa} {layout}: no thread took rows from another's share"
+
+
 def test_long_sequences_and_window(model):
     """Past 512 positions (Gemma's sliding window, the default ubatch), on the fastest path: the
     last 48 positions of 560 tokens decoded after one ubatch of 512, after ubatches of 64 on one

@@ -68,6 +68,17 @@ static se_prefetch_span share_span(const se_tensor *W, int ith, int nth) {
 #define ROWS_BITS 24 /* lo and hi: rows below 2^24 (a vocabulary of 262144 needs 18 bits) */
 #define ROWS_MASK ((UINT64_C(1) << ROWS_BITS) - 1)
 
+static int skewed;                   /* se_set_share_rows_skew */
+static _Atomic int64_t rows_taken;   /* se_rows_taken_from_others */
+
+int se_set_share_rows_skew(int on) {
+    const int was = skewed;
+    skewed = on != 0;
+    return was;
+}
+
+int64_t se_rows_taken_from_others(void) { return atomic_load_explicit(&rows_taken, memory_order_relaxed); }
+
 static uint64_t rows_word(uint32_t step, int64_t lo, int64_t hi) {
     return (uint64_t)step << (2 * ROWS_BITS) | (uint64_t)lo << ROWS_BITS | (uint64_t)hi;
 }
@@ -90,12 +101,16 @@ static int take_rows(se_context *c, int j, int nth, int64_t n, uint32_t step, in
         if (w >> (2 * ROWS_BITS) != step) { /* not begun: j's static share */
             int64_t lo, hi;
             se_split(n, j, nth, SPLIT_ALIGN, &lo, &hi);
+            if (skewed) { /* all rows the last thread's */
+                lo = 0;
+                hi = j == nth - 1 ? n : 0;
+            }
             if (!atomic_compare_exchange_weak(word, &w, rows_word(step, lo, hi))) continue;
             w = rows_word(step, lo, hi);
         }
         int64_t lo = (int64_t)(w >> ROWS_BITS & ROWS_MASK), hi = (int64_t)(w & ROWS_MASK);
         if (lo >= hi) return 0;
-        int64_t take = (hi - lo) / (front ? 2 : 4);
+        int64_t take = skewed && front ? SPLIT_ALIGN : (hi - lo) / (front ? 2 : 4);
         take = take < SPLIT_ALIGN ? SPLIT_ALIGN : take / SPLIT_ALIGN * SPLIT_ALIGN;
         if (take > hi - lo) take = hi - lo;
         uint64_t next = front ? rows_word(step, lo + take, hi) : rows_word(step, lo, hi - take);
@@ -128,7 +143,10 @@ void se_share_rows(se_context *c, int ith, int nth, int64_t n, se_rows_fn fn, co
         fn(c, arg, r0, r1);
     }
     for (int k = 1; k < nth; k++)
-        while (take_rows(c, (ith + k) % nth, nth, n, step, 0, &r0, &r1, &end)) fn(c, arg, r0, r1);
+        while (take_rows(c, (ith + k) % nth, nth, n, step, 0, &r0, &r1, &end)) {
+            atomic_fetch_add_explicit(&rows_taken, r1 - r0, memory_order_relaxed);
+            fn(c, arg, r0, r1);
+        }
 }
 
 /* This thread's heads of the QKV step: Q heads [h[0], h[1]), K heads [h[2], h[3]), V heads

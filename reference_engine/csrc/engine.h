@@ -174,6 +174,13 @@ SE_API int se_context_head(se_context *c);
 /* out[0]: screened samples, out[1]: rows they computed exactly, out[2]: samples that found the
  * bounds unusable (not numbers) and ran the full head, out[3]: rows their stage 2 narrowed */
 SE_API void se_context_screen_stats(const se_context *c, int64_t out[4]);
+/* Test hook (blocks.c, se_share_rows): with on, every matmul step of a pass of more than one
+ * token starts with all its rows in the last thread's share, whose owner takes SPLIT_ALIGN rows at
+ * a time, so the other threads compute only rows they take from it. Returns the previous
+ * setting. Not thread-safe, like se_set_isa. */
+SE_API int se_set_share_rows_skew(int on);
+/* The rows threads have taken from another thread's share, in this process so far. */
+SE_API int64_t se_rows_taken_from_others(void);
 /* For tests: the screen of the pending head for a top-k sampler (no penalties): its candidates'
  * ids and exact logits (up to cap of them, in id order) and their count; -1 when it cannot
  * screen. The logits stay pending. Afterwards se_context_screen_bounds gives every row's interval
