@@ -6,7 +6,9 @@ read once) against N separate se_decode calls per step, in one process, in alter
 Each context first holds its own 32-token prompt; a round times `--steps` steps of every context
 in each mode (the contexts truncated back to their prompts before each), A B A B, and the table
 gives the median aggregate tokens/s of the rounds, its min-max, the median tokens per CPU-second
-of the process, and the ratios of each mode to the last one (batched/separate).
+of the process, the ratios of each mode to the last one (batched/separate), and how many matmul
+rows a thread took from another's share per batched step (se_share_rows: the threads' imbalance
+that the static split would have left waiting at a barrier).
 `--modes separate` times se_decode alone (it runs on a build without se_decode_batch, for an
 old/new comparison of the single-context path). `--gemm-min A B ...` times the batched mode once
 per value, alternating, with batches of that many rows or more on the GEMM (kernels.h's
@@ -20,6 +22,7 @@ import statistics
 import time
 
 import numpy as np
+from stdengine.reference import core
 from stdengine.reference.core import Context
 from stdengine.reference.model import Model
 
@@ -30,7 +33,7 @@ def _round(mode: str, contexts: list[Context], steps: int, rng: np.random.Genera
     """Aggregate tokens/s of `steps` one-token steps of every context, and tokens per CPU-second
     of the process (all threads): what a token costs, which other load changes less than the
     wall-clock rate. A mode "batched/gN" is the batched mode with the GEMM from N rows on."""
-    from stdengine.reference import core, kernels
+    from stdengine.reference import kernels
 
     mode, _, gemm = mode.partition("/g")
     kernels.set_gemm_min_tokens(int(gemm) if gemm else None)
@@ -77,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| N | "
         + " | ".join(f"{m} t/s (min-max), tok/CPU-s" for m in args.modes)
-        + f" | ratios to {last}: t/s, tok/CPU-s |"
+        + f" | ratios to {last}: t/s, tok/CPU-s | rows taken per batched step |"
     )
-    print("|---|" + "---|" * (len(args.modes) + 1))
+    print("|---|" + "---|" * (len(args.modes) + 2))
     with Model.load(path) as model:
         for n in args.n:
             contexts = [
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in contexts:
                 c.decode(rng.integers(100, 30000, PROMPT).tolist())
             _round(args.modes[0], contexts, 2, rng)  # warm-up: pages, thread pools
+            taken0, batched_steps = core.rows_taken_from_others(), 0
             rates: dict[str, list[float]] = {m: [] for m in args.modes}
             per_cpu: dict[str, list[float]] = {m: [] for m in args.modes}
             for _ in range(args.rounds):
@@ -102,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                     wall, cpu = _round(m, contexts, args.steps, rng)
                     rates[m].append(wall)
                     per_cpu[m].append(cpu)
+                    batched_steps += args.steps if m.startswith("batched") else 0
             med = {m: statistics.median(r) for m, r in rates.items()}
             med_cpu = {m: statistics.median(r) for m, r in per_cpu.items()}
             cells = [f"{med[m]:.1f} ({min(r):.1f}-{max(r):.1f}), {med_cpu[m]:.0f}" for m, r in rates.items()]
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 or "-"
             )
-            print(f"| {n} | " + " | ".join(cells) + f" | {ratio} |", flush=True)
+            taken = (core.rows_taken_from_others() - taken0) / batched_steps if batched_steps else 0
+            print(f"| {n} | " + " | ".join(cells) + f" | {ratio} | {taken:.0f} |", flush=True)
             for c in contexts:
                 c.close()
     return 0
