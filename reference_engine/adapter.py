@@ -239,6 +239,9 @@ class ReferenceEngine(LocalEngine):
     def _forbid(self, ids: np.ndarray | None) -> None:
         self.ctx.ban(ids)  # the C sampler skips them: the head can stay screened
 
+    def _plan_sample(self, s: SamplingParams | None) -> None:
+        self.ctx.plan_sample(s)  # a batched step then screens this context's head (if on and few)
+
     def _vocabulary(self) -> Vocabulary:
         from stdengine.reference.tokenizer import ATTR_CONTROL
 

@@ -171,6 +171,7 @@ def api() -> ctypes.CDLL:
         "se_context_set_banned": ([_vp, _vp, _i32], ctypes.c_int),
         "se_context_head": ([_vp], ctypes.c_int),
         "se_context_screen_stats": ([_vp, _vp], None),
+        "se_context_plan_sample": ([_vp, _vp], ctypes.c_int),
         "se_set_share_rows_skew": ([ctypes.c_int], ctypes.c_int),
         "se_rows_taken_from_others": ([], _i64),
         "se_model_screen_bytes": ([_vp], ctypes.c_size_t),
@@ -569,6 +570,16 @@ class Context:
             raise InvalidRequest("nothing to sample from: decode a prompt first")
         return tok
 
+    def plan_sample(self, params: Any = None) -> None:
+        """What the next sample() will need, for evaluate_batch and decode_batch: params, its
+        sampling parameters (a screen_head context whose sampler a screen serves then has the
+        screen's first stage done in the shared pass, its head left to sample()), or None: the
+        logits will be read (the pass computes them). None at creation."""
+        if not self._h:
+            raise EngineFailure("the context is closed")
+        sp = None if params is None else _SamplingParams(*(getattr(params, f) for f in _SAMPLING_FIELDS))
+        api().se_context_plan_sample(self._h, None if sp is None else ctypes.addressof(sp))
+
     def ban(self, ids: Any) -> None:
         """Tokens sample() must not pick from now on (None or empty: none); their logits count as
         -inf. Unlike a mask written into logits_buffer, it leaves the head screened."""
@@ -617,13 +628,13 @@ class Context:
         return self._logits
 
     @property
-    def screen_stats(self) -> tuple[int, int, int, int]:
+    def screen_stats(self) -> tuple[int, int, int, int, int]:
         """(screened samples, rows they computed exactly, samples whose bounds were not numbers,
-        rows their stage 2 narrowed)"""
-        out = (ctypes.c_int64 * 4)()
+        rows their stage 2 narrowed, screened samples whose stage 1 a batched pass did)"""
+        out = (ctypes.c_int64 * 5)()
         if self._h:
             api().se_context_screen_stats(self._h, out)
-        return (out[0], out[1], out[2], out[3])
+        return (out[0], out[1], out[2], out[3], out[4])
 
     def reset(self) -> None:
         """Empties the KV cache (and re-arms the seed for the next sample)."""

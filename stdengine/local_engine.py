@@ -133,6 +133,8 @@ class LocalEngine(Engine):
             prompt = request_tokens(self, request, self.bos_id, self.add_bos)
         self.check_fits(len(prompt), generating=True)
         constraint = self._matcher(request)
+        # a sampler that reads no logits itself (no log-probabilities, no constraint's mask)
+        self._plan_sample(s if want_logprobs is None and constraint is None else None)
         self._progress: tuple[int, float, float, int] | None = None
         t0 = now_ms()
         reproducible = s.temp <= 0 or s.seed != -1
@@ -188,6 +190,7 @@ class LocalEngine(Engine):
         finally:
             samples.close()
             self._forbid(None)
+            self._plan_sample(None)
         if matched is None:
             tail = stops.feed(text.flush())[0] + stops.flush()
             if tail:
@@ -299,6 +302,11 @@ class LocalEngine(Engine):
         banned tokens may pass it instead (the reference engine: its screened head keeps working)."""
         if ids is not None:
             self._logits_buffer()[ids] = -np.inf
+
+    def _plan_sample(self, s: SamplingParams | None) -> None:
+        """The samples of the generation starting (None: it has ended, or it reads the logits):
+        an engine whose shared steps can leave a sampler only what it needs may prepare for them.
+        By default nothing."""
 
     def _vocabulary(self) -> Vocabulary:
         """The vocabulary as a constraint's mask needs it (built once per _vocab_owner())."""

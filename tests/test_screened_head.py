@@ -131,7 +131,7 @@ def test_screened_generation_gives_the_full_heads_tokens(engine, sampler):
         assert screened == full
         assert stats[0] == 200 and stats[2] == 0, stats  # every sample was screened
         assert stats[3] > 0, stats  # and stage 2 narrowed rows
-        assert none == (0, 0, 0, 0)
+        assert none == (0, 0, 0, 0, 0)
     lazy_head(ctx, 1)  # the engine's own setting again
 
 
@@ -161,7 +161,7 @@ def test_samplers_that_need_the_whole_distribution_are_not_screened(engine):
         SamplingParams(temp=0.8, top_k=500, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=3),
     ):
         _, stats = generate(ctx, prompt, sp, 8, ALWAYS)
-        assert stats == (0, 0, 0, 0), sp
+        assert stats == (0, 0, 0, 0, 0), sp
     lazy_head(ctx, 1)
 
 
@@ -285,3 +285,81 @@ def test_ignore_eos_keeps_the_screen_and_the_tokens(engine):
         assert stats[0] >= len(screened) - 1 and stats[2] == 0, stats
     engine.ctx.ban(None)
     lazy_head(engine.ctx, 1)
+
+
+def test_a_pass_of_several_contexts_screens_each_as_if_alone(engine):
+    """Three contexts in shared passes (evaluate_batch), each with its own prompt and sampler, the
+    screen's stage 1 done in the pass (Context.plan_sample): every logit within its interval and
+    the true top k among the candidates at the first sample, then 100 tokens each, the tokens of
+    each one generating alone with the full head; every sample screened from the pass's stage 1."""
+    from stdengine.reference.core import evaluate_batch
+
+    others = [engine.new_context() for _ in range(2)]
+    try:
+        ctxs = [engine.ctx] + [o.ctx for o in others]
+        samplers = list(SAMPLERS.values())
+        prompts = [
+            engine.tokenize(t) for t in ("The history of the printing press", "def fibonacci(n):", "Q: 2+2?")
+        ]
+        for ctx, sp in zip(ctxs, samplers, strict=True):
+            lazy_head(ctx, ALWAYS)
+            ctx.reset()
+            ctx.plan_sample(sp)
+        before = [ctx.screen_stats for ctx in ctxs]
+        evaluate_batch(ctxs, prompts)
+        for ctx in ctxs:  # the pass's stage 1, checked against the full head (which then runs)
+            ids, vals, lower, upper = screen(ctx, 40)
+            full = ctx.logits
+            assert (lower <= full).all() and (full <= upper).all(), "a logit outside its interval"
+            assert np.isin(np.flatnonzero(full >= -np.partition(-full, 39)[39]), ids).all()
+            assert np.array_equal(vals.view(np.uint32), full[ids].view(np.uint32))
+        assert all(ctx.screen_stats[4] - b[4] == 1 for ctx, b in zip(ctxs, before, strict=True))
+        for ctx in ctxs:
+            ctx.reset()
+        before = [ctx.screen_stats for ctx in ctxs]
+        evaluate_batch(ctxs, prompts)
+        outs: list[list[int]] = [[] for _ in ctxs]
+        for _ in range(100):
+            for ctx, sp, out in zip(ctxs, samplers, outs, strict=True):
+                out.append(ctx.sample(sp))
+            evaluate_batch(ctxs, [[out[-1]] for out in outs])
+        for ctx, b in zip(ctxs, before, strict=True):
+            stats = tuple(a - x for a, x in zip(ctx.screen_stats, b, strict=True))
+            assert stats[0] == 100 and stats[4] == 100 and stats[2] == 0, stats
+        for ctx, sp, prompt, out in zip(ctxs, samplers, prompts, outs, strict=True):
+            ctx.plan_sample(None)
+            alone, _ = generate(ctx, prompt, sp, 100, 0)
+            assert out == alone
+    finally:
+        for o in others:
+            o.close()
+        lazy_head(engine.ctx, 1)
+        engine.ctx.plan_sample(None)
+
+
+def test_a_pass_computes_the_logits_of_contexts_that_read_them(engine):
+    """Without a planned sampler (logits read: log-probabilities, a constraint), or with more
+    screenable contexts than a pass screens, the pass computes their logits: no screen runs."""
+    from stdengine.reference.core import evaluate_batch
+
+    others = [engine.new_context() for _ in range(5)]
+    try:
+        ctxs = [engine.ctx] + [o.ctx for o in others]
+        greedy = SAMPLERS["greedy"]
+        for plan in ([None, greedy], [greedy] * 6):  # unplanned; more than SE_SCREEN_BATCH (4)
+            used = ctxs[: len(plan)]
+            for ctx, sp in zip(used, plan, strict=True):
+                lazy_head(ctx, ALWAYS)
+                ctx.reset()
+                ctx.plan_sample(sp)
+            before = [ctx.screen_stats for ctx in used]
+            evaluate_batch(used, [engine.tokenize("Once upon a time")] * len(used))
+            for ctx in used:
+                ctx.sample(greedy)
+            passes = [ctx.screen_stats[4] - b[4] for ctx, b in zip(used, before, strict=True)]
+            assert passes == ([0, 1] if plan[0] is None else [0] * 6), passes
+    finally:
+        for o in others:
+            o.close()
+        lazy_head(engine.ctx, 1)
+        engine.ctx.plan_sample(None)

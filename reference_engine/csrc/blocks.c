@@ -13,6 +13,7 @@
  */
 #define SE_ENGINE_INTERNAL
 #include "blocks.h"
+#include "screen.h"
 
 #include <math.h>
 #include <string.h>
@@ -482,7 +483,7 @@ static void head_chunk(se_context *c, const void *arg, int64_t r0, int64_t r1) {
     if (j->out != c->ub_logits) return;
     for (int si = 0, i = 0; si < c->ub_nseg; si++) {
         const se_ub_seg *sg = &c->ub_seg[si];
-        if (!sg->out) continue;
+        if (!sg->out || sg->defer) continue;
         memcpy(sg->ctx->logits + r0, j->out + i * V + r0, (size_t)(r1 - r0) * sizeof(float));
         i++;
     }
@@ -512,15 +513,18 @@ void se_forward_output(se_context *c, int ith, int nth) {
         }
     } else if (!out) {
         out = c->ub_logits;
-        if (n_out < c->ub_n) { /* gather the last rows into c->tmp, free by now */
+        n_out -= c->ub_ndefer;
+        if (c->ub_nout < c->ub_n || c->ub_ndefer) {
+            /* gather the last rows into c->tmp, free by now: the head's, then the deferred ones */
             int64_t s0, s1;
             se_split(c->ub_nseg, ith, nth, 1, &s0, &s1);
-            for (int si = 0, j = 0; si < c->ub_nseg; si++) {
+            for (int si = 0, j = 0, jd = n_out; si < c->ub_nseg; si++) {
                 const se_ub_seg *sg = &c->ub_seg[si];
                 if (!sg->out) continue;
+                int *to = sg->defer ? &jd : &j;
                 if (si >= s0 && si < s1)
-                    memcpy(c->tmp + j * E, c->x + (sg->start + sg->n - 1) * E, (size_t)E * sizeof(float));
-                j++;
+                    memcpy(c->tmp + *to * E, c->x + (sg->start + sg->n - 1) * E, (size_t)E * sizeof(float));
+                (*to)++;
             }
             se_pool_barrier(c->pool);
             src = c->tmp;
@@ -528,6 +532,14 @@ void se_forward_output(se_context *c, int ith, int nth) {
     }
     const se_tensor *w[1] = { &m->output };
     se_acts a;
+    if (c->ub_ndefer) { /* the deferred rows: their input kept, stage 1 of their screens (screen.c) */
+        const float *d = src + n_out * E;
+        for (int si = 0, i = 0; si < c->ub_nseg && ith == 0; si++)
+            if (c->ub_seg[si].defer) memcpy(c->ub_seg[si].ctx->head_x, d + i++ * E, (size_t)E * sizeof(float));
+        se_prep_acts(c, ith, nth, d, E, c->ub_ndefer, m->output_norm.data, w, 1, &a);
+        se_screen_stage1_batch(c, ith, nth, &a);
+        if (n_out == 0) return;
+    }
     se_prep_acts(c, ith, nth, src, E, n_out, m->output_norm.data, w, 1, &a);
     const head_rows job = { &a, n_out, out };
     se_share_rows(c, ith, nth, V, head_chunk, &job, w, 1);

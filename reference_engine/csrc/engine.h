@@ -171,9 +171,16 @@ SE_API int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n);
 SE_API int se_context_set_lazy_head(se_context *c, int32_t on); /* 2: as 1, and never fall back
                                                                   * to the full head for speed (tests) */
 SE_API int se_context_head(se_context *c);
+/* What the context's next sample will need, for a pass of several contexts (se_decode_batch): with
+ * the lazy head on and sp a sampler that a screen serves, the pass leaves this context's head
+ * pending too, with the screen's stage 1 done for it in the pass (the 4-bit plane read once for
+ * all such contexts, at most SE_SCREEN_BATCH of them); sp NULL (the logits will be read, or the
+ * sampler is not known): the pass computes its logits. Off at creation. */
+SE_API int se_context_plan_sample(se_context *c, const se_sampling_params *sp);
 /* out[0]: screened samples, out[1]: rows they computed exactly, out[2]: samples that found the
- * bounds unusable (not numbers) and ran the full head, out[3]: rows their stage 2 narrowed */
-SE_API void se_context_screen_stats(const se_context *c, int64_t out[4]);
+ * bounds unusable (not numbers) and ran the full head, out[3]: rows their stage 2 narrowed,
+ * out[4]: screened samples whose stage 1 a pass of several contexts did */
+SE_API void se_context_screen_stats(const se_context *c, int64_t out[5]);
 /* Test hook (blocks.c, se_share_rows): with on, every matmul step of a pass of more than one
  * token starts with all its rows in the last thread's share, whose owner takes SPLIT_ALIGN rows at
  * a time, so the other threads compute only rows they take from it. Returns the previous
@@ -288,6 +295,7 @@ typedef struct {
     int32_t start, n;  /* rows [start, start + n) of the ubatch */
     int32_t pos;       /* the position of row start in ctx */
     int32_t out;       /* 1: the last row's logits go to ctx->logits */
+    int32_t defer;     /* 1 (with out): they wait for ctx's screened sample, stage 1 done (screen.c) */
 } se_ub_seg;
 
 struct se_context {
@@ -340,6 +348,12 @@ struct se_context {
     se_context *ub_defer;    /* the context whose head this ubatch leaves pending (its one output
                               * row's logits not asked for yet), or NULL */
     float *head_x;           /* [n_embd] */
+    int32_t ub_ndefer;       /* segments of this ubatch whose head waits with stage 1 done (se_ub_seg.defer) */
+    int batch_screen;        /* se_context_plan_sample: a pass of several contexts may defer this one's head */
+    int scr_ready;           /* 1: scr_lo, scr_hi hold stage 1 of the pending head (a pass computed it) */
+    int32_t scr_heavy;       /* passes since this context's last screen narrowed over a quarter of the
+                              * rows (-1: it did not): such a context's head is not deferred (screen.c) */
+    void *scrb_act;          /* [n_ubatch] the deferred rows' activations as the bound kernels read them */
     float *scr_lo, *scr_hi;  /* [n_vocab] the screen's bounds (allocated at the first screen) */
     se_cand *scr_top;        /* [pool threads][SE_SCREEN_MAX_K] each thread's rows of largest lower bound */
     float *scr_exact;        /* [SE_SCREEN_MAX_K] the exact logits of the k rows of largest lower bound */
@@ -349,7 +363,7 @@ struct se_context {
     float *scr_up, *scr_down; /* [n_vocab] their stage-2 moves */
     void *scr_act;           /* [pool threads] the token's activations as the bound kernels read them */
     size_t scr_act_bytes;
-    int64_t screen_stats[4]; /* se_context_screen_stats */
+    int64_t screen_stats[5]; /* se_context_screen_stats */
     int32_t screen_skip;     /* samples left that take the full head instead of a screen */
     int32_t screen_backoff;  /* the samples the next screen that leaves too many rows skips (screen.c) */
     int32_t *ban, n_ban;     /* tokens the sampler never picks (se_context_set_banned), ascending */
@@ -370,6 +384,9 @@ void se_screen_context_free(se_context *c); /* its screen buffers */
  * their count; -1 when it cannot screen (then the full head decides). window: the penalties'
  * window (0: no penalties). */
 int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window);
+/* Whether a pass of several contexts (run by c) can leave ctx's head pending with stage 1 done,
+ * readying the plane and ctx's buffers (on ctx's idle pool) */
+int se_screen_defer(se_context *c, se_context *ctx);
 /* A logit after the penalties of a token seen n times in the window */
 float se_penalized(float l, int32_t n, const se_sampling_params *sp);
 #endif

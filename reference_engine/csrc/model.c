@@ -18,6 +18,7 @@
 #include "kernels.h"
 #include "blocks.h"
 #include "backend.h"
+#include "screen.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -370,8 +371,18 @@ static int run_ubatch(se_context *c) {
         c->ub_nout += sg->out;
         if (sg->out) out = sg->ctx;
     }
-    /* one context's last row, its logits not asked for yet: the head can wait (screen.c) */
+    /* one context's last row, its logits not asked for yet: the head can wait (screen.c); of
+     * several, those whose sampler a screen serves, if few enough (stage 1 in the pass) */
     c->ub_defer = c->ub_nout == 1 && !c->ub_out && out->lazy_head && se_screen_possible(c->m) ? out : NULL;
+    c->ub_ndefer = 0;
+    int32_t n_cand = 0;
+    for (int32_t si = 0; si < c->ub_nseg && c->ub_nout > 1; si++)
+        n_cand += c->ub_seg[si].out && c->ub_seg[si].ctx->batch_screen;
+    for (int32_t si = 0; si < c->ub_nseg; si++) {
+        se_ub_seg *sg = &c->ub_seg[si];
+        sg->defer = c->ub_nout > 1 && n_cand <= SE_SCREEN_BATCH && sg->out && se_screen_defer(c, sg->ctx);
+        c->ub_ndefer += sg->defer;
+    }
     int nth = c->ub_n == 1 ? c->cp.n_threads : c->cp.n_threads_batch;
     const struct se_dev_model *dm = c->m->dev;
     c->layer0 = 0;
@@ -387,7 +398,10 @@ static int run_ubatch(se_context *c) {
     }
     for (int32_t si = 0; si < c->ub_nseg; si++) {
         se_ub_seg *sg = &c->ub_seg[si];
-        if (sg->out) sg->ctx->head_pending = sg->ctx == c->ub_defer;
+        if (sg->out) {
+            sg->ctx->head_pending = sg->ctx == c->ub_defer || sg->defer;
+            sg->ctx->scr_ready = sg->defer;
+        }
         memcpy(sg->ctx->tokens + sg->ctx->n_past, c->ub_tokens + sg->start, (size_t)sg->n * sizeof(int32_t));
         sg->ctx->n_past += sg->n;
     }
@@ -416,7 +430,7 @@ int se_decode(se_context *c, const int32_t *tokens, int32_t n, float *all_logits
             c->ub_n = nu;
             c->ub_out = all_logits ? all_logits + (size_t)done * hp->n_vocab : NULL;
             /* one segment; its last row's logits are wanted if it is the call's last token */
-            c->ub_seg[0] = (se_ub_seg){ c, 0, nu, c->n_past, !all_logits && done + nu == n };
+            c->ub_seg[0] = (se_ub_seg){ c, 0, nu, c->n_past, !all_logits && done + nu == n, 0 };
             c->ub_nseg = 1;
             rc = run_ubatch(c);
             if (rc != SE_OK) return rc;
@@ -465,7 +479,7 @@ int se_decode_batch(se_context *const *ctxs, int32_t n_seq, const int32_t *token
         c->ub_nseg = 0;
         while (i < n_seq && c->ub_n < U) {
             int32_t n = (int32_t)min64(n_tokens[i] - off, U - c->ub_n);
-            c->ub_seg[c->ub_nseg++] = (se_ub_seg){ ctxs[i], c->ub_n, n, ctxs[i]->n_past, off + n == n_tokens[i] };
+            c->ub_seg[c->ub_nseg++] = (se_ub_seg){ ctxs[i], c->ub_n, n, ctxs[i]->n_past, off + n == n_tokens[i], 0 };
             c->ub_n += n;
             off += n;
             if (off == n_tokens[i]) { i++; off = 0; }

@@ -101,6 +101,21 @@ static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows) {
     return s->tiles && s->fifth;
 }
 
+/* Whether the head has more bytes than the layers' weights (Gemma-3-270M: 178 MB against 68;
+ * SmolLM2-135M: 30 against 66). A pass of several contexts reads the layers once for all of them;
+ * screening their heads saves about half the head's bytes, and costs each context a pass over its
+ * bounds and stage 2 of its own, which paid on Gemma-3 and not on SmolLM2 (README, "Screening
+ * the output head"). */
+static int head_outweighs_layers(const se_model *m) {
+    int64_t layers = 0;
+    for (int32_t l = 0; l < m->hp.n_layer; l++)
+        for (int t = 0; t < SE_T_COUNT; t++) {
+            const se_tensor *w = &m->layers[l].t[t];
+            if (w->data) layers += w->ne1 * (int64_t)w->row_size;
+        }
+    return m->output.ne1 * (int64_t)m->output.row_size > layers;
+}
+
 /* The model's plane, built on c's pool the first time (the contexts of a model may ask from
  * several threads at once: the lock). NULL when the head cannot be screened. */
 static const se_screen *screen_of(se_context *c) {
@@ -115,7 +130,12 @@ static const se_screen *screen_of(se_context *c) {
             se_pool_run(c->pool, nth, build_rows, &j);
             int bad = 0;
             for (int i = 0; i < nth; i++) bad |= j.bad[i];
-            if (!bad) { m->screen = s; m->screen_state = 1; s = NULL; }
+            if (!bad) {
+                s->batch = head_outweighs_layers(m);
+                m->screen = s;
+                m->screen_state = 1;
+                s = NULL;
+            }
         }
         se_screen_free(s);
     }
@@ -217,6 +237,7 @@ int se_context_head(se_context *c) {
     if (c->head_pending) {
         se_pool_run(c->pool, c->cp.n_threads, full_head, c);
         c->head_pending = 0;
+        c->scr_ready = 0;
     }
     return SE_OK;
 }
@@ -227,11 +248,12 @@ int se_context_set_lazy_head(se_context *c, int32_t on) {
     c->lazy_head = on == 2 ? 2 : on != 0;
     c->screen_skip = 0;
     c->screen_backoff = 1;
+    c->scr_heavy = -1;
     return SE_OK;
 }
 
-void se_context_screen_stats(const se_context *c, int64_t out[4]) {
-    for (int i = 0; i < 4; i++) out[i] = c->screen_stats[i];
+void se_context_screen_stats(const se_context *c, int64_t out[5]) {
+    for (int i = 0; i < 5; i++) out[i] = c->screen_stats[i];
 }
 
 /* The exact logit of row r (the head's own kernel, one row: the bits of the full head's) */
@@ -287,13 +309,17 @@ static se_screen_bounds_fn bounds_kernel(void) {
  * sum over blocks of d*dx*sum|x|, and the interval's width is 15 times that sum
  * (spec/reference-engine.md): 2^-8 of the width covers both. (A NaN, which makes no interval,
  * is caught by my_top.) */
-static void bounds(const se_screen *s, const se_screen_act *xa, int64_t r0, int64_t r1, float *lo, float *hi) {
-    if (r1 > r0) bounds_kernel()(s, xa, r0 / SE_SCREEN_TILE, (r1 + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE, lo, hi);
+static void widen(int64_t r0, int64_t r1, float *lo, float *hi) {
     for (int64_t r = r0; r < r1; r++) {
         float m = (hi[r] - lo[r]) * 0x1p-8f;
         lo[r] -= m;
         hi[r] += m;
     }
+}
+
+static void bounds(const se_screen *s, const se_screen_act *xa, int64_t r0, int64_t r1, float *lo, float *hi) {
+    if (r1 > r0) bounds_kernel()(s, xa, r0 / SE_SCREEN_TILE, (r1 + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE, lo, hi);
+    widen(r0, r1, lo, hi);
 }
 
 /* Stage 2: the intervals of rows ids[0..n) narrowed by their fifth bits (up and down: n floats of
@@ -427,8 +453,8 @@ static void screen_rows(void *arg, int ith, int nth) {
     int64_t r0, r1;
     se_split(c->m->hp.n_vocab, ith, nth, SPLIT_ALIGN, &r0, &r1);
     float *lo = c->scr_lo, *hi = c->scr_hi;
-    /* stage 1 */
-    bounds(j->s, &xa, r0, r1, lo, hi);
+    /* stage 1 (unless the pass that left the head pending did it) */
+    if (!c->scr_ready) bounds(j->s, &xa, r0, r1, lo, hi);
     /* the penalized rows: exact, penalized, an interval of one point; the banned ones at -inf */
     int32_t p0 = 0;
     while (p0 < j->n_pen && j->pen[p0] < r0) p0++;
@@ -476,6 +502,12 @@ static int screen_k(const se_sampling_params *sp) {
     return sp->top_k >= 1 && sp->top_k <= SE_SCREEN_MAX_K ? sp->top_k : 0;
 }
 
+int se_context_plan_sample(se_context *c, const se_sampling_params *sp) {
+    if (!c) return SE_ERR_INVALID;
+    c->batch_screen = sp && screen_k(sp) > 0;
+    return SE_OK;
+}
+
 static int screen_buffers(se_context *c) {
     if (c->scr_lo) return 1;
     const int64_t V = c->m->hp.n_vocab, nbp = (c->m->output.ne0 / SE_QK + 7) / 8 * 8;
@@ -501,13 +533,62 @@ static int screen_buffers(se_context *c) {
 
 void se_screen_context_free(se_context *c) {
     free(c->scr_lo); free(c->scr_hi); free(c->scr_top); free(c->scr_exact); free(c->scr_n); free(c->scr_act);
-    free(c->scr_pen); free(c->scr_ids); free(c->scr_up); free(c->scr_down);
+    free(c->scr_pen); free(c->scr_ids); free(c->scr_up); free(c->scr_down); free(c->scrb_act);
+    c->scrb_act = NULL;
+    c->scr_ready = 0;
     c->scr_lo = c->scr_hi = c->scr_exact = c->scr_up = c->scr_down = NULL;
     c->scr_top = NULL;
     c->scr_n = c->scr_pen = c->scr_ids = NULL;
     c->scr_act = NULL;
 }
 
+
+/* ---------------------------------------------------------------------------------------------
+ * Stage 1 in a pass of several contexts (se_context_plan_sample): a few contexts' rows bounded
+ * together, each tile of the plane read from memory once for all of them (then from cache), by
+ * the kernel of one token, so the bounds are those of each one alone
+ */
+
+int se_screen_defer(se_context *c, se_context *ctx) {
+    if (!ctx->lazy_head || !ctx->batch_screen || !se_screen_possible(ctx->m)) return 0;
+    const int always = ctx->lazy_head == 2; /* the tests' mode: whenever it can */
+    const se_screen *s = screen_of(ctx);
+    if (!s || !(s->batch || always)) return 0;
+    if (ctx->screen_skip > 0 && !always) { /* as se_screen_candidates would (its backoff) */
+        ctx->screen_skip--;
+        return 0;
+    }
+    /* a screen that narrows many rows costs about what this context's share of the pass's head
+     * does: after one, the pass computes its logits, and tries again now and then */
+    if (ctx->scr_heavy >= 0 && !always && ++ctx->scr_heavy < SCREEN_BACKOFF_MAX) return 0;
+    if (!screen_buffers(ctx)) return 0;
+    if (!c->scrb_act)
+        c->scrb_act = malloc((size_t)se_pool_size(c->pool) * SE_SCREEN_BATCH * act_bytes(c->m->output.ne0 / SE_QK));
+    return c->scrb_act != NULL;
+}
+
+void se_screen_stage1_batch(se_context *c, int ith, int nth, const se_acts *a) {
+    const se_screen *s = c->m->screen;
+    const size_t ab = act_bytes(s->nb), row = se_row_size(a->type[0], c->m->output.ne0);
+    se_screen_act xa[SE_SCREEN_BATCH];
+    float *lo[SE_SCREEN_BATCH], *hi[SE_SCREEN_BATCH];
+    int n = 0;
+    for (int si = 0; si < c->ub_nseg; si++) {
+        se_context *ctx = c->ub_seg[si].ctx;
+        if (!c->ub_seg[si].defer) continue;
+        make_act((const se_blk_q8_0 *)((const char *)a->ptr[0] + (size_t)n * row), s->nb,
+                 (char *)c->scrb_act + ((size_t)ith * SE_SCREEN_BATCH + (size_t)n) * ab, &xa[n]);
+        lo[n] = ctx->scr_lo;
+        hi[n] = ctx->scr_hi;
+        n++;
+    }
+    int64_t r0, r1;
+    se_split(c->m->hp.n_vocab, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    const se_screen_bounds_fn kernel = bounds_kernel();
+    for (int64_t t = r0 / SE_SCREEN_TILE; t < (r1 + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE; t++)
+        for (int i = 0; i < n; i++) kernel(s, &xa[i], t, t + 1, lo[i], hi[i]);
+    for (int i = 0; i < n; i++) widen(r0, r1, lo[i], hi[i]);
+}
 
 int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window) {
     int k = c->head_pending ? screen_k(sp) : 0;
@@ -528,7 +609,9 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     qsort(pen, (size_t)n_pen, sizeof *pen, se_cmp_i32);
     screen_job j = { c, s, sp, k, pen, n_pen, 0 };
     int nth = c->cp.n_threads;
+    const int from_pass = c->scr_ready;
     se_pool_run(c->pool, nth, screen_rows, &j);
+    c->scr_ready = 0; /* its bounds are spent: the penalized rows' were overwritten */
     for (int32_t i = 0; i < n_pen; i++) c->counts[pen[i]] = 0;
     /* the threads' candidates, in row order, to the front of cand */
     int32_t n = 0;
@@ -545,6 +628,8 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     c->screen_stats[0]++;
     c->screen_stats[1] += n;
     c->screen_stats[3] += j.n_left;
+    c->screen_stats[4] += from_pass;
+    c->scr_heavy = j.n_left > c->m->hp.n_vocab / 4 ? 0 : -1;
     /* Past an eighth of the rows computed exactly (read one by one), or three quarters narrowed by
      * stage 2 (a row of stage 1 or 2 costs about half a row of the full head), a screen costs about
      * what the full head does: the next samples take the full head, then it tries again. One such

@@ -19,7 +19,10 @@
 #define SE_SCREEN_H
 
 #include "engine.h"
+#include "blocks.h"
 
+#define SE_SCREEN_BATCH 4 /* the most rows a pass screens (more: reading the plane for each costs more
+                           * than the full head does for all of them, whose weights are read once) */
 #define SE_SCREEN_MAX_K 128 /* the largest top-k a screen serves (beyond it: the full head) */
 #define SE_SCREEN_PREFETCH 8192 /* bytes the stage-1 kernels ask for ahead of the ones they read */
 #define SE_SCREEN_MAX_NB 1024 /* blocks per row: the rounding margins (screen.c) are proven up to this */
@@ -37,6 +40,7 @@
  *   group's block p; 0 past nb),
  *   the nb fp16 scales again. */
 typedef struct se_screen {
+    int batch; /* the head outweighs the layers: a pass of several contexts screens (se_screen_defer) */
     int64_t nb, nbp, n_rows, n_tiles;
     size_t tile_size, fifth_size;
     uint8_t *tiles, *fifth;
@@ -71,5 +75,10 @@ void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const i
 extern const se_screen_bounds_fn se_screen_bounds_avx2;
 extern const se_screen_refine_fn se_screen_refine_avx2;
 extern const se_screen_bounds_fn se_screen_bounds_avx512;
+
+/* Stage 1 of the ubatch's deferred rows (se_ub_seg.defer), their activations a in segment order,
+ * into their contexts' bounds, each tile read once for all of them: every thread its tiles; ends
+ * with a barrier */
+void se_screen_stage1_batch(se_context *c, int ith, int nth, const se_acts *a);
 
 #endif
