@@ -353,7 +353,8 @@ struct se_context {
     int scr_ready;           /* 1: scr_lo, scr_hi hold stage 1 of the pending head (a pass computed it) */
     int32_t scr_heavy;       /* passes since this context's last screen narrowed over a quarter of the
                               * rows (-1: it did not): such a context's head is not deferred (screen.c) */
-    void *scrb_act;          /* [n_ubatch] the deferred rows' activations as the bound kernels read them */
+    void *scrb_act;          /* [pool threads][SE_SCREEN_BATCH] a pass's deferred rows' activations as the
+                              * bound kernels read them (each thread its own copy) */
     float *scr_lo, *scr_hi;  /* [n_vocab] the screen's bounds (allocated at the first screen) */
     se_cand *scr_top;        /* [pool threads][SE_SCREEN_MAX_K] each thread's rows of largest lower bound */
     float *scr_exact;        /* [SE_SCREEN_MAX_K] the exact logits of the k rows of largest lower bound */

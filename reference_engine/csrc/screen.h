@@ -21,8 +21,8 @@
 #include "engine.h"
 #include "blocks.h"
 
-#define SE_SCREEN_BATCH 4 /* the most rows a pass screens (more: reading the plane for each costs more
-                           * than the full head does for all of them, whose weights are read once) */
+#define SE_SCREEN_BATCH 4 /* the most rows a pass screens (with more, the pass is bound by the multiply
+                           * rate, and one read of the head for all of them costs less than the screens) */
 #define SE_SCREEN_MAX_K 128 /* the largest top-k a screen serves (beyond it: the full head) */
 #define SE_SCREEN_PREFETCH 8192 /* bytes the stage-1 kernels ask for ahead of the ones they read */
 #define SE_SCREEN_MAX_NB 1024 /* blocks per row: the rounding margins (screen.c) are proven up to this */
@@ -77,8 +77,8 @@ extern const se_screen_refine_fn se_screen_refine_avx2;
 extern const se_screen_bounds_fn se_screen_bounds_avx512;
 
 /* Stage 1 of the ubatch's deferred rows (se_ub_seg.defer), their activations a in segment order,
- * into their contexts' bounds, each tile read once for all of them: every thread its tiles; ends
- * with a barrier */
+ * into their contexts' bounds, each tile read from memory once for all of them: every thread its
+ * own tiles (no barrier: the bounds are read after the pass) */
 void se_screen_stage1_batch(se_context *c, int ith, int nth, const se_acts *a);
 
 #endif
