@@ -138,7 +138,11 @@ class LocalEngine(Engine):
         self._progress: tuple[int, float, float, int] | None = None
         t0 = now_ms()
         reproducible = s.temp <= 0 or s.seed != -1
-        prompt_n = self._prefill(prompt, reuse=self.batch_invariant or not reproducible)
+        try:
+            prompt_n = self._prefill(prompt, reuse=self.batch_invariant or not reproducible)
+        except BaseException:
+            self._plan_sample(None)  # no sample follows
+            raise
         t1 = now_ms()
         self._progress = (prompt_n, t1 - t0, t1, 0)  # prompt_n, prompt_ms, start of generation, n_gen
         pt = Timings(prompt_n=prompt_n, prompt_ms=t1 - t0).to_dict()

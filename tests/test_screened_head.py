@@ -363,3 +363,31 @@ def test_a_pass_computes_the_logits_of_contexts_that_read_them(engine):
             o.close()
         lazy_head(engine.ctx, 1)
         engine.ctx.plan_sample(None)
+
+
+def test_a_generation_that_ends_leaves_no_plan(engine):
+    """generate() plans its sampler for shared passes and takes the plan back when it ends, also
+    when evaluating its prompt fails, so a later pass does not leave this context's head to a
+    sample that never comes."""
+    from stdengine.adapter import GenerateRequest, TokenEvent
+
+    plans: list[object] = []
+    original = engine._plan_sample
+    engine._plan_sample = lambda s: (plans.append(s), original(s))[1]
+    sp = SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=0, n_predict=4)
+    try:
+        events = list(engine.generate(GenerateRequest(prompt="Hi.", sampling=sp)))
+        assert any(isinstance(e, TokenEvent) for e in events)
+        assert plans == [sp, None]
+        plans.clear()
+
+        def failing_prefill(*args, **kwargs):
+            raise RuntimeError("the prompt's evaluation failed")
+
+        engine._prefill = failing_prefill
+        with pytest.raises(RuntimeError):
+            list(engine.generate(GenerateRequest(prompt="Hi.", sampling=sp)))
+        assert plans == [sp, None]
+    finally:
+        engine.__dict__.pop("_prefill", None)
+        engine._plan_sample = original
