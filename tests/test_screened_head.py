@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -79,6 +80,17 @@ def screen(ctx, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     return ids[:n], vals[:n], bounds[0], bounds[1]
 
 
+def assert_screen_holds(full, k: int, ids, vals, lower, upper) -> None:
+    """A top-k screen's promise against the full head's logits: every row within its interval,
+    the candidates in id order holding the true top k, with the full head's bits."""
+    assert (lower <= full).all() and (full <= upper).all(), "a logit outside its interval"
+    assert np.all(np.diff(ids) > 0), "candidates in id order, each once"
+    kth = -np.partition(-full, k - 1)[k - 1]
+    top = np.flatnonzero(full >= kth)  # the top k, and every row tied with the k-th
+    assert np.isin(top, ids).all(), "a true top-k row was screened out"
+    assert np.array_equal(vals.view(np.uint32), full[ids].view(np.uint32))
+
+
 def test_every_logit_lies_in_its_interval_and_the_candidates_hold_the_top_k(engine):
     """Teacher-forced over the conformance suite's logits texts: at every position, for k = 1 and
     40, lower <= exact <= upper on every row, the true top k are candidates, and a candidate's
@@ -94,13 +106,8 @@ def test_every_logit_lies_in_its_interval_and_the_candidates_hold_the_top_k(engi
             ctx.evaluate([tok])
             screens = {k: screen(ctx, k) for k in (1, 40)}
             full = ctx.logits  # the full head (the screens left it pending)
-            for k, (ids, vals, lower, upper) in screens.items():
-                assert (lower <= full).all() and (full <= upper).all(), "a logit outside its interval"
-                assert np.all(np.diff(ids) > 0), "candidates in id order, each once"
-                kth = -np.partition(-full, k - 1)[k - 1]
-                top = np.flatnonzero(full >= kth)  # the top k, and every row tied with the k-th
-                assert np.isin(top, ids).all(), "a true top-k row was screened out"
-                assert np.array_equal(vals.view(np.uint32), full[ids].view(np.uint32))
+            for k, found in screens.items():
+                assert_screen_holds(full, k, *found)
             positions += 1
     lazy_head(ctx, 1)
     assert positions >= 300
@@ -287,6 +294,25 @@ def test_ignore_eos_keeps_the_screen_and_the_tokens(engine):
     lazy_head(engine.ctx, 1)
 
 
+@contextmanager
+def planned_contexts(engine, plans: list):
+    """engine's context and len(plans) - 1 more of its family, emptied, each screening every sample
+    it can (ALWAYS) with its plan (Context.plan_sample); the engine's own settings again after."""
+    others = [engine.new_context() for _ in plans[1:]]
+    ctxs = [engine.ctx] + [o.ctx for o in others]
+    try:
+        for ctx, sp in zip(ctxs, plans, strict=True):
+            lazy_head(ctx, ALWAYS)
+            ctx.reset()
+            ctx.plan_sample(sp)
+        yield ctxs
+    finally:
+        for o in others:
+            o.close()
+        lazy_head(engine.ctx, 1)
+        engine.ctx.plan_sample(None)
+
+
 def test_a_pass_of_several_contexts_screens_each_as_if_alone(engine):
     """Three contexts in shared passes (evaluate_batch), each with its own prompt and sampler, the
     screen's stage 1 done in the pass (Context.plan_sample): every logit within its interval and
@@ -294,25 +320,16 @@ def test_a_pass_of_several_contexts_screens_each_as_if_alone(engine):
     each one generating alone with the full head; every sample screened from the pass's stage 1."""
     from stdengine.reference.core import evaluate_batch
 
-    others = [engine.new_context() for _ in range(2)]
-    try:
-        ctxs = [engine.ctx] + [o.ctx for o in others]
-        samplers = list(SAMPLERS.values())
-        prompts = [
-            engine.tokenize(t) for t in ("The history of the printing press", "def fibonacci(n):", "Q: 2+2?")
-        ]
-        for ctx, sp in zip(ctxs, samplers, strict=True):
-            lazy_head(ctx, ALWAYS)
-            ctx.reset()
-            ctx.plan_sample(sp)
+    samplers = list(SAMPLERS.values())
+    prompts = [
+        engine.tokenize(t) for t in ("The history of the printing press", "def fibonacci(n):", "Q: 2+2?")
+    ]
+    with planned_contexts(engine, samplers) as ctxs:
         before = [ctx.screen_stats for ctx in ctxs]
         evaluate_batch(ctxs, prompts)
         for ctx in ctxs:  # the pass's stage 1, checked against the full head (which then runs)
-            ids, vals, lower, upper = screen(ctx, 40)
-            full = ctx.logits
-            assert (lower <= full).all() and (full <= upper).all(), "a logit outside its interval"
-            assert np.isin(np.flatnonzero(full >= -np.partition(-full, 39)[39]), ids).all()
-            assert np.array_equal(vals.view(np.uint32), full[ids].view(np.uint32))
+            found = screen(ctx, 40)
+            assert_screen_holds(ctx.logits, 40, *found)
         assert all(ctx.screen_stats[4] - b[4] == 1 for ctx, b in zip(ctxs, before, strict=True))
         for ctx in ctxs:
             ctx.reset()
@@ -330,11 +347,6 @@ def test_a_pass_of_several_contexts_screens_each_as_if_alone(engine):
             ctx.plan_sample(None)
             alone, _ = generate(ctx, prompt, sp, 100, 0)
             assert out == alone
-    finally:
-        for o in others:
-            o.close()
-        lazy_head(engine.ctx, 1)
-        engine.ctx.plan_sample(None)
 
 
 def test_a_pass_computes_the_logits_of_contexts_that_read_them(engine):
@@ -342,27 +354,15 @@ def test_a_pass_computes_the_logits_of_contexts_that_read_them(engine):
     screenable contexts than a pass screens, the pass computes their logits: no screen runs."""
     from stdengine.reference.core import evaluate_batch
 
-    others = [engine.new_context() for _ in range(5)]
-    try:
-        ctxs = [engine.ctx] + [o.ctx for o in others]
-        greedy = SAMPLERS["greedy"]
-        for plan in ([None, greedy], [greedy] * 6):  # unplanned; more than SE_SCREEN_BATCH (4)
-            used = ctxs[: len(plan)]
-            for ctx, sp in zip(used, plan, strict=True):
-                lazy_head(ctx, ALWAYS)
-                ctx.reset()
-                ctx.plan_sample(sp)
-            before = [ctx.screen_stats for ctx in used]
-            evaluate_batch(used, [engine.tokenize("Once upon a time")] * len(used))
-            for ctx in used:
+    greedy = SAMPLERS["greedy"]
+    for plan in ([None, greedy], [greedy] * 6):  # unplanned; more than SE_SCREEN_BATCH (4)
+        with planned_contexts(engine, plan) as ctxs:
+            before = [ctx.screen_stats for ctx in ctxs]
+            evaluate_batch(ctxs, [engine.tokenize("Once upon a time")] * len(ctxs))
+            for ctx in ctxs:
                 ctx.sample(greedy)
-            passes = [ctx.screen_stats[4] - b[4] for ctx, b in zip(used, before, strict=True)]
+            passes = [ctx.screen_stats[4] - b[4] for ctx, b in zip(ctxs, before, strict=True)]
             assert passes == ([0, 1] if plan[0] is None else [0] * 6), passes
-    finally:
-        for o in others:
-            o.close()
-        lazy_head(engine.ctx, 1)
-        engine.ctx.plan_sample(None)
 
 
 def test_a_generation_that_ends_leaves_no_plan(engine):
