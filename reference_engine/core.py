@@ -558,17 +558,20 @@ class Context:
         h = self._h
         if not h:
             raise EngineFailure("the context is closed")
-        if params is None:
-            params = _GREEDY
+        tok = self._sample_fn(h, self._sampling(_GREEDY if params is None else params))
+        if tok < 0:
+            raise InvalidRequest("nothing to sample from: decode a prompt first")
+        return tok
+
+    def _sampling(self, params: Any) -> int:
+        """The address of params as the C struct: one struct per context, its fields written only
+        when they change (sample() is on the hot path)."""
         key = tuple(getattr(params, f) for f in _SAMPLING_FIELDS)
         if key != self._sp_key:
             for f, v in zip(_SAMPLING_FIELDS, key, strict=True):
                 setattr(self._sp, f, v)
             self._sp_key = key
-        tok = self._sample_fn(h, self._sp_addr)
-        if tok < 0:
-            raise InvalidRequest("nothing to sample from: decode a prompt first")
-        return tok
+        return self._sp_addr
 
     def plan_sample(self, params: Any = None) -> None:
         """What the next sample() will need, for evaluate_batch and decode_batch: params, its
@@ -577,8 +580,7 @@ class Context:
         logits will be read (the pass computes them). None at creation."""
         if not self._h:
             raise EngineFailure("the context is closed")
-        sp = None if params is None else _SamplingParams(*(getattr(params, f) for f in _SAMPLING_FIELDS))
-        api().se_context_plan_sample(self._h, None if sp is None else ctypes.addressof(sp))
+        api().se_context_plan_sample(self._h, None if params is None else self._sampling(params))
 
     def ban(self, ids: Any) -> None:
         """Tokens sample() must not pick from now on (None or empty: none); their logits count as

@@ -549,15 +549,20 @@ void se_screen_context_free(se_context *c) {
  * the kernel of one token, so the bounds are those of each one alone
  */
 
+/* Whether this sample takes the full head instead of a screen, counting it: the last screen left
+ * too many rows (se_screen_candidates), so the full head for a while; never in the tests' mode */
+static int backing_off(se_context *c) {
+    if (c->screen_skip <= 0 || c->lazy_head == 2) return 0;
+    c->screen_skip--;
+    return 1;
+}
+
 int se_screen_defer(se_context *c, se_context *ctx) {
     if (!ctx->lazy_head || !ctx->batch_screen || !se_screen_possible(ctx->m)) return 0;
     const int always = ctx->lazy_head == 2; /* the tests' mode: whenever it can */
     const se_screen *s = screen_of(ctx);
     if (!s || !(s->batch || always)) return 0;
-    if (ctx->screen_skip > 0 && !always) { /* as se_screen_candidates would (its backoff) */
-        ctx->screen_skip--;
-        return 0;
-    }
+    if (backing_off(ctx)) return 0;
     /* a screen that narrows many rows costs about what this context's share of the pass's head
      * does: after one, the pass computes its logits, and tries again now and then */
     if (ctx->scr_heavy >= 0 && !always && ++ctx->scr_heavy < SCREEN_BACKOFF_MAX) return 0;
@@ -592,10 +597,7 @@ void se_screen_stage1_batch(se_context *c, int ith, int nth, const se_acts *a) {
 
 int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window) {
     int k = c->head_pending ? screen_k(sp) : 0;
-    if (k && c->screen_skip > 0 && c->lazy_head != 2) { /* the last screen left too many rows: the full head for a while */
-        c->screen_skip--;
-        return -1;
-    }
+    if (k && backing_off(c)) return -1;
     const se_screen *s = k ? screen_of(c) : NULL;
     if (!s || !screen_buffers(c)) return -1;
     /* the penalized and the banned tokens, ascending, once each (counts holds the penalized ones'
