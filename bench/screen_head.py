@@ -11,7 +11,10 @@ sampler) without the end-of-generation stop, so every run makes the same number 
 token is counted from its evaluation to its sample. It checks that the screened tokens are the
 unscreened ones, and reports tokens/s (median, min-max), the rows each screened sample narrowed
 with the fifth bits (stage 2) and computed exactly (shares of the vocabulary), the planes' memory
-(share of the head) and the time the first screened sample took to build them.
+(share of the head) and the time the first screened sample took to build them, and the memory
+the screen adds: the peak resident memory of a process that loads the model and generates the
+same tokens, with the screen on less with it off (in separate processes, the first tokens of the
+run: where the planes stand for the head, its pages leave memory).
 
 A fourth row, "reference, no head", replays the screened run's tokens with the head and the sampler
 left out (with the lazy head, a decode whose logits nobody reads never runs the head): the speed no
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -97,6 +102,17 @@ def first_sample_ms(model: str, threads: int) -> tuple[float, float]:
         e.close()
 
 
+def peak_rss(path: str, sampler: str, n: int, threads: int, screen: str) -> int:
+    """Peak resident bytes of a process that loads the model and generates n tokens (--child)"""
+    cmd = [sys.executable, "-m", "stdengine.bench.screen_head", "--child", path, sampler, str(n), screen]
+    child = subprocess.Popen([*cmd, "--threads", str(threads)], stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({child.returncode})")
+    return usage.ru_maxrss * 1024  # KiB on Linux
+
+
 def study(model: str, n: int, rounds: int, threads: int) -> list[list[str]]:
     from stdengine.reference.core import api
 
@@ -124,6 +140,7 @@ def study(model: str, n: int, rounds: int, threads: int) -> list[list[str]]:
             per_step = (after[1] - before[1]) / screened if screened else 0.0
             narrowed = (after[3] - before[3]) / screened if screened else 0.0
             plane = api().se_model_screen_bytes(ref.model.handle)
+            extra = peak_rss(path, name, n, threads, "on") - peak_rss(path, name, n, threads, "off")
             base = statistics.median(speeds["reference, screen off"])
             for label, s in speeds.items():
                 med = statistics.median(s)
@@ -139,6 +156,7 @@ def study(model: str, n: int, rounds: int, threads: int) -> list[list[str]]:
                         f"{narrowed / ref.n_vocab:.2%}" if is_ref else "",
                         f"{per_step / ref.n_vocab:.2%}" if is_ref else "",
                         f"{plane / 2**20:.0f} MiB ({plane / head.n_bytes:.0%})" if is_ref else "",
+                        f"{extra / 2**20:+.0f} MiB ({extra / head.n_bytes:+.0%})" if is_ref else "",
                         f"{build_ms:.0f} ms (then {next_ms:.0f})" if is_ref and name == "greedy" else "",
                     ]
                 )
@@ -154,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per run (default 128)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each engine, taking turns (default 3)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # PATH SAMPLER N on|off: peak_rss's process
     args = ap.parse_args(argv)
+    if args.child:
+        path, sampler, n, screen = args.child
+        generate(load("reference", path, {"screen_head": screen}, args.threads), SAMPLERS[sampler], int(n))
+        return 0
     if args.tokens < 1 or args.rounds < 1:
         ap.error("--tokens and --rounds must be at least 1")
     m = machine()
@@ -176,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows narrowed (stage 2)",
         "rows computed exactly",
         "planes",
+        "extra memory (peak RSS, of the head)",
         "first sample (builds the planes)",
     ]
     print(md_table(header, table, left=(0, 1, 2)))

@@ -265,6 +265,82 @@ def test_stage_1_gives_the_same_bits_on_every_path(isa_name, n):
     assert (simd[0] <= exact).all() and (exact <= simd[1]).all()
 
 
+@pytest.mark.parametrize("isa_name", ["scalar", "avx2"])
+@pytest.mark.parametrize("n", [64, 640])
+def test_the_planes_give_back_the_head(isa_name, n):
+    """Where the planes stand for the head (Gemma-3's), h, f and l rebuild every row's Q8_0 blocks
+    byte for byte: every int8 value from -128 to 127, in a tile the rows only partly fill (37
+    rows), with the scales as stored. A row with a negative scale is refused (the bound needs d >= 0)."""
+    from isa import using_isa
+    from stdengine.reference.core import api
+
+    rng = np.random.default_rng(n + 2)
+    nb, n_rows = n // 32, 37
+    q = rng.integers(-128, 128, size=(n_rows, nb, 32))
+    q[0] = np.arange(-128, 128).reshape(8, 32)[np.arange(nb) % 8]  # every value
+    d = rng.uniform(0.0, 0.05, size=(n_rows, nb))
+    rows = q8_rows(d, q)
+    out = np.zeros_like(rows)
+    with using_isa(isa_name):
+        assert api().se_screen_rows_test(rows.ctypes.data, n_rows, n, out.ctypes.data) == 0
+        assert np.array_equal(out, rows)
+        d[5, 1] = -0.01
+        assert api().se_screen_rows_test(q8_rows(d, q).ctypes.data, n_rows, n, out.ctypes.data) != 0
+
+
+def mapped_rss(model) -> int:
+    """Bytes of this process's memory that the model's mapping of its file holds (/proc/self/smaps;
+    another model of the same file has a mapping of its own)"""
+    base = model.tensor_bytes("token_embd.weight").ctypes.data - model.tensors["token_embd.weight"].offset
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header line: its address range
+            lo, hi = (int(a, 16) for a in first.split("-"))
+            inside = base <= lo and hi <= base + model.file_size + 4096
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_the_planes_stand_for_a_heavy_head_and_its_pages_leave_memory(gemma3_path, smollm2_path):
+    """Gemma-3's head outweighs its layers: once a screen has built the planes, the head's pages
+    leave memory and stay out while generation screens (exact rows and the tied embeddings come
+    from the planes); a screened sampler's fallback computes the full head from the planes with the
+    full head's bits; reading the logits brings the head back. SmolLM2's planes do not stand for its
+    head (they leave out the low bits), so it has no head from the planes."""
+    from stdengine.reference.core import api
+
+    e = load(gemma3_path)
+    try:
+        head = e.model.tensors["token_embd.weight"].n_bytes
+        prompt = e.tokenize("The history of the printing press")
+        tokens, stats = generate(e.ctx, prompt, SAMPLERS["top-k 40"], 48, 1)
+        assert stats[0] == 48, stats  # every sample screened
+        assert mapped_rss(e.model) < e.model.file_size - 0.9 * head
+        e.ctx.evaluate([tokens[-1]])
+        assert api().se_context_head_from_planes(e.ctx._h) == 0
+        planes = e.ctx.logits.copy()
+        assert mapped_rss(e.model) < e.model.file_size - 0.9 * head
+        other = e.new_context()
+        try:
+            other.ctx.evaluate(prompt + tokens)
+            full = other.ctx.logits  # the head's own rows
+            assert np.array_equal(planes.view(np.uint32), full.view(np.uint32))
+            assert mapped_rss(e.model) > e.model.file_size - 0.1 * head
+        finally:
+            other.close()
+    finally:
+        e.close()
+    e = load(smollm2_path)
+    try:
+        generate(e.ctx, e.tokenize("Once upon a time"), SAMPLERS["greedy"], 4, 1)
+        e.ctx.evaluate([1])
+        assert api().se_context_head_from_planes(e.ctx._h) != 0
+    finally:
+        e.close()
+
+
 def test_ignore_eos_keeps_the_screen_and_the_tokens(engine):
     """ignore_eos and min_tokens ban the end-of-generation tokens in the C sampler (Context.ban),
     so the head stays screened: the same tokens as with the screen off, no end-of-generation token
