@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import statistics
 import subprocess
 import sys
@@ -103,14 +102,20 @@ def first_sample_ms(model: str, threads: int) -> tuple[float, float]:
 
 
 def peak_rss(path: str, sampler: str, n: int, threads: int, screen: str) -> int:
-    """Peak resident bytes of a process that loads the model and generates n tokens (--child)"""
+    """Peak resident bytes of a process that loads the model and generates n tokens (--child). The
+    child reads its own high-water mark: the parent's pages a fork copies would count in the
+    child's rusage."""
     cmd = [sys.executable, "-m", "stdengine.bench.screen_head", "--child", path, sampler, str(n), screen]
-    child = subprocess.Popen([*cmd, "--threads", str(threads)], stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed ({child.returncode})")
-    return usage.ru_maxrss * 1024  # KiB on Linux
+    out = subprocess.run([*cmd, "--threads", str(threads)], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
+    return int(out.stdout.split()[-1])
+
+
+def vm_hwm() -> int:
+    """This process's peak resident bytes (VmHWM, Linux)"""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def study(model: str, n: int, rounds: int, threads: int) -> list[list[str]]:
@@ -177,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         path, sampler, n, screen = args.child
         generate(load("reference", path, {"screen_head": screen}, args.threads), SAMPLERS[sampler], int(n))
+        print(vm_hwm())
         return 0
     if args.tokens < 1 or args.rounds < 1:
         ap.error("--tokens and --rounds must be at least 1")

@@ -56,7 +56,7 @@ typedef struct {
     int bad[64]; /* per thread: a scale that is negative or not finite (the bound assumes d >= 0) */
 } build_job;
 
-static uint8_t *record_of(const se_screen *s, int64_t r) { return s->records + (size_t)r * s->record_size; }
+static uint8_t *fifth_row(const se_screen *s, int64_t r) { return s->fifth + (size_t)r * s->fifth_size; }
 
 /* Row r of the planes from its Q8_0 row, into slot r % 16 of its tile (the first row of a tile
  * clears it: a tile's rows are built in order, by one thread); 0 if a scale is negative or not
@@ -64,12 +64,11 @@ static uint8_t *record_of(const se_screen *s, int64_t r) { return s->records + (
 static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
     const int64_t nb = s->nb;
     const int i = (int)(r % SE_SCREEN_TILE);
-    uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = record_of(s, r);
+    uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = fifth_row(s, r);
     uint16_t *d = (uint16_t *)(bits + 4 * s->nbp);
-    uint32_t *low = (uint32_t *)(bits + s->stage2_size);
     int ok = 1;
     if (i == 0) memset(tile, 0, s->tile_size);
-    memset(bits, 0, s->record_size);
+    memset(bits, 0, s->fifth_size);
     for (int64_t b = 0; b < nb; b++) {
         float df = se_fp16_to_fp32(src[b].d);
         ok &= df >= 0 && isfinite(df);
@@ -83,7 +82,7 @@ static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
             group[e] |= (uint8_t)((u >> 3 & 1) << (b % 8));
             for (int p = 0; p < 3; p++) l[p] |= (uint32_t)(u >> p & 1) << e;
         }
-        if (s->heavy) memcpy(low + 3 * b, l, sizeof l);
+        if (s->low) memcpy(s->low + 3 * (nb * r + b), l, sizeof l);
     }
     return ok;
 }
@@ -118,12 +117,14 @@ static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows, int heavy) {
     s->n_rows = n_rows;
     s->n_tiles = (n_rows + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE;
     s->tile_size = (size_t)(SE_SCREEN_TILE_BLOCK * s->nb);
-    s->stage2_size = (size_t)(4 * s->nbp + 2 * s->nb);
-    s->record_size = s->stage2_size + (heavy ? (size_t)(12 * s->nb) : 0);
+    s->fifth_size = (size_t)(4 * s->nbp + 2 * s->nb);
     if (posix_memalign((void **)&s->tiles, 64, s->tile_size * (size_t)s->n_tiles) != 0) s->tiles = NULL;
-    if (posix_memalign((void **)&s->records, 64, s->record_size * (size_t)n_rows) != 0) s->records = NULL;
-    return s->tiles && s->records;
+    if (posix_memalign((void **)&s->fifth, 64, s->fifth_size * (size_t)n_rows) != 0) s->fifth = NULL;
+    s->low = heavy ? malloc((size_t)(12 * s->nb * n_rows)) : NULL;
+    return s->tiles && s->fifth && (s->low || !heavy);
 }
+
+static void free_planes(se_screen *s) { free(s->tiles); free(s->fifth); free(s->low); }
 
 /* Whether the head has more bytes than the layers' weights (Gemma-3-270M: 178 MB against 68;
  * SmolLM2-135M: 30 against 66). A pass of several contexts reads the layers once for all of them;
@@ -168,12 +169,12 @@ static const se_screen *screen_of(se_context *c) {
 }
 
 void se_screen_free(se_screen *s) {
-    if (s) { free(s->tiles); free(s->records); free(s); }
+    if (s) { free_planes(s); free(s); }
 }
 
 size_t se_model_screen_bytes(const se_model *m) {
     const se_screen *s = m ? m->screen : NULL;
-    return s ? s->tile_size * (size_t)s->n_tiles + s->record_size * (size_t)s->n_rows : 0;
+    return s ? (s->tile_size * (size_t)s->n_tiles + (s->fifth_size + (s->low ? (size_t)(12 * s->nb) : 0)) * (size_t)s->n_rows) : 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t
 void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
                              float *down) {
     for (int32_t i = 0; i < n; i++) {
-        const uint8_t *bits = record_of(s, ids[i]);
+        const uint8_t *bits = fifth_row(s, ids[i]);
         const uint16_t *d = (const uint16_t *)(bits + 4 * s->nbp);
         float u = 0, w = 0;
         for (int64_t b = 0; b < s->nb; b++) {
@@ -226,8 +227,8 @@ void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const i
 
 void se_screen_row_scalar(const se_screen *s, int64_t r, void *out) {
     const int i = (int)(r % SE_SCREEN_TILE);
-    const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = record_of(s, r);
-    const uint32_t *low = (const uint32_t *)(bits + s->stage2_size);
+    const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = fifth_row(s, r);
+    const uint32_t *low = s->low + 3 * s->nb * r;
     se_blk_q8_0 *q = out;
     for (int64_t b = 0; b < s->nb; b++) {
         const uint8_t *nib = tile + SE_SCREEN_TILE_BLOCK * b + 32 + 4 * i, *group = bits + 32 * (b / 8);
@@ -462,9 +463,10 @@ static void prefetch_row(const se_model *m, int64_t r) {
         for (size_t o = 0; o < m->output.row_size; o += 64) __builtin_prefetch(row + o);
         return;
     }
-    const uint8_t *rec = record_of(s, r);
+    const uint8_t *rec = fifth_row(s, r);
     const uint8_t *nib = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size + 32 + 4 * (r % SE_SCREEN_TILE);
-    for (size_t o = 0; o < s->record_size; o += 64) __builtin_prefetch(rec + o);
+    for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
+    for (size_t o = 0; o < (size_t)(12 * s->nb); o += 64) __builtin_prefetch((const char *)(s->low + 3 * s->nb * r) + o);
     for (int64_t b = 0; b < s->nb; b++)
         for (int m = 0; m < 4; m++) __builtin_prefetch(nib + SE_SCREEN_TILE_BLOCK * b + 64 * m);
 }
@@ -786,7 +788,7 @@ int se_screen_rows_test(const void *rows, int64_t n_rows, int64_t n, void *out) 
     se_screen s = { 0 };
     int rc = out ? test_planes(&s, rows, n_rows, n, 1) : SE_ERR_INVALID;
     for (int64_t r = 0; rc == SE_OK && r < n_rows; r++) row_kernel()(&s, r, (se_blk_q8_0 *)out + r * s.nb);
-    free(s.tiles); free(s.records);
+    free_planes(&s);
     return rc;
 }
 
@@ -810,6 +812,6 @@ int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const voi
         memcpy(lo, ends, (size_t)n_rows * sizeof(float));
         memcpy(hi, ends + tiled, (size_t)n_rows * sizeof(float));
     }
-    free(s.tiles); free(s.records); free(buf); free(ids); free(moves); free(ends);
+    free_planes(&s); free(buf); free(ids); free(moves); free(ends);
     return rc;
 }

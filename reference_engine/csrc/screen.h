@@ -37,17 +37,19 @@
  *   16 fp16 scales d (row i's at i, the head's own),
  *   4 vectors of 64 bytes of h: in vector m, byte 4i + e holds row i's element 8m + e in its low
  *   nibble and element 8m + 4 + e in its high one (a lane's 4 bytes meet 4 activations).
- * records: row r at records + r * record_size, the rest of the row in one place:
+ * fifth: row r at fifth + r * fifth_size (what stage 2 reads of a row, in one place):
  *   nbp/8 x 32 bytes of fifth bits, eight blocks at a time (bit p of byte j: element j of the
  *   group's block p; 0 past nb),
- *   the nb fp16 scales again (stage 2 reads the record up to here: stage2_size bytes),
- *   with heavy, nb x 3 words of low bits: bit e of word 3b + p is bit p of l of block b's element e. */
+ *   the nb fp16 scales again.
+ * low (heavy only, else NULL): row r at low + 3 * nb * r, three words a block: bit e of word
+ *   3b + p is bit p of l of block b's element e. */
 typedef struct se_screen {
     int heavy; /* the head outweighs the layers: a pass of several contexts screens (se_screen_defer), and
-                * the records hold the low bits, so that the planes stand for the head (screen.c) */
+                * the planes keep l, so that they stand for the head (screen.c) */
     int64_t nb, nbp, n_rows, n_tiles;
-    size_t tile_size, record_size, stage2_size;
-    uint8_t *tiles, *records;
+    size_t tile_size, fifth_size;
+    uint8_t *tiles, *fifth;
+    uint32_t *low;
 } se_screen;
 
 /* One token's head activations as the kernels read them (nbp blocks, those past nb zero) */

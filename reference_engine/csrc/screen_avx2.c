@@ -138,10 +138,10 @@ static void refine_avx2(const se_screen *s, const se_screen_act *a, const int32_
                         float *down) {
     for (int32_t i = 0; i < n; i++) {
         if (i + REFINE_AHEAD < n) {
-            const uint8_t *next = s->records + (size_t)ids[i + REFINE_AHEAD] * s->record_size;
-            for (size_t o = 0; o < s->stage2_size; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T0);
+            const uint8_t *next = s->fifth + (size_t)ids[i + REFINE_AHEAD] * s->fifth_size;
+            for (size_t o = 0; o < s->fifth_size; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T0);
         }
-        const uint8_t *bits = s->records + (size_t)ids[i] * s->record_size;
+        const uint8_t *bits = s->fifth + (size_t)ids[i] * s->fifth_size;
         refine_row(a, s->nb, (const uint16_t *)(bits + 4 * s->nbp), bits, &up[i], &down[i]);
     }
 }
@@ -160,9 +160,9 @@ INLINE __m256i bit_bytes(uint32_t m) {
  * words; then q = 16h + 8f + l - 128 (bytes: no shift carries across, h < 16 and f < 2) */
 static void row_avx2(const se_screen *s, int64_t r, void *out) {
     const int i = (int)(r % SE_SCREEN_TILE);
-    const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *rec = s->records + (size_t)r * s->record_size;
+    const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *rec = s->fifth + (size_t)r * s->fifth_size;
     const uint8_t *scales = rec + 4 * s->nbp;
-    const uint32_t *low = (const uint32_t *)(rec + s->stage2_size);
+    const uint32_t *low = s->low + 3 * s->nb * r;
     const __m128i low4 = _mm_set1_epi8(15);
     const __m256i one = _mm256_set1_epi8(1), two = _mm256_set1_epi8(2), four = _mm256_set1_epi8(4);
     uint8_t *o = out;
