@@ -12,9 +12,9 @@ token is counted from its evaluation to its sample. It checks that the screened 
 unscreened ones, and reports tokens/s (median, min-max), the rows each screened sample narrowed
 with the fifth bits (stage 2) and computed exactly (shares of the vocabulary), the planes' memory
 (share of the head) and the time the first screened sample took to build them, and the memory
-the screen adds: the peak resident memory of a process that loads the model and generates the
-same tokens, with the screen on less with it off (in separate processes, the first tokens of the
-run: where the planes stand for the head, its pages leave memory).
+the screen adds: the peak resident memory of a process that loads the model and generates
+--tokens tokens with the screen on, less that of one with it off (each in a process of its own;
+where the planes stand for the head, the head's pages leave memory).
 
 A fourth row, "reference, no head", replays the screened run's tokens with the head and the sampler
 left out (with the lazy head, a decode whose logits nobody reads never runs the head): the speed no
