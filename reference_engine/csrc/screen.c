@@ -13,11 +13,9 @@
  *     from those: the same token the full head would give;
  *   - anything else (se_context_head: the logits themselves, any other sampler) runs the full
  *     head first.
- * The planes are built once per model, at the first screened sample (75% of a Q8_0 head's bytes,
- * of which a screen reads the 4-bit plane, 53%, and a few rows' fifth bits). Where the head
- * outweighs the layers they keep the low bits too (108%) and stand for the head: exact rows, a
- * screened sampler's fallback and a tied model's embeddings are rebuilt from them, and the head's
- * pages leave memory. Models whose head is not Q8_0, or is on a device, are never screened.
+ * The planes are built once per model, at the first screened sample (73-75% of a Q8_0 head's
+ * bytes, of which a screen reads the 4-bit plane, 53%, and a few rows' fifth bits). Models whose
+ * head is not Q8_0, or is on a device, are never screened.
  */
 #define _GNU_SOURCE
 #define SE_ENGINE_INTERNAL
@@ -30,8 +28,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 /* ggml's Q8_0 block, the head's type (kernels.h has it as se_blk_q8_0, for the kernels' files only) */
 #define SE_QK 32
@@ -52,7 +48,6 @@ int se_screen_possible(const se_model *m) {
 typedef struct {
     se_screen *s;
     const se_tensor *w;
-    int release; /* the head's pages leave memory as its rows are built (a file mapping) */
     int bad[64]; /* per thread: a scale that is negative or not finite (the bound assumes d >= 0) */
 } build_job;
 
@@ -75,43 +70,26 @@ static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
         uint8_t *blk = tile + SE_SCREEN_TILE_BLOCK * b, *group = bits + 32 * (b / 8);
         memcpy(blk + 2 * i, &src[b].d, 2);
         d[b] = src[b].d;
-        uint32_t l[3] = { 0, 0, 0 };
         for (int e = 0; e < SE_QK; e++) {
             uint8_t u = (uint8_t)(src[b].qs[e] + 128);
             blk[32 + 64 * (e / 8) + 4 * i + e % 4] |= (uint8_t)((u >> 4) << (e % 8 / 4 * 4));
             group[e] |= (uint8_t)((u >> 3 & 1) << (b % 8));
-            for (int p = 0; p < 3; p++) l[p] |= (uint32_t)(u >> p & 1) << e;
         }
-        if (s->low) memcpy(s->low + 3 * (nb * r + b), l, sizeof l);
     }
     return ok;
-}
-
-#define RELEASE_ROWS 1024 /* rows of the head built between two releases of their pages */
-
-/* The pages of [p, p + n) leave this process's memory (madvise; the file keeps them, and a read
- * brings them back), whole pages, rounded outwards: a neighbour's page read meanwhile only comes back */
-static void release_pages(const void *p, size_t n) {
-    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p / page * page;
-    madvise((void *)a, ((uintptr_t)p + n - a + page - 1) / page * page, MADV_DONTNEED);
 }
 
 static void build_rows(void *arg, int ith, int nth) {
     build_job *j = arg;
     int64_t r0, r1;
     se_split(j->s->n_rows, ith, nth, SE_SCREEN_TILE, &r0, &r1);
-    for (int64_t r = r0; r < r1; r += RELEASE_ROWS) {
-        const int64_t n = r1 - r < RELEASE_ROWS ? r1 - r : RELEASE_ROWS;
-        const char *rows = (const char *)j->w->data + (size_t)r * j->w->row_size;
-        for (int64_t i = 0; i < n; i++)
-            if (!build_row(j->s, (const se_blk_q8_0 *)(rows + (size_t)i * j->w->row_size), r + i)) j->bad[ith] = 1;
-        if (j->release) release_pages(rows, (size_t)n * j->w->row_size);
-    }
+    for (int64_t r = r0; r < r1; r++)
+        if (!build_row(j->s, (const se_blk_q8_0 *)((const char *)j->w->data + (size_t)r * j->w->row_size), r))
+            j->bad[ith] = 1;
 }
 
 /* The planes' shape for rows of n weights, and their memory (0 if there is none) */
-static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows, int heavy) {
-    s->heavy = heavy;
+static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows) {
     s->nb = n / SE_QK;
     s->nbp = (s->nb + 7) / 8 * 8;
     s->n_rows = n_rows;
@@ -120,11 +98,8 @@ static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows, int heavy) {
     s->fifth_size = (size_t)(4 * s->nbp + 2 * s->nb);
     if (posix_memalign((void **)&s->tiles, 64, s->tile_size * (size_t)s->n_tiles) != 0) s->tiles = NULL;
     if (posix_memalign((void **)&s->fifth, 64, s->fifth_size * (size_t)n_rows) != 0) s->fifth = NULL;
-    s->low = heavy ? malloc((size_t)(12 * s->nb * n_rows)) : NULL;
-    return s->tiles && s->fifth && (s->low || !heavy);
+    return s->tiles && s->fifth;
 }
-
-static void free_planes(se_screen *s) { free(s->tiles); free(s->fifth); free(s->low); }
 
 /* Whether the head has more bytes than the layers' weights (Gemma-3-270M: 178 MB against 68;
  * SmolLM2-135M: 30 against 66). A pass of several contexts reads the layers once for all of them;
@@ -149,15 +124,15 @@ static const se_screen *screen_of(se_context *c) {
     if (m->screen_state == 0) {
         se_screen *s = se_screen_possible(m) ? calloc(1, sizeof *s) : NULL;
         m->screen_state = -1; /* until it is built */
-        const int heavy = head_outweighs_layers(m);
-        if (s && screen_alloc(s, m->output.ne0, m->output.ne1, heavy)) {
-            build_job j = { .s = s, .w = &m->output, .release = heavy && m->file_mapped };
+        if (s && screen_alloc(s, m->output.ne0, m->output.ne1)) {
+            build_job j = { .s = s, .w = &m->output };
             int nth = c->cp.n_threads_batch < 64 ? c->cp.n_threads_batch : 64;
             se_pool_run(c->pool, nth, build_rows, &j);
             int bad = 0;
             for (int i = 0; i < nth; i++) bad |= j.bad[i];
             if (!bad) {
-                __atomic_store_n(&m->screen, s, __ATOMIC_RELEASE); /* se_screen_embedding_row reads it unlocked */
+                s->batch = head_outweighs_layers(m);
+                m->screen = s;
                 m->screen_state = 1;
                 s = NULL;
             }
@@ -169,12 +144,12 @@ static const se_screen *screen_of(se_context *c) {
 }
 
 void se_screen_free(se_screen *s) {
-    if (s) { free_planes(s); free(s); }
+    if (s) { free(s->tiles); free(s->fifth); free(s); }
 }
 
 size_t se_model_screen_bytes(const se_model *m) {
     const se_screen *s = m ? m->screen : NULL;
-    return s ? (s->tile_size * (size_t)s->n_tiles + (s->fifth_size + (s->low ? (size_t)(12 * s->nb) : 0)) * (size_t)s->n_rows) : 0;
+    return s ? s->tile_size * (size_t)s->n_tiles + s->fifth_size * (size_t)s->n_rows : 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -225,27 +200,6 @@ void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const i
     }
 }
 
-void se_screen_row_scalar(const se_screen *s, int64_t r, void *out) {
-    const int i = (int)(r % SE_SCREEN_TILE);
-    const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = fifth_row(s, r);
-    const uint32_t *low = s->low + 3 * s->nb * r;
-    se_blk_q8_0 *q = out;
-    for (int64_t b = 0; b < s->nb; b++) {
-        const uint8_t *nib = tile + SE_SCREEN_TILE_BLOCK * b + 32 + 4 * i, *group = bits + 32 * (b / 8);
-        memcpy(&q[b].d, bits + 4 * s->nbp + 2 * b, 2);
-        for (int e = 0; e < SE_QK; e++) {
-            const int h = nib[64 * (e / 8) + e % 4] >> (e % 8 / 4 * 4) & 15, f = group[e] >> (b % 8) & 1;
-            int l = 0;
-            for (int p = 0; p < 3; p++) l |= (int)(low[3 * b + p] >> e & 1) << p;
-            q[b].qs[e] = (int8_t)(16 * h + 8 * f + l - 128);
-        }
-    }
-}
-
-static se_screen_row_fn row_kernel(void) {
-    return se_isa_in_use() >= SE_ISA_AVX2 && se_screen_row_avx2 ? se_screen_row_avx2 : se_screen_row_scalar;
-}
-
 /* ---------------------------------------------------------------------------------------------
  * The head, full or screened
  */
@@ -278,44 +232,6 @@ static void full_head(void *arg, int ith, int nth) {
     se_matmul_rows(&c->m->output, &a, 1, c->logits, c->m->hp.n_vocab, r0, r1);
 }
 
-static int screen_buffers(se_context *c);
-
-#define PLANE_ROWS 32 /* rows the full head from the planes rebuilds at a time, into a thread's scratch */
-
-/* The full head from the planes (the fallback of a screened sampler: its head's pages may have
- * left memory): rows rebuilt a few at a time, then the head's own kernel on them, the same bits */
-static void planes_head(void *arg, int ith, int nth) {
-    se_context *c = arg;
-    const se_screen *s = c->m->screen;
-    se_acts a;
-    head_acts(c, ith, nth, &a);
-    int64_t r0, r1;
-    se_split(c->m->hp.n_vocab, ith, nth, SPLIT_ALIGN, &r0, &r1);
-    se_blk_q8_0 *rows = (se_blk_q8_0 *)c->scr_rows + (size_t)ith * PLANE_ROWS * (size_t)s->nb;
-    const se_screen_row_fn rebuild = row_kernel();
-    for (int64_t r = r0; r < r1; r += PLANE_ROWS) {
-        const int64_t n = r1 - r < PLANE_ROWS ? r1 - r : PLANE_ROWS;
-        for (int64_t i = 0; i < n; i++) rebuild(s, r + i, rows + i * s->nb);
-        se_matmul(SE_Q8_0, rows, c->m->output.ne0, a.ptr[0], 1, c->logits + r, 1, 0, n);
-    }
-}
-
-int se_context_head_from_planes(se_context *c) {
-    const se_screen *s = c ? c->m->screen : NULL;
-    if (!s || !s->heavy || !c->head_pending || !screen_buffers(c)) return SE_ERR_INVALID;
-    se_pool_run(c->pool, c->cp.n_threads, planes_head, c);
-    c->head_pending = 0;
-    c->scr_ready = 0;
-    return SE_OK;
-}
-
-const void *se_screen_embedding_row(const se_model *m, int32_t t, void *row) {
-    const se_screen *s = __atomic_load_n(&m->screen, __ATOMIC_ACQUIRE);
-    if (!s || !s->heavy || m->output.data != m->token_embd.data) return NULL;
-    row_kernel()(s, t, row);
-    return row;
-}
-
 int se_context_head(se_context *c) {
     if (!c) return SE_ERR_INVALID;
     if (c->head_pending) {
@@ -340,19 +256,11 @@ void se_context_screen_stats(const se_context *c, int64_t out[5]) {
     for (int i = 0; i < 5; i++) out[i] = c->screen_stats[i];
 }
 
-/* The exact logit of row r with the head's own kernel, one row (the full head's bits: a row's sum
- * does not depend on the rows beside it), on the head's row or, where the planes stand for the
- * head, on its blocks rebuilt from them */
+/* The exact logit of row r (the head's own kernel, one row: the bits of the full head's) */
 static float exact_row(const se_context *c, const se_acts *a, int64_t r) {
     const se_tensor *w = &c->m->output;
-    se_blk_q8_0 rebuilt[SE_SCREEN_MAX_NB];
-    const void *row = (const char *)w->data + (size_t)r * w->row_size;
-    if (c->m->screen->heavy) {
-        row_kernel()(c->m->screen, r, rebuilt);
-        row = rebuilt;
-    }
     float y;
-    se_matmul(SE_Q8_0, row, w->ne0, a->ptr[0], 1, &y, 1, 0, 1);
+    se_matmul(w->type, (const char *)w->data + (size_t)r * w->row_size, w->ne0, a->ptr[0], 1, &y, 1, 0, 1);
     return y;
 }
 
@@ -439,7 +347,7 @@ static int is_listed(const int32_t *pen, int32_t n, int32_t t) {
 }
 
 #define SCREEN_BACKOFF_MAX 32 /* the most samples that take the full head after a screen that left too many rows */
-#define SCREEN_AHEAD 2 /* candidates whose rows are asked for before they are computed */
+#define SCREEN_AHEAD 6 /* candidates whose rows are asked for before they are computed */
 
 /* A piece of work: entries [i0, i1) of the list that thread t made in its rows (from r0 on) */
 typedef void (*piece_fn)(screen_job *j, const se_screen_act *xa, const se_acts *a, int64_t r0, int32_t i0,
@@ -454,32 +362,19 @@ static void refine_piece(screen_job *j, const se_screen_act *xa, const se_acts *
            c->scr_hi);
 }
 
-/* Asks for what row r's exact logit reads: the head's row, or its record and its lanes of each
- * block of its tile */
-static void prefetch_row(const se_model *m, int64_t r) {
-    const se_screen *s = m->screen;
-    if (!s->heavy) {
-        const char *row = (const char *)m->output.data + (size_t)r * m->output.row_size;
-        for (size_t o = 0; o < m->output.row_size; o += 64) __builtin_prefetch(row + o);
-        return;
-    }
-    const uint8_t *rec = fifth_row(s, r);
-    const uint8_t *nib = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size + 32 + 4 * (r % SE_SCREEN_TILE);
-    for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
-    for (size_t o = 0; o < (size_t)(12 * s->nb); o += 64) __builtin_prefetch((const char *)(s->low + 3 * s->nb * r) + o);
-    for (int64_t b = 0; b < s->nb; b++)
-        for (int m = 0; m < 4; m++) __builtin_prefetch(nib + SE_SCREEN_TILE_BLOCK * b + 64 * m);
-}
-
 /* The exact logits of a piece of the candidates (the lists at cand; the penalized rows have
- * theirs), their rows asked for from memory a few candidates ahead: they lie anywhere */
+ * theirs), their rows asked for from memory a few candidates ahead: they lie anywhere in the head */
 static void exact_piece(screen_job *j, const se_screen_act *xa, const se_acts *a, int64_t r0, int32_t i0,
                         int32_t i1) {
     se_context *c = j->c;
+    const se_tensor *w = &c->m->output;
     se_cand *cand = c->cand + r0;
     (void)xa;
     for (int32_t i = i0; i < i1; i++) {
-        if (i + SCREEN_AHEAD < i1) prefetch_row(c->m, cand[i + SCREEN_AHEAD].id);
+        if (i + SCREEN_AHEAD < i1) {
+            const char *next = (const char *)w->data + (size_t)cand[i + SCREEN_AHEAD].id * w->row_size;
+            for (size_t o = 0; o < w->row_size; o += 64) __builtin_prefetch(next + o);
+        }
         if (!is_listed(j->pen, j->n_pen, cand[i].id)) cand[i].logit = exact_row(c, a, cand[i].id);
     }
 }
@@ -629,9 +524,8 @@ static int screen_buffers(se_context *c) {
     c->scr_ids = malloc((size_t)V * sizeof(int32_t));
     c->scr_up = malloc((size_t)V * sizeof(float));
     c->scr_down = malloc((size_t)V * sizeof(float));
-    c->scr_rows = malloc((size_t)n_thr * PLANE_ROWS * (size_t)(c->m->output.ne0 / SE_QK) * sizeof(se_blk_q8_0));
     if (c->scr_lo && c->scr_hi && c->scr_top && c->scr_exact && c->scr_n && c->scr_act && c->scr_pen && c->scr_ids &&
-        c->scr_up && c->scr_down && c->scr_rows)
+        c->scr_up && c->scr_down)
         return 1;
     se_screen_context_free(c);
     return 0;
@@ -639,8 +533,8 @@ static int screen_buffers(se_context *c) {
 
 void se_screen_context_free(se_context *c) {
     free(c->scr_lo); free(c->scr_hi); free(c->scr_top); free(c->scr_exact); free(c->scr_n); free(c->scr_act);
-    free(c->scr_pen); free(c->scr_ids); free(c->scr_up); free(c->scr_down); free(c->scrb_act); free(c->scr_rows);
-    c->scrb_act = c->scr_rows = NULL;
+    free(c->scr_pen); free(c->scr_ids); free(c->scr_up); free(c->scr_down); free(c->scrb_act);
+    c->scrb_act = NULL;
     c->scr_ready = 0;
     c->scr_lo = c->scr_hi = c->scr_exact = c->scr_up = c->scr_down = NULL;
     c->scr_top = NULL;
@@ -667,7 +561,7 @@ int se_screen_defer(se_context *c, se_context *ctx) {
     if (!ctx->lazy_head || !ctx->batch_screen || !se_screen_possible(ctx->m)) return 0;
     const int always = ctx->lazy_head == 2; /* the tests' mode: whenever it can */
     const se_screen *s = screen_of(ctx);
-    if (!s || !(s->heavy || always)) return 0;
+    if (!s || !(s->batch || always)) return 0;
     if (backing_off(ctx)) return 0;
     /* a screen that narrows many rows costs about what this context's share of the pass's head
      * does: after one, the pass computes its logits, and tries again now and then */
@@ -703,10 +597,7 @@ void se_screen_stage1_batch(se_context *c, int ith, int nth, const se_acts *a) {
 
 int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window) {
     int k = c->head_pending ? screen_k(sp) : 0;
-    if (k && backing_off(c)) {
-        se_context_head_from_planes(c); /* where they stand for the head: its pages may have left memory */
-        return -1;                      /* (else the full head) */
-    }
+    if (k && backing_off(c)) return -1;
     const se_screen *s = k ? screen_of(c) : NULL;
     if (!s || !screen_buffers(c)) return -1;
     /* the penalized and the banned tokens, ascending, once each (counts holds the penalized ones'
@@ -772,37 +663,19 @@ const float *se_context_screen_bounds(const se_context *c, int32_t upper) {
     return upper ? c->scr_hi : c->scr_lo;
 }
 
-/* The planes of n_rows rows of n weights (heavy or not) from rows, for the test hooks; SE_OK, or
- * SE_ERR_INVALID for a bad shape or a negative scale, SE_ERR_NOMEM (s's memory then NULL or freed
- * by the caller) */
-static int test_planes(se_screen *s, const void *rows, int64_t n_rows, int64_t n, int heavy) {
-    if (!rows || n_rows < 1 || n_rows > INT32_MAX || n % (2 * SE_QK) || n / SE_QK > SE_SCREEN_MAX_NB)
-        return SE_ERR_INVALID;
-    if (!screen_alloc(s, n, n_rows, heavy)) return SE_ERR_NOMEM;
-    for (int64_t r = 0; r < n_rows; r++)
-        if (!build_row(s, (const se_blk_q8_0 *)rows + r * s->nb, r)) return SE_ERR_INVALID;
-    return SE_OK;
-}
-
-int se_screen_rows_test(const void *rows, int64_t n_rows, int64_t n, void *out) {
-    se_screen s = { 0 };
-    int rc = out ? test_planes(&s, rows, n_rows, n, 1) : SE_ERR_INVALID;
-    for (int64_t r = 0; rc == SE_OK && r < n_rows; r++) row_kernel()(&s, r, (se_blk_q8_0 *)out + r * s.nb);
-    free_planes(&s);
-    return rc;
-}
-
 int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const void *act, int32_t stages, float *lo,
                           float *hi) {
-    if (!act || !lo || !hi || stages < 1 || stages > 2) return SE_ERR_INVALID;
+    if (!rows || !act || !lo || !hi || n_rows < 1 || n_rows > INT32_MAX || n % (2 * SE_QK) ||
+        n / SE_QK > SE_SCREEN_MAX_NB || stages < 1 || stages > 2)
+        return SE_ERR_INVALID;
     se_screen s = { 0 };
-    int rc = test_planes(&s, rows, n_rows, n, 0);
     const size_t tiled = (size_t)(n_rows + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE * SE_SCREEN_TILE;
-    void *buf = rc == SE_OK ? malloc(act_bytes(n / SE_QK)) : NULL;
-    int32_t *ids = rc == SE_OK ? malloc((size_t)n_rows * sizeof(int32_t)) : NULL;
-    float *moves = rc == SE_OK ? malloc(2 * (size_t)n_rows * sizeof(float)) : NULL;
-    float *ends = rc == SE_OK ? malloc(2 * tiled * sizeof(float)) : NULL;
-    if (rc == SE_OK && !(buf && ids && moves && ends)) rc = SE_ERR_NOMEM;
+    void *buf = malloc(act_bytes(n / SE_QK));
+    int32_t *ids = malloc((size_t)n_rows * sizeof(int32_t));
+    float *moves = malloc(2 * (size_t)n_rows * sizeof(float)), *ends = malloc(2 * tiled * sizeof(float));
+    int rc = screen_alloc(&s, n, n_rows) && buf && ids && moves && ends ? SE_OK : SE_ERR_NOMEM;
+    for (int64_t r = 0; rc == SE_OK && r < n_rows; r++)
+        if (!build_row(&s, (const se_blk_q8_0 *)rows + r * s.nb, r)) rc = SE_ERR_INVALID;
     if (rc == SE_OK) {
         se_screen_act xa;
         make_act(act, s.nb, buf, &xa);
@@ -812,6 +685,6 @@ int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const voi
         memcpy(lo, ends, (size_t)n_rows * sizeof(float));
         memcpy(hi, ends + tiled, (size_t)n_rows * sizeof(float));
     }
-    free_planes(&s); free(buf); free(ids); free(moves); free(ends);
+    free(s.tiles); free(s.fifth); free(buf); free(ids); free(moves); free(ends);
     return rc;
 }

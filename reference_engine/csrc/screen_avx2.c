@@ -146,47 +146,9 @@ static void refine_avx2(const se_screen *s, const se_screen_act *a, const int32_
     }
 }
 
-/* 32 bits -> 32 bytes, 0xFF where the bit is set (bit e: byte e) */
-INLINE __m256i bit_bytes(uint32_t m) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), spread);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(x, bit), bit);
-}
-
-/* Row r from the planes (screen.h): per block, its h from its lanes of the tile's four vectors
- * (low nibbles: elements 8m..8m+3, high: 8m+4..8m+7), f from its fifth bits, l from its three
- * words; then q = 16h + 8f + l - 128 (bytes: no shift carries across, h < 16 and f < 2) */
-static void row_avx2(const se_screen *s, int64_t r, void *out) {
-    const int i = (int)(r % SE_SCREEN_TILE);
-    const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *rec = s->fifth + (size_t)r * s->fifth_size;
-    const uint8_t *scales = rec + 4 * s->nbp;
-    const uint32_t *low = s->low + 3 * s->nb * r;
-    const __m128i low4 = _mm_set1_epi8(15);
-    const __m256i one = _mm256_set1_epi8(1), two = _mm256_set1_epi8(2), four = _mm256_set1_epi8(4);
-    uint8_t *o = out;
-    for (int64_t b = 0; b < s->nb; b++, o += 34) {
-        const uint8_t *nib = tile + SE_SCREEN_TILE_BLOCK * b + 32 + 4 * i;
-        const __m128i v = _mm_setr_epi32(ld32(nib), ld32(nib + 64), ld32(nib + 128), ld32(nib + 192));
-        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-        const __m256i h = _mm256_set_m128i(_mm_unpackhi_epi32(lo, hi), _mm_unpacklo_epi32(lo, hi));
-        const __m256i group = _mm256_loadu_si256((const __m256i *)(rec + 32 * (b / 8)));
-        const __m256i f = _mm256_and_si256(_mm256_srl_epi16(group, _mm_cvtsi32_si128((int)(b % 8))), one);
-        const __m256i l = _mm256_or_si256(_mm256_and_si256(bit_bytes(low[3 * b]), one),
-                                          _mm256_or_si256(_mm256_and_si256(bit_bytes(low[3 * b + 1]), two),
-                                                          _mm256_and_si256(bit_bytes(low[3 * b + 2]), four)));
-        const __m256i u = _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16(h, 4), _mm256_slli_epi16(f, 3)), l);
-        memcpy(o, scales + 2 * b, 2);
-        _mm256_storeu_si256((__m256i *)(o + 2), _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)));
-    }
-}
-
 const se_screen_bounds_fn se_screen_bounds_avx2 = bounds_avx2;
 const se_screen_refine_fn se_screen_refine_avx2 = refine_avx2;
-const se_screen_row_fn se_screen_row_avx2 = row_avx2;
 #else
 const se_screen_bounds_fn se_screen_bounds_avx2 = 0;
 const se_screen_refine_fn se_screen_refine_avx2 = 0;
-const se_screen_row_fn se_screen_row_avx2 = 0;
 #endif
