@@ -3,7 +3,8 @@
     python -m stdengine.bench.screen_head [--models A,B] [--tokens 128] [--rounds 3]
 
 For each catalogue model and each sampler (greedy; top-k 40 with top-p 0.95 and min-p 0.05 at
-temperature 0.8, the CLI's defaults), it generates --tokens tokens after a short prompt with: the
+temperature 0.8, the CLI's defaults, which the screen serves by min-p's route; the same without
+min-p), it generates --tokens tokens after a short prompt with: the
 reference engine as it runs by default (the screen on), the reference engine with
 `-E screen_head=off`, and llama.cpp (the llamacpp engine), taking turns for --rounds rounds. The
 loop is the one `infer run` uses (evaluate one token, sample the next through the engine's own
@@ -13,8 +14,7 @@ unscreened ones, and reports tokens/s (median, min-max), the rows each screened 
 with the fifth bits (stage 2) and computed exactly (shares of the vocabulary), the planes' memory
 (share of the head) and the time the first screened sample took to build them, and the memory
 the screen adds: the peak resident memory of a process that loads the model and generates
---tokens tokens with the screen on, less that of one with it off (each in a process of its own;
-where the planes stand for the head, the head's pages leave memory).
+--tokens tokens with the screen on, less that of one with it off (each in a process of its own).
 
 A fourth row, "reference, no head", replays the screened run's tokens with the head and the sampler
 left out (with the lazy head, a decode whose logits nobody reads never runs the head): the speed no
@@ -45,6 +45,10 @@ PROMPT = "The history of the printing press"
 SAMPLERS = {
     "greedy": GREEDY,
     "top-k 40": SamplingParams(temp=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=1),
+    # the same without min-p: the screen's top-k rule alone (no min-p route), for comparison
+    "top-k 40, no min-p": SamplingParams(
+        temp=0.8, top_k=40, top_p=0.95, min_p=0.0, repeat_penalty=1.0, seed=1
+    ),
 }
 CONFIGS = {  # label -> (engine, -E settings)
     "reference": ("reference", {}),

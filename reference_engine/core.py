@@ -630,13 +630,14 @@ class Context:
         return self._logits
 
     @property
-    def screen_stats(self) -> tuple[int, int, int, int, int]:
+    def screen_stats(self) -> tuple[int, ...]:
         """(screened samples, rows they computed exactly, samples whose bounds were not numbers,
-        rows their stage 2 narrowed, screened samples whose stage 1 a batched pass did)"""
-        out = (ctypes.c_int64 * 5)()
+        rows their stage 2 narrowed, screened samples whose stage 1 a batched pass did, screened
+        samples that took min-p's route, samples on that route that ran the full head after all)"""
+        out = (ctypes.c_int64 * 7)()
         if self._h:
             api().se_context_screen_stats(self._h, out)
-        return (out[0], out[1], out[2], out[3], out[4])
+        return tuple(out)
 
     def reset(self) -> None:
         """Empties the KV cache (and re-arms the seed for the next sample)."""

@@ -179,8 +179,11 @@ SE_API int se_context_head(se_context *c);
 SE_API int se_context_plan_sample(se_context *c, const se_sampling_params *sp);
 /* out[0]: screened samples, out[1]: rows they computed exactly, out[2]: samples that found the
  * bounds unusable (not numbers) and ran the full head, out[3]: rows their stage 2 narrowed,
- * out[4]: screened samples whose stage 1 a pass of several contexts did */
-SE_API void se_context_screen_stats(const se_context *c, int64_t out[5]);
+ * out[4]: screened samples whose stage 1 a pass of several contexts did, out[5]: screened samples
+ * that took min-p's route (top-p and min-p applied by the screen), out[6]: samples on that route
+ * that could not tell top-p's or top-k's cut without the rows left out and ran the full head */
+#define SE_SCREEN_STATS 7
+SE_API void se_context_screen_stats(const se_context *c, int64_t out[SE_SCREEN_STATS]);
 /* Test hook (blocks.c, se_share_rows): with on, every matmul step of a pass of more than one
  * token starts with all its rows in the last thread's share, whose owner takes SPLIT_ALIGN rows at
  * a time, so the other threads compute only rows they take from it. Returns the previous
@@ -364,7 +367,7 @@ struct se_context {
     float *scr_up, *scr_down; /* [n_vocab] their stage-2 moves */
     void *scr_act;           /* [pool threads] the token's activations as the bound kernels read them */
     size_t scr_act_bytes;
-    int64_t screen_stats[5]; /* se_context_screen_stats */
+    int64_t screen_stats[SE_SCREEN_STATS]; /* se_context_screen_stats */
     int32_t screen_skip;     /* samples left that take the full head instead of a screen */
     int32_t screen_backoff;  /* the samples the next screen that leaves too many rows skips (screen.c) */
     int32_t *ban, n_ban;     /* tokens the sampler never picks (se_context_set_banned), ascending */
@@ -374,6 +377,7 @@ struct se_context {
  * sampler's order (higher logit first, lower id first among equal ones; the root is the last
  * kept): after pushing every candidate it holds the first k; and qsort's order of int32_t */
 void se_cand_push(se_cand *h, int32_t k, int32_t *n, se_cand v);
+int se_cand_desc(const void *a, const void *b); /* qsort's comparison for that order */
 int se_cmp_i32(const void *x, const void *y);
 
 /* screen.c, for model.c, blocks.c and sampling.c */
@@ -383,8 +387,9 @@ void se_screen_free(struct se_screen *s);
 void se_screen_context_free(se_context *c); /* its screen buffers */
 /* The candidates of a screened sample in c->cand (exact and penalized logits, in id order) and
  * their count; -1 when it cannot screen (then the full head decides). window: the penalties'
- * window (0: no penalties). */
-int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window);
+ * window (0: no penalties). *final = 1: the screen took min-p's route and applied top-k, top-p
+ * and min-p itself: cand holds the tokens the draw chooses from, in the candidates' order. */
+int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window, int *final);
 /* Whether a pass of several contexts (run by c) can leave ctx's head pending with stage 1 done,
  * readying the plane and ctx's buffers (on ctx's idle pool) */
 int se_screen_defer(se_context *c, se_context *ctx);

@@ -64,7 +64,7 @@ static int cand_before(const se_cand *a, const se_cand *b) {
     return a->logit > b->logit || (a->logit == b->logit && a->id < b->id);
 }
 
-static int cand_desc(const void *a, const void *b) {
+int se_cand_desc(const void *a, const void *b) {
     const se_cand *x = a, *y = b;
     return cand_before(y, x) - cand_before(x, y);
 }
@@ -98,7 +98,7 @@ void se_cand_push(se_cand *h, int32_t k, int32_t *n, se_cand v) {
 static void top_k(se_cand *cand, int32_t n, int32_t k) {
     int32_t m = 0;
     for (int32_t i = 0; i < n; i++) se_cand_push(cand, k, &m, cand[i]); /* i >= m: nothing unread is overwritten */
-    qsort(cand, (size_t)k, sizeof *cand, cand_desc);
+    qsort(cand, (size_t)k, sizeof *cand, se_cand_desc);
 }
 
 /* The largest of x[0..16), NaNs left out (-inf when there is nothing else). */
@@ -188,6 +188,45 @@ int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n) {
     return SE_OK;
 }
 
+/* top-k, top-p and min-p, in llama.cpp's order, on the n candidates: returns how many are left at
+ * the front of cand (sorted in the candidates' order where top-k or top-p ran; screen.c's
+ * screened_survivors gives the same from the screened rows) */
+static int32_t truncate(const se_sampling_params *sp, se_cand *cand, int32_t n, int32_t V) {
+    /* top-k (sorted descending afterwards, which top-p needs) */
+    int sorted = 0;
+    if (sp->top_k > 0 && sp->top_k < V) {
+        top_k(cand, n, sp->top_k);
+        n = sp->top_k;
+        sorted = 1;
+    }
+    /* top-p: the smallest prefix whose probability reaches p */
+    if (sp->top_p < 1.0f) {
+        if (!sorted) { qsort(cand, (size_t)n, sizeof *cand, se_cand_desc); sorted = 1; }
+        float mx = cand[0].logit;
+        double sum = 0;
+        for (int32_t i = 0; i < n; i++) sum += exp((double)(cand[i].logit - mx));
+        double cum = 0;
+        int32_t keep = n;
+        for (int32_t i = 0; i < n; i++) {
+            cum += exp((double)(cand[i].logit - mx)) / sum;
+            if (cum >= sp->top_p) { keep = i + 1; break; }
+        }
+        n = keep;
+    }
+    /* min-p: keep logits within log(min_p) of the best one */
+    if (sp->min_p > 0.0f && sp->min_p <= 1.0f) {
+        float mx = cand[0].logit;
+        if (!sorted)
+            for (int32_t i = 1; i < n; i++) if (cand[i].logit > mx) mx = cand[i].logit;
+        float thresh = mx + logf(sp->min_p);
+        int32_t m = 0;
+        for (int32_t i = 0; i < n; i++)
+            if (cand[i].logit >= thresh) cand[m++] = cand[i];
+        n = m > 0 ? m : 1; /* cannot be empty: the best one passes */
+    }
+    return n;
+}
+
 int32_t se_sample(se_context *c, const se_sampling_params *sp) {
     if (!c || !sp || c->n_past < 1) return SE_ERR_INVALID;
     int32_t V = c->m->hp.n_vocab;
@@ -199,9 +238,11 @@ int32_t se_sample(se_context *c, const se_sampling_params *sp) {
                                   sp->presence_penalty != 0.0f);
 
     /* a head left for the sampler: screened where the sampler needs only the top k, in which
-     * case cand holds every row that can be in it, exact and penalized, in id order */
+     * case cand holds every row that can be in it, exact and penalized, in id order (or, final,
+     * the tokens top-k, top-p and min-p leave) */
     se_cand *cand = c->cand;
-    int32_t n = c->head_pending ? se_screen_candidates(c, sp, penalize ? window : 0) : -1;
+    int final = 0;
+    int32_t n = c->head_pending ? se_screen_candidates(c, sp, penalize ? window : 0, &final) : -1;
     if (n < 0) {
         se_context_head(c);
         const int32_t k = sp->temp <= 0 ? 1 : sp->top_k > 0 && sp->top_k < V ? sp->top_k : 0;
@@ -233,38 +274,7 @@ int32_t se_sample(se_context *c, const se_sampling_params *sp) {
         return cand[best].id;
     }
 
-    /* top-k (sorted descending afterwards, which top-p needs) */
-    int sorted = 0;
-    if (sp->top_k > 0 && sp->top_k < V) {
-        top_k(cand, n, sp->top_k);
-        n = sp->top_k;
-        sorted = 1;
-    }
-    /* top-p: the smallest prefix whose probability reaches p */
-    if (sp->top_p < 1.0f) {
-        if (!sorted) { qsort(cand, (size_t)n, sizeof *cand, cand_desc); sorted = 1; }
-        float mx = cand[0].logit;
-        double sum = 0;
-        for (int32_t i = 0; i < n; i++) sum += exp((double)(cand[i].logit - mx));
-        double cum = 0;
-        int32_t keep = n;
-        for (int32_t i = 0; i < n; i++) {
-            cum += exp((double)(cand[i].logit - mx)) / sum;
-            if (cum >= sp->top_p) { keep = i + 1; break; }
-        }
-        n = keep;
-    }
-    /* min-p: keep logits within log(min_p) of the best one */
-    if (sp->min_p > 0.0f && sp->min_p <= 1.0f) {
-        float mx = cand[0].logit;
-        if (!sorted)
-            for (int32_t i = 1; i < n; i++) if (cand[i].logit > mx) mx = cand[i].logit;
-        float thresh = mx + logf(sp->min_p);
-        int32_t m = 0;
-        for (int32_t i = 0; i < n; i++)
-            if (cand[i].logit >= thresh) cand[m++] = cand[i];
-        n = m > 0 ? m : 1; /* cannot be empty: the best one passes */
-    }
+    if (!final) n = truncate(sp, cand, n, V);
     /* temperature, then the draw */
     float mx = cand[0].logit;
     for (int32_t i = 1; i < n; i++) if (cand[i].logit > mx) mx = cand[i].logit;

@@ -210,6 +210,8 @@ typedef struct {
     const se_screen *s;
     const se_sampling_params *sp;
     int k;
+    int min_p;        /* the min-p route (screen_rows): the sampler's min-p is on at temperature > 0 */
+    float log_min_p;  /* logf(min_p), as sampling.c adds it to the best logit */
     const int32_t *pen; /* the penalized and the banned tokens, ascending, and how many */
     int32_t n_pen;
     int64_t n_left; /* out: the rows stage 1 left (stage 2 narrowed them) */
@@ -252,8 +254,8 @@ int se_context_set_lazy_head(se_context *c, int32_t on) {
     return SE_OK;
 }
 
-void se_context_screen_stats(const se_context *c, int64_t out[5]) {
-    for (int i = 0; i < 5; i++) out[i] = c->screen_stats[i];
+void se_context_screen_stats(const se_context *c, int64_t out[SE_SCREEN_STATS]) {
+    for (int i = 0; i < SE_SCREEN_STATS; i++) out[i] = c->screen_stats[i];
 }
 
 /* The exact logit of row r (the head's own kernel, one row: the bits of the full head's) */
@@ -422,11 +424,11 @@ static void my_top(screen_job *j, int ith, int64_t r0, int64_t r1, const se_cand
 }
 
 /* A threshold that k rows reach: the threads' heaps merged (each thread finds the same k rows of
- * largest lower bound), those rows computed exactly, the least of their logits. A row whose upper
- * bound is below it has a logit below k others: it cannot be in the top k, whatever the ties.
- * NAN when there is none (fewer than k rows, or bounds that are not numbers). Call after a
- * barrier that follows my_top on every thread; it ends with one. */
-static float threshold(screen_job *j, const se_acts *a, int ith, int nth) {
+ * largest lower bound), those rows computed exactly (into scr_exact), the least of their logits,
+ * and the largest into *best. A row whose upper bound is below it has a logit below k others: it
+ * cannot be in the top k, whatever the ties. NAN when there is none (fewer than k rows, or bounds
+ * that are not numbers). Call after a barrier that follows my_top on every thread; it ends with one. */
+static float threshold(screen_job *j, const se_acts *a, int ith, int nth, float *best) {
     se_context *c = j->c;
     const int k = j->k;
     se_cand all[SE_SCREEN_MAX_K];
@@ -439,8 +441,19 @@ static float threshold(screen_job *j, const se_acts *a, int ith, int nth) {
         c->scr_exact[i] = is_listed(j->pen, j->n_pen, all[i].id) ? all[i].logit : exact_row(c, a, all[i].id);
     se_pool_barrier(c->pool); /* everyone has read scr_n and scr_top, and written its exact rows */
     float thr = na == k ? INFINITY : NAN;
-    for (int i = 0; i < na && na == k; i++) thr = c->scr_exact[i] < thr ? c->scr_exact[i] : thr;
+    for (int i = 0; i < na && na == k; i++) {
+        thr = c->scr_exact[i] < thr ? c->scr_exact[i] : thr;
+        *best = c->scr_exact[i] > *best ? c->scr_exact[i] : *best;
+    }
     return thr;
+}
+
+/* The rows a sample can take have logits at or above the top-k threshold thr and, on the min-p
+ * route, at or above min-p's, best logit + log(min_p): best is a logit some row has, so at most
+ * the largest one, and the float sum rounds the same way (NAN stays NAN: no screen) */
+static float cutoff(const screen_job *j, float thr, float best) {
+    const float t = best + j->log_min_p;
+    return j->min_p && thr == thr && t > thr ? t : thr;
 }
 
 static void screen_rows(void *arg, int ith, int nth) {
@@ -465,13 +478,14 @@ static void screen_rows(void *arg, int ith, int nth) {
     }
     my_top(j, ith, r0, r1, NULL, 0, -INFINITY);
     se_pool_barrier(c->pool);
-    const float thr1 = threshold(j, &a, ith, nth); /* the same on every thread */
+    float best = -INFINITY;
+    const float thr1 = threshold(j, &a, ith, nth, &best), cut1 = cutoff(j, thr1, best); /* the same on every thread */
     /* the rows stage 1 left, in order, to this thread's part of cand (the rest of the screen looks
      * at them only); stage 2 for those not penalized (a penalized row's interval is its exact value) */
     se_cand *left = c->cand + r0;
     int32_t n_left = 0, n_kept = 0;
-    for (int64_t r = r0; r < r1 && thr1 == thr1; r++)
-        if (hi[r] >= thr1) {
+    for (int64_t r = r0; r < r1 && cut1 == cut1; r++)
+        if (hi[r] >= cut1) {
             left[n_kept++].id = (int32_t)r;
             if (!is_listed(j->pen, j->n_pen, (int32_t)r)) c->scr_ids[r0 + n_left++] = (int32_t)r;
         }
@@ -483,9 +497,10 @@ static void screen_rows(void *arg, int ith, int nth) {
     se_pool_barrier(c->pool); /* every interval is final */
     /* a second threshold from the narrower intervals: about half the exact rows where stage 1
      * leaves many */
-    my_top(j, ith, r0, r1, left, n_kept, thr1);
+    my_top(j, ith, r0, r1, left, n_kept, cut1);
     se_pool_barrier(c->pool);
-    const float thr2 = thr1 == thr1 ? threshold(j, &a, ith, nth) : NAN, thr = thr2 > thr1 ? thr2 : thr1;
+    const float thr2 = thr1 == thr1 ? threshold(j, &a, ith, nth, &best) : NAN;
+    const float thr = cutoff(j, thr2 > thr1 ? thr2 : thr1, best);
     int32_t n_cand = 0; /* the candidates, in place of the rows left (n_cand <= i) */
     for (int32_t i = 0; i < n_kept && thr == thr; i++)
         if (hi[left[i].id] >= thr) left[n_cand++] = (se_cand){ left[i].id, lo[left[i].id] };
@@ -595,7 +610,55 @@ void se_screen_stage1_batch(se_context *c, int ith, int nth, const se_acts *a) {
     for (int i = 0; i < n; i++) widen(r0, r1, lo[i], hi[i]);
 }
 
-int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window) {
+static int desc_float(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* The min-p route's end (screen_rows): from the candidates cand[0..n), exact, which hold every
+ * row at or above min-p's threshold, the tokens that top-k, top-p and min-p leave (sampling.c's
+ * truncate), in its order, into cand[0..m); returns m, or -1 when the rows the screen did not
+ * compute could change them.
+ *
+ * min-p keeps the rows of the top k at or above thr = max + logf(min_p). If at most k rows reach
+ * thr, they are all in the top k, and every other row of the top k is below thr. top-p, before
+ * min-p, keeps the shortest prefix of the sorted top k whose share of the top k's sum reaches
+ * top_p, so only its cut among those rows matters: the sum is the rows at or above thr plus a
+ * tail of k - m rows below it, each less than exp(thr - max), and at least the largest k - m
+ * logits below thr of the k rows the threshold computed exactly (scr_exact). A cut that the two
+ * ends of that interval (widened by far more than the double sums' rounding) place the same is
+ * the sampler's; otherwise the full head decides. */
+static int32_t screened_survivors(se_context *c, const se_sampling_params *sp, int k, int32_t n) {
+    se_cand *cand = c->cand;
+    float mx = -INFINITY;
+    for (int32_t i = 0; i < n; i++) mx = cand[i].logit > mx ? cand[i].logit : mx;
+    if (!(mx > -INFINITY && mx < INFINITY)) return -1; /* NaNs or nothing but banned rows */
+    const float thr = mx + logf(sp->min_p);
+    int32_t m = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (cand[i].logit >= thr) cand[m++] = cand[i];
+    if (m > k) return -1;
+    qsort(cand, (size_t)m, sizeof *cand, se_cand_desc);
+    if (!(sp->top_p < 1.0f) || m == 1) return m;
+    float below[SE_SCREEN_MAX_K];
+    int nb = 0;
+    for (int i = 0; i < k; i++)
+        if (c->scr_exact[i] < thr) below[nb++] = c->scr_exact[i];
+    qsort(below, (size_t)nb, sizeof *below, desc_float);
+    double head = 0, tail_lo = 0, cum = 0;
+    const double tail_hi = (k - m) * exp((double)(thr - mx)), tol = 1e-9;
+    for (int32_t i = 0; i < m; i++) head += exp((double)(cand[i].logit - mx));
+    for (int i = 0; i < nb && i < k - m; i++) tail_lo += exp((double)(below[i] - mx));
+    for (int32_t i = 0; i + 1 < m; i++) {
+        cum += exp((double)(cand[i].logit - mx));
+        if (cum >= sp->top_p * (1 + tol) * (head + tail_hi)) return i + 1; /* top-p's cut, for any tail */
+        if (!(cum < sp->top_p * (1 - tol) * (head + tail_lo))) return -1;  /* too close to call */
+    }
+    return m;
+}
+
+int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window, int *final) {
+    *final = 0;
     int k = c->head_pending ? screen_k(sp) : 0;
     if (k && backing_off(c)) return -1;
     const se_screen *s = k ? screen_of(c) : NULL;
@@ -609,7 +672,9 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     for (int32_t i = 0; i < c->n_ban; i++)
         if (c->counts[c->ban[i]]++ == 0) pen[n_pen++] = c->ban[i];
     qsort(pen, (size_t)n_pen, sizeof *pen, se_cmp_i32);
-    screen_job j = { c, s, sp, k, pen, n_pen, 0 };
+    /* the min-p route where the sampler applies min-p after the top k at temperature > 0 */
+    const int min_p = k > 1 && sp->min_p > 0.0f && sp->min_p <= 1.0f;
+    screen_job j = { c, s, sp, k, min_p, min_p ? logf(sp->min_p) : 0, pen, n_pen, 0 };
     int nth = c->cp.n_threads;
     const int from_pass = c->scr_ready;
     se_pool_run(c->pool, nth, screen_rows, &j);
@@ -623,12 +688,19 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
         memmove(c->cand + n, c->cand + r0, (size_t)c->scr_n[t] * sizeof(se_cand));
         n += c->scr_n[t];
     }
-    if (n < k) { /* a bound that is not a number (the input was not): the full head decides */
+    if (n < (min_p ? 1 : k)) { /* a bound that is not a number (the input was not): the full head decides */
         c->screen_stats[2]++;
         return -1;
     }
+    const int32_t n_exact = n;
+    if (min_p && (n = screened_survivors(c, sp, k, n)) < 0) {
+        c->screen_stats[6]++;
+        return -1;
+    }
+    *final = min_p;
+    c->screen_stats[5] += min_p;
     c->screen_stats[0]++;
-    c->screen_stats[1] += n;
+    c->screen_stats[1] += n_exact;
     c->screen_stats[3] += j.n_left;
     c->screen_stats[4] += from_pass;
     c->scr_heavy = j.n_left > c->m->hp.n_vocab / 4 ? 0 : -1;
@@ -639,7 +711,7 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
      * each one in a row doubles the samples skipped, from 1 up to SCREEN_BACKOFF_MAX */
     if (c->lazy_head == 2) return n;
     const int64_t V = c->m->hp.n_vocab;
-    if (n > V / 8 || j.n_left > V / 4 * 3) {
+    if (n_exact > V / 8 || j.n_left > V / 4 * 3) {
         c->screen_skip = c->screen_backoff;
         c->screen_backoff = c->screen_backoff < SCREEN_BACKOFF_MAX ? 2 * c->screen_backoff : SCREEN_BACKOFF_MAX;
     } else {
@@ -651,7 +723,8 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
 int32_t se_context_screen(se_context *c, int32_t k, int32_t *ids, float *logits, int32_t cap) {
     if (!c || k < 1 || k > SE_SCREEN_MAX_K || (cap > 0 && (!ids || !logits))) return SE_ERR_INVALID;
     se_sampling_params sp = { .temp = 1, .top_k = k, .top_p = 1, .repeat_penalty = 1 };
-    int32_t n = se_screen_candidates(c, &sp, 0);
+    int final;
+    int32_t n = se_screen_candidates(c, &sp, 0, &final);
     for (int32_t i = 0; i < n && i < cap; i++) {
         ids[i] = c->cand[i].id;
         logits[i] = c->cand[i].logit;
