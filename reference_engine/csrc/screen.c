@@ -210,8 +210,9 @@ typedef struct {
     const se_screen *s;
     const se_sampling_params *sp;
     int k;
-    int min_p;        /* the min-p route (screen_rows): the sampler's min-p is on at temperature > 0 */
+    int min_p;        /* min-p's route can be taken: the sampler's min-p is on at temperature > 0 */
     float log_min_p;  /* logf(min_p), as sampling.c adds it to the best logit */
+    int route;        /* out: the screen took min-p's route (screen_rows) */
     const int32_t *pen; /* the penalized and the banned tokens, ascending, and how many */
     int32_t n_pen;
     int64_t n_left; /* out: the rows stage 1 left (stage 2 narrowed them) */
@@ -448,14 +449,6 @@ static float threshold(screen_job *j, const se_acts *a, int ith, int nth, float 
     return thr;
 }
 
-/* The rows a sample can take have logits at or above the top-k threshold thr and, on the min-p
- * route, at or above min-p's, best logit + log(min_p): best is a logit some row has, so at most
- * the largest one, and the float sum rounds the same way (NAN stays NAN: no screen) */
-static float cutoff(const screen_job *j, float thr, float best) {
-    const float t = best + j->log_min_p;
-    return j->min_p && thr == thr && t > thr ? t : thr;
-}
-
 static void screen_rows(void *arg, int ith, int nth) {
     screen_job *j = arg;
     se_context *c = j->c;
@@ -478,8 +471,15 @@ static void screen_rows(void *arg, int ith, int nth) {
     }
     my_top(j, ith, r0, r1, NULL, 0, -INFINITY);
     se_pool_barrier(c->pool);
+    /* the rows a sample can take have logits at or above the top-k threshold and, with min-p, at or
+     * above best + logf(min_p): best is a logit some row has, so at most the largest one, and the
+     * float sum rounds the same way. Min-p's route, where that cut is the higher one, keeps the
+     * rows that reach it; else the top-k rule as without min-p (everything here is the same on
+     * every thread) */
     float best = -INFINITY;
-    const float thr1 = threshold(j, &a, ith, nth, &best), cut1 = cutoff(j, thr1, best); /* the same on every thread */
+    const float thr1 = threshold(j, &a, ith, nth, &best);
+    const int route = j->min_p && thr1 == thr1 && best + j->log_min_p > thr1;
+    const float cut1 = route ? best + j->log_min_p : thr1;
     /* the rows stage 1 left, in order, to this thread's part of cand (the rest of the screen looks
      * at them only); stage 2 for those not penalized (a penalized row's interval is its exact value) */
     se_cand *left = c->cand + r0;
@@ -499,8 +499,11 @@ static void screen_rows(void *arg, int ith, int nth) {
      * leaves many */
     my_top(j, ith, r0, r1, left, n_kept, cut1);
     se_pool_barrier(c->pool);
-    const float thr2 = thr1 == thr1 ? threshold(j, &a, ith, nth, &best) : NAN;
-    const float thr = cutoff(j, thr2 > thr1 ? thr2 : thr1, best);
+    const float thr2 = thr1 == thr1 ? threshold(j, &a, ith, nth, &best) : NAN, thr_k = thr2 > thr1 ? thr2 : thr1;
+    /* the route ends when the top-k threshold has passed min-p's cut: its candidates then hold the
+     * top k, as without min-p (a row that stage 1 left out is below min-p's cut, so below it) */
+    const float t = best + j->log_min_p, thr = route && t > thr_k ? t : thr_k;
+    if (ith == 0) j->route = route && t > thr_k;
     int32_t n_cand = 0; /* the candidates, in place of the rows left (n_cand <= i) */
     for (int32_t i = 0; i < n_kept && thr == thr; i++)
         if (hi[left[i].id] >= thr) left[n_cand++] = (se_cand){ left[i].id, lo[left[i].id] };
@@ -672,9 +675,9 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     for (int32_t i = 0; i < c->n_ban; i++)
         if (c->counts[c->ban[i]]++ == 0) pen[n_pen++] = c->ban[i];
     qsort(pen, (size_t)n_pen, sizeof *pen, se_cmp_i32);
-    /* the min-p route where the sampler applies min-p after the top k at temperature > 0 */
+    /* min-p's route where the sampler applies min-p after the top k at temperature > 0 */
     const int min_p = k > 1 && sp->min_p > 0.0f && sp->min_p <= 1.0f;
-    screen_job j = { c, s, sp, k, min_p, min_p ? logf(sp->min_p) : 0, pen, n_pen, 0 };
+    screen_job j = { c, s, sp, k, min_p, min_p ? logf(sp->min_p) : 0, 0, pen, n_pen, 0 };
     int nth = c->cp.n_threads;
     const int from_pass = c->scr_ready;
     se_pool_run(c->pool, nth, screen_rows, &j);
@@ -688,17 +691,17 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
         memmove(c->cand + n, c->cand + r0, (size_t)c->scr_n[t] * sizeof(se_cand));
         n += c->scr_n[t];
     }
-    if (n < (min_p ? 1 : k)) { /* a bound that is not a number (the input was not): the full head decides */
+    if (n < (j.route ? 1 : k)) { /* a bound that is not a number (the input was not): the full head decides */
         c->screen_stats[2]++;
         return -1;
     }
     const int32_t n_exact = n;
-    if (min_p && (n = screened_survivors(c, sp, k, n)) < 0) {
+    if (j.route && (n = screened_survivors(c, sp, k, n)) < 0) {
         c->screen_stats[6]++;
         return -1;
     }
-    *final = min_p;
-    c->screen_stats[5] += min_p;
+    *final = j.route;
+    c->screen_stats[5] += j.route;
     c->screen_stats[0]++;
     c->screen_stats[1] += n_exact;
     c->screen_stats[3] += j.n_left;
