@@ -210,8 +210,7 @@ typedef struct {
     const se_screen *s;
     const se_sampling_params *sp;
     int k;
-    int min_p;        /* min-p's route can be taken: the sampler's min-p is on at temperature > 0 */
-    float log_min_p;  /* logf(min_p), as sampling.c adds it to the best logit */
+    float log_min_p;  /* logf(min_p), as sampling.c adds it to the best logit; -inf: no min-p's route */
     int route;        /* out: the screen took min-p's route (screen_rows) */
     const int32_t *pen; /* the penalized and the banned tokens, ascending, and how many */
     int32_t n_pen;
@@ -478,7 +477,7 @@ static void screen_rows(void *arg, int ith, int nth) {
      * every thread) */
     float best = -INFINITY;
     const float thr1 = threshold(j, &a, ith, nth, &best);
-    const int route = j->min_p && thr1 == thr1 && best + j->log_min_p > thr1;
+    const int route = best + j->log_min_p > thr1; /* false for a NaN thr1 */
     const float cut1 = route ? best + j->log_min_p : thr1;
     /* the rows stage 1 left, in order, to this thread's part of cand (the rest of the screen looks
      * at them only); stage 2 for those not penalized (a penalized row's interval is its exact value) */
@@ -677,7 +676,7 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     qsort(pen, (size_t)n_pen, sizeof *pen, se_cmp_i32);
     /* min-p's route where the sampler applies min-p after the top k at temperature > 0 */
     const int min_p = k > 1 && sp->min_p > 0.0f && sp->min_p <= 1.0f;
-    screen_job j = { c, s, sp, k, min_p, min_p ? logf(sp->min_p) : 0, 0, pen, n_pen, 0 };
+    screen_job j = { c, s, sp, k, min_p ? logf(sp->min_p) : -INFINITY, 0, pen, n_pen, 0 };
     int nth = c->cp.n_threads;
     const int from_pass = c->scr_ready;
     se_pool_run(c->pool, nth, screen_rows, &j);
