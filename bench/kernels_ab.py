@@ -5,7 +5,7 @@
 Build the other one from a worktree: `git worktree add /tmp/old REV && cd /tmp/old &&
 python setup.py build_ext --inplace` (the library is reference_engine/_core*.so). Each build's
 se_matmul runs in turn on the same random weights (the shapes of SmolLM2's and Gemma's matmuls)
-for 1, 4 and 64 tokens, five rounds; the best time of each is printed as GMAC/s on one thread,
+for 1, 4, 8 and 64 tokens, five rounds; the best time of each is printed as GMAC/s on one thread,
 weights in cache. A kernel-level figure: end-to-end speed is infer-bench's.
 """
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     print("type rows k tokens " + " ".join(f"{n}_GMAC/s" for n in libs))
     for t, rows, k in CASES:
         w = K.random_weights(t, rows, k, rng)
-        for n in (1, 4, 64):
+        for n in (1, 4, 8, 64):
             act = K.quantize(K.traits(t).act_type, rng.standard_normal((n, k)).astype(np.float32))
             y = np.empty((n, rows), np.float32)
             best = dict.fromkeys(libs, float("inf"))

@@ -50,11 +50,12 @@ INLINE float hsum16(__m512 v) {
     v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
     return _mm_cvtss_f32(fold_lanes(v));
 }
-INLINE void hsum16x4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
+INLINE __m128 hsum16x4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
     const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    _mm_storeu_ps(out, fold_lanes(_mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE))));
+    return fold_lanes(_mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE)));
 }
+INLINE void hsum16x4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) { _mm_storeu_ps(out, hsum16x4_ps(a, b, c, d)); }
 
 /* ---------------------------------------------------------------- legacy 32-blocks */
 
@@ -222,6 +223,20 @@ INLINE void hsum_tiles(const __m512 *acc, int nk, float *out) {
     int k = 0;
     for (; k + 4 <= nk; k += 4) hsum16x4(acc[k], acc[k + 1], acc[k + 2], acc[k + 3], out + k);
     for (; k < nk; k++) out[k] = hsum16(acc[k]);
+}
+/* The same sums stored down a column: out[k * ld]. From registers, one float at a time: a store
+ * of four floats read back as a vector stalls the load (no store forwarding across two stores),
+ * and a compiler's scatter costs more than the sums. */
+INLINE void hsum_tiles_column(const __m512 *acc, int nk, float *out, int64_t ld) {
+    int k = 0;
+    for (; k + 4 <= nk; k += 4) {
+        const __m128 v = hsum16x4_ps(acc[k], acc[k + 1], acc[k + 2], acc[k + 3]);
+        _mm_store_ss(out + k * ld, v);
+        _mm_store_ss(out + (k + 1) * ld, _mm_movehdup_ps(v));
+        _mm_store_ss(out + (k + 2) * ld, _mm_unpackhi_ps(v, v));
+        _mm_store_ss(out + (k + 3) * ld, _mm_shuffle_ps(v, v, 3));
+    }
+    for (; k < nk; k++) out[k * ld] = hsum16(acc[k]);
 }
 
 /* The scales of two Q4_K/Q5_K super-blocks xa, xb (two == 0: xb == xa is a lone last one, whose

@@ -225,8 +225,9 @@ INLINE void sb_group(int type, const int nt, const int packed, int64_t k, const 
     }
 }
 
-/* One weight row x nt tokens: out[c], from the tokens' groups side[c * ng + g]. */
-INLINE void sb_row(int type, const int nt, int64_t k, const uint8_t *x, const sb_act *side, int64_t ng, float *out) {
+/* One weight row x nt tokens: out[c * ldy], from the tokens' groups side[c * ng + g]. */
+INLINE void sb_row(int type, const int nt, int64_t k, const uint8_t *x, const sb_act *side, int64_t ng, float *out,
+                   int64_t ldy) {
     __m512 acc[SB_TOKENS];
 #pragma GCC unroll 8
     for (int c = 0; c < nt; c++) acc[c] = _mm512_setzero_ps();
@@ -234,7 +235,7 @@ INLINE void sb_row(int type, const int nt, int64_t k, const uint8_t *x, const sb
         if (sb_packed(type, k, g)) sb_group(type, nt, 1, k, x, g, side, ng, acc);
         else sb_group(type, nt, 0, k, x, g, side, ng, acc);
     }
-    hsum_tiles(acc, nt, out);
+    hsum_tiles_column(acc, nt, out, ldy);
 }
 
 /* se_matmul for a few tokens (se_gemm_fn's contract): the activations into lanes once, then each
@@ -254,18 +255,17 @@ INLINE int small_batch(int type, int64_t k, const void *W, size_t wrow, const vo
         for (int c0 = 0; c0 < n_tok; c0 += SB_TOKENS) {
             const int nt = n_tok - c0 < SB_TOKENS ? n_tok - c0 : SB_TOKENS;
             const sb_act *s = side + c0 * ng;
-            float out[SB_TOKENS];
+            float *out = y + c0 * ldy + r;
             switch (nt) { /* a constant token count for each: the loops over tokens unroll */
-            case 1: sb_row(type, 1, k, x, s, ng, out); break;
-            case 2: sb_row(type, 2, k, x, s, ng, out); break;
-            case 3: sb_row(type, 3, k, x, s, ng, out); break;
-            case 4: sb_row(type, 4, k, x, s, ng, out); break;
-            case 5: sb_row(type, 5, k, x, s, ng, out); break;
-            case 6: sb_row(type, 6, k, x, s, ng, out); break;
-            case 7: sb_row(type, 7, k, x, s, ng, out); break;
-            default: sb_row(type, 8, k, x, s, ng, out); break;
+            case 1: sb_row(type, 1, k, x, s, ng, out, ldy); break;
+            case 2: sb_row(type, 2, k, x, s, ng, out, ldy); break;
+            case 3: sb_row(type, 3, k, x, s, ng, out, ldy); break;
+            case 4: sb_row(type, 4, k, x, s, ng, out, ldy); break;
+            case 5: sb_row(type, 5, k, x, s, ng, out, ldy); break;
+            case 6: sb_row(type, 6, k, x, s, ng, out, ldy); break;
+            case 7: sb_row(type, 7, k, x, s, ng, out, ldy); break;
+            default: sb_row(type, 8, k, x, s, ng, out, ldy); break;
             }
-            for (int c = 0; c < nt; c++) y[(c0 + c) * ldy + r] = out[c];
         }
     }
     return 0;
