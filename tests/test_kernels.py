@@ -382,10 +382,11 @@ def test_small_batches_equal_single_token(t, isa):
     """The steps of batched decoding (2 to 8 tokens, and a few more in passes of 8) take the
     small-batch path (kernels.h): each token's outputs are its one-token outputs bit for bit, for
     rows of whole groups of 16 blocks, of a short last group of at most 8 blocks (packed; SmolLM2's
-    576 = 16 + 2 blocks, Gemma-3's 640 = 16 + 4) or more, and odd K-quant super-block counts."""
+    576 = 16 + 2 blocks, Gemma-3's 640 = 16 + 4; 1 to 4 blocks) or more, and odd K-quant super-block
+    counts."""
     rng = rng_for("small", t)
     per = block(t) if block(t) > 1 else 32
-    for blocks in (2, 5, 16, 18, 20, 29, 48) if per == 32 else (1, 2, 3, 4, 7):
+    for blocks in (2, 5, 16, 17, 18, 19, 20, 29, 48) if per == 32 else (1, 2, 3, 4, 7):
         rows, k = 21, per * blocks
         w = weights(t, rows, k, rng, sources(t)[-1])
         x = rng.standard_normal((12, k)).astype(np.float32)
