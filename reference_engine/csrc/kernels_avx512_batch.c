@@ -225,15 +225,131 @@ INLINE void sb_group(int type, const int nt, const int packed, int64_t k, const 
     }
 }
 
+/* A short last group of at most 4 blocks (SmolLM2's rows of 18 blocks end with 2, Gemma-3's
+ * legacy rows of 20 with 4), for the tokens of a pass at once. Packed per token (sb_group), it
+ * costs 4 vpdpbusd and the float steps on whole vectors a token, for 1 to 4 useful lanes. Here T
+ * tokens share one set of lanes: lane i*S + b is block b of the set's token i (S = 2 or 4 lanes a
+ * token, T = 16/S tokens a set). 8 vpdpbusd give the set's block sums; the tokens' accumulator
+ * lanes of those blocks (block b in LANE32's lane TAIL_LANE[b]) are gathered into one vector,
+ * take a packed group's float steps there (the same operations on the same values: the same
+ * bits) and go back. The other lanes, which a packed group adds +-0 to (their scales are zero;
+ * a sum that starts at +0 is never -0, so that leaves it), are left as they are. In process, a
+ * step of 8 SmolLM2 sequences ran about 4% faster (Zen 4; one thread in cache, 576-long Q4_1 rows
+ * at 8 tokens: 65 -> 74 GMAC/s). */
+#define TAIL_MAX 4
+static const int TAIL_LANE[TAIL_MAX] = { 0, 4, 1, 5 };
+/* [S == 4], lane l holding block l % S: TAIL_HOME, the set's lane to put back at a token's lane
+ * of block b; TAIL_PAIR, where two tokens' lanes come from (the odd token's: 16 + ...); TAIL_BLOCK,
+ * the block; TAIL_QUAD, its first dword among unpack2's (two blocks of 8 dwords a vector). */
+static const int32_t TAIL_HOME[2][16] = { { 0, 0, 0, 0, 1 }, { 0, 2, 0, 0, 1, 3 } };
+static const int32_t TAIL_PAIR[2][16] = { { 0, 4, 16, 20, 0, 4, 16, 20, 0, 4, 16, 20, 0, 4, 16, 20 },
+                                          { 0, 4, 1, 5, 16, 20, 17, 21, 0, 4, 1, 5, 16, 20, 17, 21 } };
+static const int32_t TAIL_BLOCK[2][16] = { { 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1 },
+                                           { 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3 } };
+static const int32_t TAIL_QUAD[2][16] = { { 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8 },
+                                          { 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24 } };
+static const __mmask16 TAIL_LANES[2] = { 0x11, 0x33 }; /* a token's lanes of blocks 0..S-1 */
+typedef struct {
+    __m512i q[8];  /* q[v] lane i*S + b: quants 4v..4v+3 of block b of the set's token i (zero past the end) */
+    __m512 d, s;   /* the tokens' sb_act d and s of those blocks, in the set's lanes */
+    __m512i bias;  /* and bias */
+} sb_tail;
+
+/* The blocks in a legacy row's short last group, 0 if it has none (a K-quant, or more than 4). */
+INLINE int sb_tail_count(int type, int64_t k) {
+    if (se_types[type].blck != SE_QK) return 0;
+    const int cnt = sb_count(k, sb_groups(type, k) - 1);
+    return cnt <= TAIL_MAX ? cnt : 0;
+}
+INLINE int tail_stride(int cnt) { return cnt <= 2 ? 2 : 4; }
+
+/* The activations' sets of the last group's cnt blocks, T tokens a set, from n_tok rows and
+ * their groups side[c * ng + g]. */
+static void sb_tail_sets(int type, int64_t k, int cnt, const uint8_t *act, size_t arow, int n_tok, const sb_act *side,
+                         int64_t ng, sb_tail *o) {
+    const se_type_traits *at = &se_types[se_types[type].act_type];
+    const int S = tail_stride(cnt), T = 16 / S;
+    const int64_t first = k / SE_QK - cnt;
+    for (int set = 0; set * T < n_tok; set++) {
+        int32_t q[8][16] = { { 0 } }, bias[16] = { 0 };
+        float d[16] = { 0 }, sm[16] = { 0 };
+        for (int i = 0; i < T && set * T + i < n_tok; i++) {
+            const int c = set * T + i;
+            const sb_act *a = side + c * ng + ng - 1;
+            for (int b = 0; b < cnt; b++) {
+                const int l = i * S + b, p = TAIL_LANE[b];
+                const uint8_t *y = act + (size_t)c * arow + (first + b) * at->size + at->qs_offset;
+                for (int v = 0; v < 8; v++) memcpy(&q[v][l], y + 4 * v, 4);
+                d[l] = ((const float *)&a->d)[p], sm[l] = ((const float *)&a->s)[p];
+                bias[l] = ((const int32_t *)&a->bias)[p];
+            }
+        }
+        for (int v = 0; v < 8; v++) o[set].q[v] = _mm512_loadu_si512(q[v]);
+        o[set].d = _mm512_loadu_ps(d), o[set].s = _mm512_loadu_ps(sm), o[set].bias = _mm512_loadu_si512(bias);
+    }
+}
+
+/* The last group g (packed) of one weight row x nt tokens, S lanes a token (nt and S: constants
+ * once inlined), added to acc[c] as sb_group adds a packed group. */
+INLINE void sb_tail_group(int type, const int nt, const int S, int64_t k, const uint8_t *x, int64_t g,
+                          const sb_tail *tails, __m512 *acc) {
+    const se_type_traits *t = &se_types[type];
+    const int T = 16 / S, ws = t->size, cnt = sb_count(k, g);
+    /* the weights' blocks in every token's lanes: from their quants as bytes (unpack2: dword v of
+     * block b at 8b + v), and their scales (past cnt: zero, as in a packed group) */
+    const uint8_t *xb = x + 16 * g * ws;
+#define BLK(b) (xb + ((b) < cnt ? (b) : cnt - 1) * ws)
+    const __m512i u01 = unpack2(type, BLK(0), BLK(1)), u23 = S == 4 ? unpack2(type, BLK(2), BLK(3)) : u01;
+    const __m512i quad = _mm512_loadu_si512(TAIL_QUAD[S == 4]);
+    __m512i w[8];
+    for (int v = 0; v < 8; v++) w[v] = _mm512_permutex2var_epi32(u01, _mm512_add_epi32(quad, _mm512_set1_epi32(v)), u23);
+    const __m512i h = _mm512_zextsi128_si512(_mm_setr_epi32(cnt > 0 ? (int)ld32(BLK(0)) : 0, cnt > 1 ? (int)ld32(BLK(1)) : 0,
+                                                            cnt > 2 ? (int)ld32(BLK(2)) : 0, cnt > 3 ? (int)ld32(BLK(3)) : 0));
+#undef BLK
+    const __m512i block = _mm512_loadu_si512(TAIL_BLOCK[S == 4]);
+    const __m512i home = _mm512_loadu_si512(TAIL_HOME[S == 4]), pair = _mm512_loadu_si512(TAIL_PAIR[S == 4]);
+    const __m512 wd_set = _mm512_permutexvar_ps(block, low_halves(h)), wm_set = _mm512_permutexvar_ps(block, high_halves(h));
+#pragma GCC unroll 4
+    for (int set = 0; set * T < nt; set++) {
+        const sb_tail *a = tails + set;
+        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+        for (int v = 0; v < 8; v += 2) {
+            i0 = _mm512_dpbusd_epi32(i0, w[v], a->q[v]);
+            i1 = _mm512_dpbusd_epi32(i1, w[v + 1], a->q[v + 1]);
+        }
+        __m512i isum = _mm512_add_epi32(i0, i1);
+        if (t->q_offset) isum = _mm512_add_epi32(isum, a->bias);
+        /* the tokens' lanes, two tokens (2S lanes) a permute */
+        __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int i = 0; i < T; i += 2)
+            if (set * T + i < nt) {
+                const __m512 a0 = acc[set * T + i], a1 = set * T + i + 1 < nt ? acc[set * T + i + 1] : a0;
+                sum = _mm512_mask_mov_ps(sum, (__mmask16)(((1u << 2 * S) - 1) << (i * S)), _mm512_permutex2var_ps(a0, pair, a1));
+            }
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd_set, a->d), sum);
+        if (t->has_min) sum = _mm512_fmadd_ps(wm_set, a->s, sum);
+#pragma GCC unroll 8
+        for (int i = 0; i < T; i++)
+            if (set * T + i < nt)
+                acc[set * T + i] = _mm512_mask_permutexvar_ps(acc[set * T + i], TAIL_LANES[S == 4],
+                                                              _mm512_add_epi32(home, _mm512_set1_epi32(i * S)), sum);
+    }
+}
+
 /* One weight row x nt tokens: out[c * ldy], from the tokens' groups side[c * ng + g]. */
-INLINE void sb_row(int type, const int nt, int64_t k, const uint8_t *x, const sb_act *side, int64_t ng, float *out,
-                   int64_t ldy) {
+INLINE void sb_row(int type, const int nt, int64_t k, const uint8_t *x, const sb_act *side, int64_t ng, int tail,
+                   const sb_tail *tails, float *out, int64_t ldy) {
     __m512 acc[SB_TOKENS];
 #pragma GCC unroll 8
     for (int c = 0; c < nt; c++) acc[c] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
+    for (int64_t g = 0; g < (tail ? ng - 1 : ng); g++) {
         if (sb_packed(type, k, g)) sb_group(type, nt, 1, k, x, g, side, ng, acc);
         else sb_group(type, nt, 0, k, x, g, side, ng, acc);
+    }
+    if (tail) {
+        if (tail_stride(tail) == 2) sb_tail_group(type, nt, 2, k, x, ng - 1, tails, acc);
+        else sb_tail_group(type, nt, 4, k, x, ng - 1, tails, acc);
     }
     hsum_tiles_column(acc, nt, out, ldy);
 }
@@ -243,10 +359,14 @@ INLINE void sb_row(int type, const int nt, int64_t k, const uint8_t *x, const sb
 INLINE int small_batch(int type, int64_t k, const void *W, size_t wrow, const void *act, size_t arow, int n_tok,
                        float *y, int64_t ldy, int64_t r0, int64_t r1) {
     const int64_t ng = sb_groups(type, k);
-    sb_act *side = se_thread_scratch((size_t)n_tok * (size_t)ng * sizeof(sb_act));
+    const int tail = sb_tail_count(type, k), per_set = 16 / tail_stride(tail);
+    const size_t n_side = (size_t)n_tok * (size_t)ng, n_sets = tail ? (size_t)(n_tok + per_set - 1) / per_set : 0;
+    sb_act *side = se_thread_scratch(n_side * sizeof(sb_act) + n_sets * sizeof(sb_tail));
     if (!side) return -1;
+    sb_tail *tails = (sb_tail *)(side + n_side);
     for (int c = 0; c < n_tok; c++)
         for (int64_t g = 0; g < ng; g++) sb_act_group(type, k, (const uint8_t *)act + (size_t)c * arow, g, side + c * ng + g);
+    if (tail) sb_tail_sets(type, k, tail, act, arow, n_tok, side, ng, tails);
     const int64_t ahead = (int64_t)(SE_PREFETCH_BYTES / wrow) + 1;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *x = (const uint8_t *)W + (size_t)r * wrow;
@@ -255,16 +375,17 @@ INLINE int small_batch(int type, int64_t k, const void *W, size_t wrow, const vo
         for (int c0 = 0; c0 < n_tok; c0 += SB_TOKENS) {
             const int nt = n_tok - c0 < SB_TOKENS ? n_tok - c0 : SB_TOKENS;
             const sb_act *s = side + c0 * ng;
+            const sb_tail *ts = tails + c0 / per_set;
             float *out = y + c0 * ldy + r;
             switch (nt) { /* a constant token count for each: the loops over tokens unroll */
-            case 1: sb_row(type, 1, k, x, s, ng, out, ldy); break;
-            case 2: sb_row(type, 2, k, x, s, ng, out, ldy); break;
-            case 3: sb_row(type, 3, k, x, s, ng, out, ldy); break;
-            case 4: sb_row(type, 4, k, x, s, ng, out, ldy); break;
-            case 5: sb_row(type, 5, k, x, s, ng, out, ldy); break;
-            case 6: sb_row(type, 6, k, x, s, ng, out, ldy); break;
-            case 7: sb_row(type, 7, k, x, s, ng, out, ldy); break;
-            default: sb_row(type, 8, k, x, s, ng, out, ldy); break;
+            case 1: sb_row(type, 1, k, x, s, ng, tail, ts, out, ldy); break;
+            case 2: sb_row(type, 2, k, x, s, ng, tail, ts, out, ldy); break;
+            case 3: sb_row(type, 3, k, x, s, ng, tail, ts, out, ldy); break;
+            case 4: sb_row(type, 4, k, x, s, ng, tail, ts, out, ldy); break;
+            case 5: sb_row(type, 5, k, x, s, ng, tail, ts, out, ldy); break;
+            case 6: sb_row(type, 6, k, x, s, ng, tail, ts, out, ldy); break;
+            case 7: sb_row(type, 7, k, x, s, ng, tail, ts, out, ldy); break;
+            default: sb_row(type, 8, k, x, s, ng, tail, ts, out, ldy); break;
             }
         }
     }
