@@ -43,6 +43,7 @@ class BatchStats:
     rows: int = 0  # contexts evaluated, summed over steps (rows / steps = the mean batch size)
     tokens: int = 0  # tokens evaluated, summed over steps
     max_rows: int = 0
+    seconds: float = 0.0  # the steps' evaluations, summed
 
 
 class Batcher:
@@ -121,11 +122,13 @@ class Batcher:
         self._leader = None
         self._stepping = True
         self._lock.release()
+        t0 = time.monotonic()
         try:
             results = _run(items)
         finally:
             self._lock.acquire()
             self._stepping = False
+        self.stats.seconds += time.monotonic() - t0
         self.stats.steps += 1
         self.stats.rows += len(items)
         self.stats.tokens += sum(len(t) for _, t in items)

@@ -409,6 +409,8 @@ def test_served_concurrent_answers_equal_solo_answers(smollm2_path: Any) -> None
     assert values["batch_size_max"] >= 2 and values["n_busy_slots_per_decode"] > 1
     assert values["time_to_first_token_seconds_count"] == 8 and values["queue_seconds_count"] == 8
     assert values["inter_token_latency_seconds_count"] > 0
+    assert values["batch_step_seconds_count"] == values["n_decode_total"]
+    assert values["batch_step_seconds_sum"] > 0
 
 
 @pytest.mark.parametrize("flags", [[], ["--no-batching"]], ids=["batched", "no-batching"])

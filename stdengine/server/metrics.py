@@ -129,6 +129,14 @@ class Metrics:
             ("time_to_first_token_seconds", self.ttft, "Time from a request's arrival to its first token."),
             ("inter_token_latency_seconds", self.itl, "Time between a request's consecutive tokens."),
         ]
+        if batch is not None:
+            summaries.append(
+                (
+                    "batch_step_seconds",
+                    [batch.seconds, batch.steps],
+                    "Time each batched step's evaluation took.",
+                )
+            )
         for name, (total, count), help_text in summaries:
             out.append(f"# HELP {PREFIX}{name} {help_text}")
             out.append(f"# TYPE {PREFIX}{name} summary")
