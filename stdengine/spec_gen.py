@@ -40,7 +40,23 @@ def schemas() -> dict[str, dict[str, Any]]:
 def recipe_schema() -> dict[str, Any]:
     from stdengine.recipes import Recipe
 
-    return Recipe.model_json_schema()
+    return _float_bounds(Recipe.model_json_schema())
+
+
+def _float_bounds(node: Any) -> Any:
+    """The bounds of a "number" as floats, as the options schema writes them. Pydantic writes the
+    recipe's optional copies of the options' bounds as 0 or as 0.0 depending on what the process
+    built before (serving a request flips it), and the committed schema must not depend on that."""
+    if isinstance(node, list):
+        return [_float_bounds(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _float_bounds(v) for k, v in node.items()}
+    if out.get("type") == "number":
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            if isinstance(out.get(key), int):
+                out[key] = float(out[key])
+    return out
 
 
 def event_schema() -> dict[str, Any]:
