@@ -29,24 +29,25 @@ BUILTIN_ENGINES: dict[str, str] = {
 
 
 def schemas() -> dict[str, dict[str, Any]]:
-    return {
+    made = {
         "options.schema.json": Options.model_json_schema(),
         "config.schema.json": ConfigFile.model_json_schema(),
         "event.schema.json": event_schema(),
         "recipe.schema.json": recipe_schema(),
     }
+    return {name: _float_bounds(schema) for name, schema in made.items()}
 
 
 def recipe_schema() -> dict[str, Any]:
     from stdengine.recipes import Recipe
 
-    return _float_bounds(Recipe.model_json_schema())
+    return Recipe.model_json_schema()
 
 
 def _float_bounds(node: Any) -> Any:
-    """The bounds of a "number" as floats, as the options schema writes them. Pydantic writes the
-    recipe's optional copies of the options' bounds as 0 or as 0.0 depending on what the process
-    built before (serving a request flips it), and the committed schema must not depend on that."""
+    """The bounds of a "number" as floats. Pydantic writes some (the recipe's optional copies of the
+    options' bounds) as 0 or as 0.0 depending on what the process built before (serving a request
+    flips it), and the committed schemas must not depend on that."""
     if isinstance(node, list):
         return [_float_bounds(v) for v in node]
     if not isinstance(node, dict):
