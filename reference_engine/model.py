@@ -201,6 +201,7 @@ class Model:
             self.close()
             slot = {v: k for k, v in SLOTS.items()}.get(bad_slot.value, "?")
             raise _bad(path, f"tensor slot {slot} of layer {bad_layer.value} is missing or unusable")
+        api.se_model_set_file_mapped(handle, 1)  # the tensors are views of the read-only mapping above
         return self
 
     def offload(self, device: core.Device, n_gpu_layers: int) -> None:

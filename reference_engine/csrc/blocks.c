@@ -306,7 +306,9 @@ void se_forward_prologue(se_context *c, int ith, int nth) {
     se_to_float_fn to_float = se_traits(m->token_embd.type)->to_float;
     for (int64_t t = t0; t < t1; t++) {
         float *x = c->x + t * hp->n_embd;
-        const char *row = (const char *)m->token_embd.data + (size_t)c->ub_tokens[t] * m->token_embd.row_size;
+        uint8_t rebuilt[SE_SCREEN_MAX_NB * 34]; /* a tied head's row from the screen's planes: its pages may have left memory */
+        const void *row = se_screen_embedding_row(m, c->ub_tokens[t], rebuilt);
+        if (!row) row = (const char *)m->token_embd.data + (size_t)c->ub_tokens[t] * m->token_embd.row_size;
         to_float(row, x, hp->n_embd);
         if (hp->embd_scale != 1.0f)
             for (int i = 0; i < hp->n_embd; i++) x[i] *= hp->embd_scale;

@@ -122,6 +122,10 @@ SE_API int se_model_set_layer(se_model *m, int32_t layer, float rope_base, int32
 /* Checks that every required tensor is present. Returns SE_OK or SE_ERR_MISSING; then
  * *bad_layer / *bad_slot (if not NULL) name the first missing one. */
 SE_API int se_model_finalize(se_model *m, int32_t *bad_layer, int32_t *bad_slot);
+/* Says that the tensors' data lie in a read-only mapping of the model file, so that pages this
+ * process no longer needs may leave its memory (they are read again from the file when needed):
+ * the head's, once the screen's planes hold it (screen.c). Off by default. */
+SE_API int se_model_set_file_mapped(se_model *m, int32_t on);
 SE_API void se_model_free(se_model *m);
 
 SE_API se_context *se_context_new(const se_model *m, const se_context_params *cp);
@@ -171,6 +175,11 @@ SE_API int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n);
 SE_API int se_context_set_lazy_head(se_context *c, int32_t on); /* 2: as 1, and never fall back
                                                                   * to the full head for speed (tests) */
 SE_API int se_context_head(se_context *c);
+/* The pending head as a screened sampler's fallback computes it where the screen's planes stand for
+ * the head (a head that outweighs the layers): from the planes, with the full head's bits, so that
+ * the head's pages stay out of memory. SE_ERR_INVALID when nothing is pending or there are no such
+ * planes (yet). */
+SE_API int se_context_head_from_planes(se_context *c);
 /* What the context's next sample will need, for a pass of several contexts (se_decode_batch): with
  * the lazy head on and sp a sampler that a screen serves, the pass leaves this context's head
  * pending too, with the screen's stage 1 done for it in the pass (the 4-bit plane read once for
@@ -198,10 +207,15 @@ SE_API int64_t se_rows_taken_from_others(void);
 SE_API int32_t se_context_screen(se_context *c, int32_t k, int32_t *ids, float *logits, int32_t cap);
 SE_API const float *se_context_screen_bounds(const se_context *c, int32_t upper);
 /* For tests: the intervals the screen gives rows (n_rows Q8_0 rows of n weights, n a multiple of
- * 64) for one token's Q8_0 activations, with the kernels of the ISA in use: stage 1's (stages 1)
- * or stage 2's on every row (2). SE_ERR_INVALID for a bad shape or a negative scale. */
+ * 64) for one token's Q8_0 activations, with the kernels of the ISA in use: stage 1's (stages 1),
+ * stage 2's on every row (2), or stage 3's after it (3, planes that keep the low bits). SE_ERR_INVALID
+ * for a bad shape or a negative scale. */
 SE_API int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const void *act, int32_t stages,
                                  float *lo, float *hi);
+/* For tests: n_rows Q8_0 rows of n weights into the planes that stand for them (low bits kept),
+ * then each row rebuilt from them into out (n_rows rows of the same bytes) by the ISA in use's
+ * kernel. SE_ERR_INVALID for a bad shape or a negative scale. */
+SE_API int se_screen_rows_test(const void *rows, int64_t n_rows, int64_t n, void *out);
 /* Bytes of the model's screen planes (0 until the first screened sample builds them) */
 SE_API size_t se_model_screen_bytes(const se_model *m);
 
@@ -274,6 +288,7 @@ struct se_model {
     struct se_screen *screen;           /* the head's screen plane (screen.c), built at first use */
     int screen_state;                   /* 0: not tried yet, 1: built, -1: the head cannot be screened */
     pthread_mutex_t screen_lock;
+    int file_mapped;                    /* se_model_set_file_mapped */
 };
 
 /* One thread's private scratch. */
@@ -366,6 +381,7 @@ struct se_context {
     int32_t *scr_ids;        /* [n_vocab] the rows stage 1 left, each thread's in its own range */
     float *scr_up, *scr_down; /* [n_vocab] their stage-2 moves */
     void *scr_act;           /* [pool threads] the token's activations as the bound kernels read them */
+    void *scr_rows;          /* [pool threads] rows of the head rebuilt from the planes (screen.c) */
     size_t scr_act_bytes;
     int64_t screen_stats[SE_SCREEN_STATS]; /* se_context_screen_stats */
     int32_t screen_skip;     /* samples left that take the full head instead of a screen */
@@ -393,6 +409,9 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
 /* Whether a pass of several contexts (run by c) can leave ctx's head pending with stage 1 done,
  * readying the plane and ctx's buffers (on ctx's idle pool) */
 int se_screen_defer(se_context *c, se_context *ctx);
+/* Token t's embedding row from the screen's planes when they hold the (tied) embedding, into row
+ * (the bytes the model stores); NULL when they do not: read the tensor */
+const void *se_screen_embedding_row(const se_model *m, int32_t t, void *row);
 /* A logit after the penalties of a token seen n times in the window */
 float se_penalized(float l, int32_t n, const se_sampling_params *sp);
 #endif

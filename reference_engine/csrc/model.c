@@ -100,6 +100,12 @@ se_model *se_model_new(const se_hparams *hp) {
     return m;
 }
 
+int se_model_set_file_mapped(se_model *m, int32_t on) {
+    if (!m) return SE_ERR_INVALID;
+    m->file_mapped = on != 0;
+    return SE_OK;
+}
+
 void se_model_free(se_model *m) {
     if (!m) return;
     if (m->dev) se_dev_model_free(m->dev); /* its contexts were freed first (engine.h) */

@@ -13,9 +13,12 @@
  *     from those: the same token the full head would give;
  *   - anything else (se_context_head: the logits themselves, any other sampler) runs the full
  *     head first.
- * The planes are built once per model, at the first screened sample (73-75% of a Q8_0 head's
- * bytes, of which a screen reads the 4-bit plane, 53%, and a few rows' fifth bits). Models whose
- * head is not Q8_0, or is on a device, are never screened.
+ * The planes are built once per model, at the first screened sample (75% of a Q8_0 head's bytes,
+ * of which a screen reads the 4-bit plane, 53%, and a few rows' fifth bits). Where the head
+ * outweighs the layers and is read from the model's file mapping (Gemma-3) they keep the low bits
+ * too (108%) and stand for the head: exact rows, a screened sampler's fallback and a tied model's
+ * embeddings are rebuilt from them, and the head's pages leave memory. Models whose head is not
+ * Q8_0, or is on a device, are never screened.
  */
 #define _GNU_SOURCE
 #define SE_ENGINE_INTERNAL
@@ -28,6 +31,8 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 /* ggml's Q8_0 block, the head's type (kernels.h has it as se_blk_q8_0, for the kernels' files only) */
 #define SE_QK 32
@@ -48,6 +53,7 @@ int se_screen_possible(const se_model *m) {
 typedef struct {
     se_screen *s;
     const se_tensor *w;
+    int release; /* the head's pages leave memory as its rows are built (a file mapping) */
     int bad[64]; /* per thread: a scale that is negative or not finite (the bound assumes d >= 0) */
 } build_job;
 
@@ -70,26 +76,42 @@ static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
         uint8_t *blk = tile + SE_SCREEN_TILE_BLOCK * b, *group = bits + 32 * (b / 8);
         memcpy(blk + 2 * i, &src[b].d, 2);
         d[b] = src[b].d;
+        uint32_t l[3] = { 0, 0, 0 };
         for (int e = 0; e < SE_QK; e++) {
             uint8_t u = (uint8_t)(src[b].qs[e] + 128);
             blk[32 + 64 * (e / 8) + 4 * i + e % 4] |= (uint8_t)((u >> 4) << (e % 8 / 4 * 4));
             group[e] |= (uint8_t)((u >> 3 & 1) << (b % 8));
+            for (int p = 0; p < 3; p++) l[p] |= (uint32_t)(u >> p & 1) << e;
         }
+        if (s->low) memcpy(s->low + 3 * (nb * r + b), l, sizeof l);
     }
     return ok;
+}
+
+#define RELEASE_ROWS 1024 /* rows of the head built between two releases of their pages */
+
+/* The pages of [p, p + n) leave this process's memory (madvise; the file keeps them, and a read
+ * brings them back), whole pages, rounded outwards: a neighbour's page read meanwhile only comes back */
+static void release_pages(const void *p, size_t n) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p / page * page;
+    madvise((void *)a, ((uintptr_t)p + n - a + page - 1) / page * page, MADV_DONTNEED);
 }
 
 static void build_rows(void *arg, int ith, int nth) {
     build_job *j = arg;
     int64_t r0, r1;
     se_split(j->s->n_rows, ith, nth, SE_SCREEN_TILE, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++)
-        if (!build_row(j->s, (const se_blk_q8_0 *)((const char *)j->w->data + (size_t)r * j->w->row_size), r))
-            j->bad[ith] = 1;
+    for (int64_t r = r0; r < r1; r += RELEASE_ROWS) {
+        const int64_t n = r1 - r < RELEASE_ROWS ? r1 - r : RELEASE_ROWS;
+        const char *rows = (const char *)j->w->data + (size_t)r * j->w->row_size;
+        for (int64_t i = 0; i < n; i++)
+            if (!build_row(j->s, (const se_blk_q8_0 *)(rows + (size_t)i * j->w->row_size), r + i)) j->bad[ith] = 1;
+        if (j->release) release_pages(rows, (size_t)n * j->w->row_size);
+    }
 }
 
 /* The planes' shape for rows of n weights, and their memory (0 if there is none) */
-static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows) {
+static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows, int stand) {
     s->nb = n / SE_QK;
     s->nbp = (s->nb + 7) / 8 * 8;
     s->n_rows = n_rows;
@@ -98,8 +120,11 @@ static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows) {
     s->fifth_size = (size_t)(4 * s->nbp + 2 * s->nb);
     if (posix_memalign((void **)&s->tiles, 64, s->tile_size * (size_t)s->n_tiles) != 0) s->tiles = NULL;
     if (posix_memalign((void **)&s->fifth, 64, s->fifth_size * (size_t)n_rows) != 0) s->fifth = NULL;
-    return s->tiles && s->fifth;
+    s->low = stand ? malloc((size_t)(12 * s->nb * n_rows)) : NULL;
+    return s->tiles && s->fifth && (s->low || !stand);
 }
+
+static void free_planes(se_screen *s) { free(s->tiles); free(s->fifth); free(s->low); }
 
 /* Whether the head has more bytes than the layers' weights (Gemma-3-270M: 178 MB against 68;
  * SmolLM2-135M: 30 against 66). A pass of several contexts reads the layers once for all of them;
@@ -124,15 +149,19 @@ static const se_screen *screen_of(se_context *c) {
     if (m->screen_state == 0) {
         se_screen *s = se_screen_possible(m) ? calloc(1, sizeof *s) : NULL;
         m->screen_state = -1; /* until it is built */
-        if (s && screen_alloc(s, m->output.ne0, m->output.ne1)) {
-            build_job j = { .s = s, .w = &m->output };
+        /* the planes stand for a head that outweighs the layers, where its pages can leave memory
+         * (a file mapping). Not on SmolLM2: the full head rebuilt from the planes costs twice the
+         * head's own, and a sampler that backs off (top-k 40 without min-p) ran 0.82x as fast */
+        const int batch = head_outweighs_layers(m), stand = batch && m->file_mapped;
+        if (s && screen_alloc(s, m->output.ne0, m->output.ne1, stand)) {
+            s->batch = batch;
+            build_job j = { .s = s, .w = &m->output, .release = stand };
             int nth = c->cp.n_threads_batch < 64 ? c->cp.n_threads_batch : 64;
             se_pool_run(c->pool, nth, build_rows, &j);
             int bad = 0;
             for (int i = 0; i < nth; i++) bad |= j.bad[i];
             if (!bad) {
-                s->batch = head_outweighs_layers(m);
-                m->screen = s;
+                __atomic_store_n(&m->screen, s, __ATOMIC_RELEASE); /* se_screen_embedding_row reads it unlocked */
                 m->screen_state = 1;
                 s = NULL;
             }
@@ -144,12 +173,12 @@ static const se_screen *screen_of(se_context *c) {
 }
 
 void se_screen_free(se_screen *s) {
-    if (s) { free(s->tiles); free(s->fifth); free(s); }
+    if (s) { free_planes(s); free(s); }
 }
 
 size_t se_model_screen_bytes(const se_model *m) {
     const se_screen *s = m ? m->screen : NULL;
-    return s ? s->tile_size * (size_t)s->n_tiles + s->fifth_size * (size_t)s->n_rows : 0;
+    return s ? (s->tile_size * (size_t)s->n_tiles + (s->fifth_size + (s->low ? (size_t)(12 * s->nb) : 0)) * (size_t)s->n_rows) : 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -200,6 +229,47 @@ void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const i
     }
 }
 
+void se_screen_settle_scalar(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
+                             float *down) {
+    for (int32_t i = 0; i < n; i++) {
+        const uint16_t *d = (const uint16_t *)(fifth_row(s, ids[i]) + 4 * s->nbp);
+        const uint32_t *low = s->low + 3 * s->nb * ids[i];
+        float u = 0, w = 0;
+        for (int64_t b = 0; b < s->nb; b++) {
+            const int8_t *x = a->xq + 32 * b;
+            int32_t sum = 0;
+            for (int e = 0; e < SE_QK; e++)
+                for (int p = 0; p < 3; p++) sum += (int32_t)(low[3 * b + p] >> e & 1) * x[e] * (1 << p);
+            float dd = se_fp16_to_fp32(d[b]) * a->dx[b];
+            u += dd * (float)(sum + a->neg7[b]);
+            w += dd * (float)(sum + a->pos7[b]);
+        }
+        up[i] = u;
+        down[i] = w;
+    }
+}
+
+void se_screen_row_scalar(const se_screen *s, int64_t r, void *out) {
+    const int i = (int)(r % SE_SCREEN_TILE);
+    const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = fifth_row(s, r);
+    const uint32_t *low = s->low + 3 * s->nb * r;
+    se_blk_q8_0 *q = out;
+    for (int64_t b = 0; b < s->nb; b++) {
+        const uint8_t *nib = tile + SE_SCREEN_TILE_BLOCK * b + 32 + 4 * i, *group = bits + 32 * (b / 8);
+        memcpy(&q[b].d, bits + 4 * s->nbp + 2 * b, 2);
+        for (int e = 0; e < SE_QK; e++) {
+            const int h = nib[64 * (e / 8) + e % 4] >> (e % 8 / 4 * 4) & 15, f = group[e] >> (b % 8) & 1;
+            int l = 0;
+            for (int p = 0; p < 3; p++) l |= (int)(low[3 * b + p] >> e & 1) << p;
+            q[b].qs[e] = (int8_t)(16 * h + 8 * f + l - 128);
+        }
+    }
+}
+
+static se_screen_row_fn row_kernel(void) {
+    return se_isa_in_use() >= SE_ISA_AVX2 && se_screen_row_avx2 ? se_screen_row_avx2 : se_screen_row_scalar;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * The head, full or screened
  */
@@ -234,6 +304,44 @@ static void full_head(void *arg, int ith, int nth) {
     se_matmul_rows(&c->m->output, &a, 1, c->logits, c->m->hp.n_vocab, r0, r1);
 }
 
+static int screen_buffers(se_context *c);
+
+#define PLANE_ROWS 32 /* rows the full head from the planes rebuilds at a time, into a thread's scratch */
+
+/* The full head from the planes (the fallback of a screened sampler: its head's pages may have
+ * left memory): rows rebuilt a few at a time, then the head's own kernel on them, the same bits */
+static void planes_head(void *arg, int ith, int nth) {
+    se_context *c = arg;
+    const se_screen *s = c->m->screen;
+    se_acts a;
+    head_acts(c, ith, nth, &a);
+    int64_t r0, r1;
+    se_split(c->m->hp.n_vocab, ith, nth, SPLIT_ALIGN, &r0, &r1);
+    se_blk_q8_0 *rows = (se_blk_q8_0 *)c->scr_rows + (size_t)ith * PLANE_ROWS * (size_t)s->nb;
+    const se_screen_row_fn rebuild = row_kernel();
+    for (int64_t r = r0; r < r1; r += PLANE_ROWS) {
+        const int64_t n = r1 - r < PLANE_ROWS ? r1 - r : PLANE_ROWS;
+        for (int64_t i = 0; i < n; i++) rebuild(s, r + i, rows + i * s->nb);
+        se_matmul(SE_Q8_0, rows, c->m->output.ne0, a.ptr[0], 1, c->logits + r, 1, 0, n);
+    }
+}
+
+int se_context_head_from_planes(se_context *c) {
+    const se_screen *s = c ? c->m->screen : NULL;
+    if (!s || !s->low || !c->head_pending || !screen_buffers(c)) return SE_ERR_INVALID;
+    se_pool_run(c->pool, c->cp.n_threads, planes_head, c);
+    c->head_pending = 0;
+    c->scr_ready = 0;
+    return SE_OK;
+}
+
+const void *se_screen_embedding_row(const se_model *m, int32_t t, void *row) {
+    const se_screen *s = __atomic_load_n(&m->screen, __ATOMIC_ACQUIRE);
+    if (!s || !s->low || m->output.data != m->token_embd.data) return NULL;
+    row_kernel()(s, t, row);
+    return row;
+}
+
 int se_context_head(se_context *c) {
     if (!c) return SE_ERR_INVALID;
     if (c->head_pending) {
@@ -258,11 +366,19 @@ void se_context_screen_stats(const se_context *c, int64_t out[SE_SCREEN_STATS]) 
     for (int i = 0; i < SE_SCREEN_STATS; i++) out[i] = c->screen_stats[i];
 }
 
-/* The exact logit of row r (the head's own kernel, one row: the bits of the full head's) */
+/* The exact logit of row r with the head's own kernel, one row (the full head's bits: a row's sum
+ * does not depend on the rows beside it), on the head's row or, where the planes stand for the
+ * head, on its blocks rebuilt from them */
 static float exact_row(const se_context *c, const se_acts *a, int64_t r) {
     const se_tensor *w = &c->m->output;
+    se_blk_q8_0 rebuilt[SE_SCREEN_MAX_NB];
+    const void *row = (const char *)w->data + (size_t)r * w->row_size;
+    if (c->m->screen->low) {
+        row_kernel()(c->m->screen, r, rebuilt);
+        row = rebuilt;
+    }
     float y;
-    se_matmul(w->type, (const char *)w->data + (size_t)r * w->row_size, w->ne0, a->ptr[0], 1, &y, 1, 0, 1);
+    se_matmul(SE_Q8_0, row, w->ne0, a->ptr[0], 1, &y, 1, 0, 1);
     return y;
 }
 
@@ -274,13 +390,14 @@ float se_penalized(float l, int32_t n, const se_sampling_params *sp) {
 
 /* A token's activations in the kernels' form (screen.h) in buf (act_bytes(nb) bytes), from its
  * Q8_0 activations x */
-static size_t act_bytes(int64_t nb) { return (size_t)((nb + 7) / 8 * 8) * (32 + 5 * 4); }
+static size_t act_bytes(int64_t nb) { return (size_t)((nb + 7) / 8 * 8) * (32 + 7 * 4); }
 
 static void make_act(const se_blk_q8_0 *x, int64_t nb, void *buf, se_screen_act *out) {
     const int64_t nbp = (nb + 7) / 8 * 8;
     int8_t *xq = buf;
     float *dx = (float *)(xq + nbp * 32);
     int32_t *lo_c = (int32_t *)(dx + nbp), *hi_c = lo_c + nbp, *neg8 = hi_c + nbp, *pos8 = neg8 + nbp;
+    int32_t *neg7 = pos8 + nbp, *pos7 = neg7 + nbp;
     memset(buf, 0, act_bytes(nb));
     for (int64_t b = 0; b < nb; b++) {
         int32_t sum = 0, neg = 0, pos = 0;
@@ -295,11 +412,19 @@ static void make_act(const se_blk_q8_0 *x, int64_t nb, void *buf, se_screen_act 
         hi_c[b] = -128 * sum + 15 * pos;
         neg8[b] = -8 * neg;
         pos8[b] = -8 * pos;
+        neg7[b] = -7 * neg;
+        pos7[b] = -7 * pos;
     }
-    *out = (se_screen_act){ xq, dx, lo_c, hi_c, neg8, pos8 };
+    *out = (se_screen_act){ xq, dx, lo_c, hi_c, neg8, pos8, neg7, pos7 };
 }
 
 static int avx2(void) { return se_isa_in_use() >= SE_ISA_AVX2 && se_screen_bounds_avx2 && se_screen_refine_avx2; }
+
+static se_screen_refine_fn refine_kernel(void) { return avx2() ? se_screen_refine_avx2 : se_screen_refine_scalar; }
+
+static se_screen_refine_fn settle_kernel(void) {
+    return avx2() && se_screen_settle_avx2 ? se_screen_settle_avx2 : se_screen_settle_scalar;
+}
 
 static se_screen_bounds_fn bounds_kernel(void) {
     if (se_isa_in_use() >= SE_ISA_AVX512 && se_screen_bounds_avx512) return se_screen_bounds_avx512;
@@ -324,13 +449,13 @@ static void bounds(const se_screen *s, const se_screen_act *xa, int64_t r0, int6
     widen(r0, r1, lo, hi);
 }
 
-/* Stage 2: the intervals of rows ids[0..n) narrowed by their fifth bits (up and down: n floats of
- * scratch). The moves are sums of terms of one sign, each within 8*d*dx*sum|x|: they err by under
- * 2^-14 of up - down, and adding them to the ends by far less, so widening by 2^-10 of up - down
- * keeps the interval sound. */
-static void refine(const se_screen *s, const se_screen_act *xa, const int32_t *ids, int32_t n, float *up,
-                   float *down, float *lo, float *hi) {
-    if (n > 0) (avx2() ? se_screen_refine_avx2 : se_screen_refine_scalar)(s, xa, ids, n, up, down);
+/* Stage 2 (kernel: refine), or stage 3 (settle): the intervals of rows ids[0..n) narrowed by their
+ * fifth bits, or their low bits (up and down: n floats of scratch). The moves are sums of terms of
+ * one sign, each within 8*d*dx*sum|x|: they err by under 2^-14 of up - down, and adding them to
+ * the ends by far less, so widening by 2^-10 of up - down keeps the interval sound. */
+static void narrow(se_screen_refine_fn kernel, const se_screen *s, const se_screen_act *xa, const int32_t *ids,
+                   int32_t n, float *up, float *down, float *lo, float *hi) {
+    if (n > 0) kernel(s, xa, ids, n, up, down);
     for (int32_t i = 0; i < n; i++) {
         float m = (up[i] - down[i]) * 0x1p-10f;
         lo[ids[i]] += up[i] - m;
@@ -349,7 +474,7 @@ static int is_listed(const int32_t *pen, int32_t n, int32_t t) {
 }
 
 #define SCREEN_BACKOFF_MAX 32 /* the most samples that take the full head after a screen that left too many rows */
-#define SCREEN_AHEAD 6 /* candidates whose rows are asked for before they are computed */
+#define SCREEN_AHEAD 8 /* candidates whose rows are asked for before they are computed */
 
 /* A piece of work: entries [i0, i1) of the list that thread t made in its rows (from r0 on) */
 typedef void (*piece_fn)(screen_job *j, const se_screen_act *xa, const se_acts *a, int64_t r0, int32_t i0,
@@ -360,23 +485,36 @@ static void refine_piece(screen_job *j, const se_screen_act *xa, const se_acts *
                          int32_t i1) {
     se_context *c = j->c;
     (void)a;
-    refine(j->s, xa, c->scr_ids + r0 + i0, i1 - i0, c->scr_up + r0 + i0, c->scr_down + r0 + i0, c->scr_lo,
+    narrow(refine_kernel(), j->s, xa, c->scr_ids + r0 + i0, i1 - i0, c->scr_up + r0 + i0, c->scr_down + r0 + i0, c->scr_lo,
            c->scr_hi);
 }
 
+/* Asks for what row r's exact logit reads: the head's row, or its record and its lanes of each
+ * block of its tile */
+static void prefetch_row(const se_model *m, int64_t r) {
+    const se_screen *s = m->screen;
+    if (!s->low) {
+        const char *row = (const char *)m->output.data + (size_t)r * m->output.row_size;
+        for (size_t o = 0; o < m->output.row_size; o += 64) __builtin_prefetch(row + o);
+        return;
+    }
+    const uint8_t *rec = fifth_row(s, r);
+    const uint8_t *nib = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size + 32 + 4 * (r % SE_SCREEN_TILE);
+    for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
+    for (size_t o = 0; o < (size_t)(12 * s->nb); o += 64) __builtin_prefetch((const char *)(s->low + 3 * s->nb * r) + o);
+    for (int64_t b = 0; b < s->nb; b++)
+        for (int m = 0; m < 4; m++) __builtin_prefetch(nib + SE_SCREEN_TILE_BLOCK * b + 64 * m);
+}
+
 /* The exact logits of a piece of the candidates (the lists at cand; the penalized rows have
- * theirs), their rows asked for from memory a few candidates ahead: they lie anywhere in the head */
+ * theirs), their rows asked for from memory a few candidates ahead: they lie anywhere */
 static void exact_piece(screen_job *j, const se_screen_act *xa, const se_acts *a, int64_t r0, int32_t i0,
                         int32_t i1) {
     se_context *c = j->c;
-    const se_tensor *w = &c->m->output;
     se_cand *cand = c->cand + r0;
     (void)xa;
     for (int32_t i = i0; i < i1; i++) {
-        if (i + SCREEN_AHEAD < i1) {
-            const char *next = (const char *)w->data + (size_t)cand[i + SCREEN_AHEAD].id * w->row_size;
-            for (size_t o = 0; o < w->row_size; o += 64) __builtin_prefetch(next + o);
-        }
+        if (i + SCREEN_AHEAD < i1) prefetch_row(c->m, cand[i + SCREEN_AHEAD].id);
         if (!is_listed(j->pen, j->n_pen, cand[i].id)) cand[i].logit = exact_row(c, a, cand[i].id);
     }
 }
@@ -448,6 +586,21 @@ static float threshold(screen_job *j, const se_acts *a, int ith, int nth, float 
     return thr;
 }
 
+/* Stage 3, where the planes keep l: this thread's candidates cand[0..n) (its rows, from r0 on)
+ * settled by their low bits, and those whose upper end falls below thr dropped; returns how many
+ * are left (the rows a sample can take, give or take the rounding margins) */
+static int32_t settle(screen_job *j, const se_screen_act *xa, int64_t r0, se_cand *cand, int32_t n, float thr) {
+    se_context *c = j->c;
+    int32_t *ids = c->scr_ids + r0, m = 0; /* stage 2 is done with this thread's part */
+    for (int32_t i = 0; i < n; i++)
+        if (!is_listed(j->pen, j->n_pen, cand[i].id)) ids[m++] = cand[i].id; /* (a penalized row's is a point) */
+    narrow(settle_kernel(), j->s, xa, ids, m, c->scr_up + r0, c->scr_down + r0, c->scr_lo, c->scr_hi);
+    int32_t kept = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (c->scr_hi[cand[i].id] >= thr) cand[kept++] = (se_cand){ cand[i].id, c->scr_lo[cand[i].id] };
+    return kept;
+}
+
 static void screen_rows(void *arg, int ith, int nth) {
     screen_job *j = arg;
     se_context *c = j->c;
@@ -506,6 +659,7 @@ static void screen_rows(void *arg, int ith, int nth) {
     int32_t n_cand = 0; /* the candidates, in place of the rows left (n_cand <= i) */
     for (int32_t i = 0; i < n_kept && thr == thr; i++)
         if (hi[left[i].id] >= thr) left[n_cand++] = (se_cand){ left[i].id, lo[left[i].id] };
+    if (j->s->low) n_cand = settle(j, &xa, r0, left, n_cand, thr);
     c->scr_n[ith] = n_cand;
     se_pool_barrier(c->pool);
     for_my_share(j, &xa, &a, ith, nth, exact_piece);
@@ -541,8 +695,9 @@ static int screen_buffers(se_context *c) {
     c->scr_ids = malloc((size_t)V * sizeof(int32_t));
     c->scr_up = malloc((size_t)V * sizeof(float));
     c->scr_down = malloc((size_t)V * sizeof(float));
+    c->scr_rows = malloc((size_t)n_thr * PLANE_ROWS * (size_t)(c->m->output.ne0 / SE_QK) * sizeof(se_blk_q8_0));
     if (c->scr_lo && c->scr_hi && c->scr_top && c->scr_exact && c->scr_n && c->scr_act && c->scr_pen && c->scr_ids &&
-        c->scr_up && c->scr_down)
+        c->scr_up && c->scr_down && c->scr_rows)
         return 1;
     se_screen_context_free(c);
     return 0;
@@ -550,8 +705,8 @@ static int screen_buffers(se_context *c) {
 
 void se_screen_context_free(se_context *c) {
     free(c->scr_lo); free(c->scr_hi); free(c->scr_top); free(c->scr_exact); free(c->scr_n); free(c->scr_act);
-    free(c->scr_pen); free(c->scr_ids); free(c->scr_up); free(c->scr_down); free(c->scrb_act);
-    c->scrb_act = NULL;
+    free(c->scr_pen); free(c->scr_ids); free(c->scr_up); free(c->scr_down); free(c->scrb_act); free(c->scr_rows);
+    c->scrb_act = c->scr_rows = NULL;
     c->scr_ready = 0;
     c->scr_lo = c->scr_hi = c->scr_exact = c->scr_up = c->scr_down = NULL;
     c->scr_top = NULL;
@@ -659,11 +814,13 @@ static int32_t screened_survivors(se_context *c, const se_sampling_params *sp, i
     return m;
 }
 
-int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window, int *final) {
-    *final = 0;
-    int k = c->head_pending ? screen_k(sp) : 0;
-    if (k && backing_off(c)) return -1;
-    const se_screen *s = k ? screen_of(c) : NULL;
+#define ROUTE_UNDECIDED (-2) /* screen_candidates: min-p's route could not tell its cut from the rows it computed */
+
+/* se_screen_candidates's screen, by min-p's route where route allows it and the sampler has one */
+static int32_t screen_candidates(se_context *c, const se_sampling_params *sp, int k, int route, int32_t window,
+                                 int *final) {
+    if (backing_off(c)) return -1;
+    const se_screen *s = screen_of(c);
     if (!s || !screen_buffers(c)) return -1;
     /* the penalized and the banned tokens, ascending, once each (counts holds the penalized ones'
      * occurrences meanwhile) */
@@ -675,7 +832,7 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
         if (c->counts[c->ban[i]]++ == 0) pen[n_pen++] = c->ban[i];
     qsort(pen, (size_t)n_pen, sizeof *pen, se_cmp_i32);
     /* min-p's route where the sampler applies min-p after the top k at temperature > 0 */
-    const int min_p = k > 1 && sp->min_p > 0.0f && sp->min_p <= 1.0f;
+    const int min_p = route && k > 1 && sp->min_p > 0.0f && sp->min_p <= 1.0f;
     screen_job j = { c, s, sp, k, min_p ? logf(sp->min_p) : -INFINITY, 0, pen, n_pen, 0 };
     int nth = c->cp.n_threads;
     const int from_pass = c->scr_ready;
@@ -697,7 +854,7 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     const int32_t n_exact = n;
     if (j.route && (n = screened_survivors(c, sp, k, n)) < 0) {
         c->screen_stats[6]++;
-        return -1;
+        return ROUTE_UNDECIDED;
     }
     *final = j.route;
     c->screen_stats[5] += j.route;
@@ -722,6 +879,20 @@ int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_
     return n;
 }
 
+int32_t se_screen_candidates(se_context *c, const se_sampling_params *sp, int32_t window, int *final) {
+    *final = 0;
+    const int k = c->head_pending ? screen_k(sp) : 0;
+    int32_t n = k ? screen_candidates(c, sp, k, 1, window, final) : -1;
+    /* where the planes stand for the head, the top-k rule's screen decides what min-p's route could
+     * not (its stage 1 again and more exact rows cost less than the head rebuilt from the planes) */
+    if (n == ROUTE_UNDECIDED && c->m->screen->batch) n = screen_candidates(c, sp, k, 0, window, final);
+    if (n >= 0) return n;
+    /* the full head decides: from the planes where they stand for it (its pages may have left
+     * memory), else the caller runs the head */
+    if (k) se_context_head_from_planes(c);
+    return -1;
+}
+
 int32_t se_context_screen(se_context *c, int32_t k, int32_t *ids, float *logits, int32_t cap) {
     if (!c || k < 1 || k > SE_SCREEN_MAX_K || (cap > 0 && (!ids || !logits))) return SE_ERR_INVALID;
     se_sampling_params sp = { .temp = 1, .top_k = k, .top_p = 1, .repeat_penalty = 1 };
@@ -738,28 +909,47 @@ const float *se_context_screen_bounds(const se_context *c, int32_t upper) {
     return upper ? c->scr_hi : c->scr_lo;
 }
 
+/* The planes of n_rows rows of n weights (standing for the rows or not) from rows, for the test hooks; SE_OK, or
+ * SE_ERR_INVALID for a bad shape or a negative scale, SE_ERR_NOMEM (s's memory then NULL or freed
+ * by the caller) */
+static int test_planes(se_screen *s, const void *rows, int64_t n_rows, int64_t n, int stand) {
+    if (!rows || n_rows < 1 || n_rows > INT32_MAX || n % (2 * SE_QK) || n / SE_QK > SE_SCREEN_MAX_NB)
+        return SE_ERR_INVALID;
+    if (!screen_alloc(s, n, n_rows, stand)) return SE_ERR_NOMEM;
+    for (int64_t r = 0; r < n_rows; r++)
+        if (!build_row(s, (const se_blk_q8_0 *)rows + r * s->nb, r)) return SE_ERR_INVALID;
+    return SE_OK;
+}
+
+int se_screen_rows_test(const void *rows, int64_t n_rows, int64_t n, void *out) {
+    se_screen s = { 0 };
+    int rc = out ? test_planes(&s, rows, n_rows, n, 1) : SE_ERR_INVALID;
+    for (int64_t r = 0; rc == SE_OK && r < n_rows; r++) row_kernel()(&s, r, (se_blk_q8_0 *)out + r * s.nb);
+    free_planes(&s);
+    return rc;
+}
+
 int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, const void *act, int32_t stages, float *lo,
                           float *hi) {
-    if (!rows || !act || !lo || !hi || n_rows < 1 || n_rows > INT32_MAX || n % (2 * SE_QK) ||
-        n / SE_QK > SE_SCREEN_MAX_NB || stages < 1 || stages > 2)
-        return SE_ERR_INVALID;
+    if (!act || !lo || !hi || stages < 1 || stages > 3) return SE_ERR_INVALID;
     se_screen s = { 0 };
+    int rc = test_planes(&s, rows, n_rows, n, stages == 3);
     const size_t tiled = (size_t)(n_rows + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE * SE_SCREEN_TILE;
-    void *buf = malloc(act_bytes(n / SE_QK));
-    int32_t *ids = malloc((size_t)n_rows * sizeof(int32_t));
-    float *moves = malloc(2 * (size_t)n_rows * sizeof(float)), *ends = malloc(2 * tiled * sizeof(float));
-    int rc = screen_alloc(&s, n, n_rows) && buf && ids && moves && ends ? SE_OK : SE_ERR_NOMEM;
-    for (int64_t r = 0; rc == SE_OK && r < n_rows; r++)
-        if (!build_row(&s, (const se_blk_q8_0 *)rows + r * s.nb, r)) rc = SE_ERR_INVALID;
+    void *buf = rc == SE_OK ? malloc(act_bytes(n / SE_QK)) : NULL;
+    int32_t *ids = rc == SE_OK ? malloc((size_t)n_rows * sizeof(int32_t)) : NULL;
+    float *moves = rc == SE_OK ? malloc(2 * (size_t)n_rows * sizeof(float)) : NULL;
+    float *ends = rc == SE_OK ? malloc(2 * tiled * sizeof(float)) : NULL;
+    if (rc == SE_OK && !(buf && ids && moves && ends)) rc = SE_ERR_NOMEM;
     if (rc == SE_OK) {
         se_screen_act xa;
         make_act(act, s.nb, buf, &xa);
         bounds(&s, &xa, 0, n_rows, ends, ends + tiled);
         for (int64_t r = 0; r < n_rows; r++) ids[r] = (int32_t)r;
-        if (stages == 2) refine(&s, &xa, ids, (int32_t)n_rows, moves, moves + n_rows, ends, ends + tiled);
+        if (stages >= 2) narrow(refine_kernel(), &s, &xa, ids, (int32_t)n_rows, moves, moves + n_rows, ends, ends + tiled);
+        if (stages == 3) narrow(settle_kernel(), &s, &xa, ids, (int32_t)n_rows, moves, moves + n_rows, ends, ends + tiled);
         memcpy(lo, ends, (size_t)n_rows * sizeof(float));
         memcpy(hi, ends + tiled, (size_t)n_rows * sizeof(float));
     }
-    free(s.tiles); free(s.fifth); free(buf); free(ids); free(moves); free(ends);
+    free_planes(&s); free(buf); free(ids); free(moves); free(ends);
     return rc;
 }

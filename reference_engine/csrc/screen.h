@@ -2,8 +2,8 @@
  * head"). Internal: include after defining SE_ENGINE_INTERNAL.
  *
  * A Q8_0 weight q is u = q + 128 = 16*h + 8*f + l with h in [0, 15] (the 4-bit high plane), f in
- * {0, 1} (the fifth bit, a plane of its own) and l in [0, 7] (not kept). For one token's int8
- * activations x (block scale dx) and a block of the head with scale d >= 0:
+ * {0, 1} (the fifth bit) and l in [0, 7] (the low bits). For one token's int8 activations x (block
+ * scale dx) and a block of the head with scale d >= 0:
  *
  *     d*dx * sum q*x  =  d*dx * (16 * sum h*x - 128 * sum x + sum (8f + l)*x),
  *     15 * sum(x < 0)  <=  sum (8f + l)*x  <=  15 * sum(x > 0)              (stage 1)
@@ -13,7 +13,13 @@
  * of the rows stage 1 could not exclude with their fifth bits: it moves the lower end up by
  * d*dx * 8 * (sum f*x - sum(x < 0)) >= 0 and the upper end down by d*dx * 8 * (sum(x > 0) - sum f*x)
  * >= 0, per block. screen.c picks the rows whose interval reaches the top k and computes them
- * exactly.
+ * exactly. Where the head outweighs the layers, the planes keep l too and stand for the head: the
+ * exact rows, a screened sampler's full head and a tied model's embeddings come from them, and the
+ * head's own pages leave memory. There stage 3 first settles the candidates' intervals with their
+ * low bits, row by row: the lower end rises by d*dx * (sum l*x - 7 * sum(x < 0)) >= 0 and the upper
+ * end falls by d*dx * (7 * sum(x > 0) - sum l*x) >= 0, which leaves about the rounding margins, so
+ * that only the rows a sample can take are rebuilt from their tiles (which costs eight times the
+ * memory reads of a Q8_0 row).
  */
 #ifndef SE_SCREEN_H
 #define SE_SCREEN_H
@@ -38,12 +44,16 @@
  * fifth: row r at fifth + r * fifth_size (what stage 2 reads of a row, in one place):
  *   nbp/8 x 32 bytes of fifth bits, eight blocks at a time (bit p of byte j: element j of the
  *   group's block p; 0 past nb),
- *   the nb fp16 scales again. */
+ *   the nb fp16 scales again.
+ * low (where the planes stand for the head, else NULL): row r at low + 3 * nb * r, three words a block: bit e of word
+ *   3b + p is bit p of l of block b's element e. */
 typedef struct se_screen {
-    int batch; /* the head outweighs the layers: a pass of several contexts screens (se_screen_defer) */
+    int batch; /* the head outweighs the layers: a pass of several contexts screens (se_screen_defer), and
+                * the top-k rule decides what min-p's route cannot (se_screen_candidates) */
     int64_t nb, nbp, n_rows, n_tiles;
     size_t tile_size, fifth_size;
     uint8_t *tiles, *fifth;
+    uint32_t *low;
 } se_screen;
 
 /* One token's head activations as the kernels read them (nbp blocks, those past nb zero) */
@@ -54,6 +64,8 @@ typedef struct {
     const int32_t *hi_c; /* [nbp] -128 * sum x + 15 * (sum of the positive x) */
     const int32_t *neg8; /* [nbp] -8 * (sum of the negative x) */
     const int32_t *pos8; /* [nbp] -8 * (sum of the positive x) */
+    const int32_t *neg7; /* [nbp] -7 * (sum of the negative x) */
+    const int32_t *pos7; /* [nbp] -7 * (sum of the positive x) */
 } se_screen_act;
 
 /* Stage 1: lo[r], hi[r] for the rows of tiles [t0, t1) (r from 16 * t0 to 16 * t1: the arrays
@@ -63,18 +75,26 @@ typedef struct {
 typedef void (*se_screen_bounds_fn)(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, float *lo,
                                     float *hi);
 /* Stage 2 for the rows ids[0..n): up[i] = sum over blocks of d*dx * (8 * sum f*x + neg8) >= 0 (the
- * lower end's rise), down[i] = the same with pos8 <= 0 (the upper end's move) */
+ * lower end's rise), down[i] = the same with pos8 <= 0 (the upper end's move). Stage 3 (settle)
+ * the same from l: sum l*x + neg7 and + pos7. */
 typedef void (*se_screen_refine_fn)(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n,
                                     float *up, float *down);
 void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, float *lo,
                              float *hi);
 void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
                              float *down);
+void se_screen_settle_scalar(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
+                             float *down);
 /* screen_avx2.c: the same with AVX2, FMA and F16C; screen_avx512.c: stage 1 with AVX-512 VNNI.
  * NULL where not compiled (not x86). */
 extern const se_screen_bounds_fn se_screen_bounds_avx2;
 extern const se_screen_refine_fn se_screen_refine_avx2;
+extern const se_screen_refine_fn se_screen_settle_avx2;
 extern const se_screen_bounds_fn se_screen_bounds_avx512;
+/* Row r of the head from planes that stand for it, as the head stores it: nb Q8_0 blocks (34 bytes each) at out */
+typedef void (*se_screen_row_fn)(const se_screen *s, int64_t r, void *out);
+void se_screen_row_scalar(const se_screen *s, int64_t r, void *out);
+extern const se_screen_row_fn se_screen_row_avx2;
 
 /* Stage 1 of the ubatch's deferred rows (se_ub_seg.defer), their activations a in segment order,
  * into their contexts' bounds, each tile read from memory once for all of them: every thread its

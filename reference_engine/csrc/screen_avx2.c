@@ -6,7 +6,8 @@
  * 15 * 128 per lane: far below s16's limit), one vpmaddwd, then per block the two ends in integers
  * and one fma each. Stage 2 reads one row's fifth bits, eight blocks at a time, block p in lane p:
  * each block's integer sum, the eight sums gathered into one vector with horizontal adds, then the
- * two moves in integers and one fma each.
+ * two moves in integers and one fma each. Stage 3 the same with a row's low bits (three words a
+ * block, spread to bytes).
  */
 #define SE_ENGINE_INTERNAL
 #include "screen.h"
@@ -94,8 +95,8 @@ INLINE __m256 scales(const se_screen_act *a, int64_t g, const uint16_t *d, const
 /* A group's block sums (lane p: block p's) into the two moves: each one's integer, (sums << 3)
  * plus its per-block constant, times the blocks' scales d*dx, added to its accumulator */
 INLINE void fold_moves(const se_screen_act *a, int64_t g, const uint16_t *d, const int cnt, const __m256i v[8],
-                      const int32_t *c_lo, const int32_t *c_hi, __m256 *lo, __m256 *hi) {
-    const __m256i s = _mm256_slli_epi32(lane_sums(v), 3);
+                      const int shift, const int32_t *c_lo, const int32_t *c_hi, __m256 *lo, __m256 *hi) {
+    const __m256i s = _mm256_slli_epi32(lane_sums(v), shift);
     const __m256i l = _mm256_add_epi32(s, _mm256_loadu_si256((const __m256i *)(c_lo + g * 8)));
     const __m256i h = _mm256_add_epi32(s, _mm256_loadu_si256((const __m256i *)(c_hi + g * 8)));
     const __m256 dd = scales(a, g, d, cnt);
@@ -112,7 +113,7 @@ INLINE void refine_step(const se_screen_act *a, int64_t g, const uint16_t *d, co
     for (int p = 0; p < 8; p++) /* bit p of each byte, as 0 or 1 (a 16-bit shift: the mask drops what crosses) */
         v[p] = p < cnt ? dot32(_mm256_and_si256(_mm256_srli_epi16(b, p), one), a->xq + g * 256 + 32 * p)
                        : _mm256_setzero_si256();
-    fold_moves(a, g, d, cnt, v, a->neg8, a->pos8, up, down);
+    fold_moves(a, g, d, cnt, v, 3, a->neg8, a->pos8, up, down);
 }
 
 /* One row's stage 2, eight blocks at a time (bits: its record), the last group's block count as a
@@ -146,9 +147,83 @@ static void refine_avx2(const se_screen *s, const se_screen_act *a, const int32_
     }
 }
 
+/* 32 bits -> 32 bytes, 0xFF where the bit is set (bit e: byte e) */
+INLINE __m256i bit_bytes(uint32_t m) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(x, bit), bit);
+}
+
+/* A block's l (three words, bit e of word p: bit p of element e) as 32 bytes */
+INLINE __m256i low_bytes(const uint32_t w[3]) {
+    return _mm256_or_si256(_mm256_and_si256(bit_bytes(w[0]), _mm256_set1_epi8(1)),
+                           _mm256_or_si256(_mm256_and_si256(bit_bytes(w[1]), _mm256_set1_epi8(2)),
+                                           _mm256_and_si256(bit_bytes(w[2]), _mm256_set1_epi8(4))));
+}
+
+/* Stage 3, blocks 8g .. 8g+cnt-1 of a row (low: their l, three words a block), as stage 2 */
+INLINE void settle_step(const se_screen_act *a, int64_t g, const uint16_t *d, const uint32_t *low, const int cnt,
+                        __m256 *up, __m256 *down) {
+    __m256i v[8];
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; p++)
+        v[p] = p < cnt ? dot32(low_bytes(low + 3 * p), a->xq + g * 256 + 32 * p) : _mm256_setzero_si256();
+    fold_moves(a, g, d, cnt, v, 0, a->neg7, a->pos7, up, down);
+}
+
+/* Stage 3 for the rows ids[0..n): each row's record (its scales) and its l, eight blocks at a time */
+static void settle_avx2(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
+                        float *down) {
+    const int64_t nb = s->nb, full = nb / 8;
+    for (int32_t i = 0; i < n; i++) {
+        const uint16_t *d = (const uint16_t *)(s->fifth + (size_t)ids[i] * s->fifth_size + 4 * s->nbp);
+        const uint32_t *low = s->low + 3 * nb * ids[i];
+        __m256 u = _mm256_setzero_ps(), w = _mm256_setzero_ps();
+        for (int64_t g = 0; g < full; g++) settle_step(a, g, d + 8 * g, low + 24 * g, 8, &u, &w);
+        switch (nb % 8) {
+        case 2: settle_step(a, full, d + 8 * full, low + 24 * full, 2, &u, &w); break;
+        case 4: settle_step(a, full, d + 8 * full, low + 24 * full, 4, &u, &w); break;
+        case 6: settle_step(a, full, d + 8 * full, low + 24 * full, 6, &u, &w); break;
+        }
+        up[i] = hsum8(u);
+        down[i] = hsum8(w);
+    }
+}
+
+/* Row r from the planes (screen.h): per block, its h from its lanes of the tile's four vectors
+ * (low nibbles: elements 8m..8m+3, high: 8m+4..8m+7), f from its fifth bits, l from its three
+ * words; then q = 16h + 8f + l - 128 (bytes: no shift carries across, h < 16 and f < 2) */
+static void row_avx2(const se_screen *s, int64_t r, void *out) {
+    const int i = (int)(r % SE_SCREEN_TILE);
+    const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *rec = s->fifth + (size_t)r * s->fifth_size;
+    const uint8_t *scales = rec + 4 * s->nbp;
+    const uint32_t *low = s->low + 3 * s->nb * r;
+    const __m128i low4 = _mm_set1_epi8(15);
+    const __m256i one = _mm256_set1_epi8(1);
+    uint8_t *o = out;
+    for (int64_t b = 0; b < s->nb; b++, o += 34) {
+        const uint8_t *nib = tile + SE_SCREEN_TILE_BLOCK * b + 32 + 4 * i;
+        const __m128i v = _mm_setr_epi32(ld32(nib), ld32(nib + 64), ld32(nib + 128), ld32(nib + 192));
+        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+        const __m256i h = _mm256_set_m128i(_mm_unpackhi_epi32(lo, hi), _mm_unpacklo_epi32(lo, hi));
+        const __m256i group = _mm256_loadu_si256((const __m256i *)(rec + 32 * (b / 8)));
+        const __m256i f = _mm256_and_si256(_mm256_srl_epi16(group, _mm_cvtsi32_si128((int)(b % 8))), one);
+        const __m256i l = low_bytes(low + 3 * b);
+        const __m256i u = _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16(h, 4), _mm256_slli_epi16(f, 3)), l);
+        memcpy(o, scales + 2 * b, 2);
+        _mm256_storeu_si256((__m256i *)(o + 2), _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)));
+    }
+}
+
 const se_screen_bounds_fn se_screen_bounds_avx2 = bounds_avx2;
 const se_screen_refine_fn se_screen_refine_avx2 = refine_avx2;
+const se_screen_refine_fn se_screen_settle_avx2 = settle_avx2;
+const se_screen_row_fn se_screen_row_avx2 = row_avx2;
 #else
 const se_screen_bounds_fn se_screen_bounds_avx2 = 0;
 const se_screen_refine_fn se_screen_refine_avx2 = 0;
+const se_screen_refine_fn se_screen_settle_avx2 = 0;
+const se_screen_row_fn se_screen_row_avx2 = 0;
 #endif
