@@ -59,6 +59,15 @@ typedef struct {
 
 static uint8_t *fifth_row(const se_screen *s, int64_t r) { return s->fifth + (size_t)r * s->fifth_size; }
 
+/* Row r's low bits (where the planes keep them), and their bytes */
+static uint32_t *low_row(const se_screen *s, int64_t r) { return s->low + 3 * s->nb * r; }
+static size_t low_size(const se_screen *s) { return (size_t)(3 * s->nb) * sizeof(uint32_t); }
+
+/* Element e's l from its block's three words */
+static int low_of(const uint32_t w[3], int e) {
+    return (int)(w[0] >> e & 1) | (int)(w[1] >> e & 1) << 1 | (int)(w[2] >> e & 1) << 2;
+}
+
 /* Row r of the planes from its Q8_0 row, into slot r % 16 of its tile (the first row of a tile
  * clears it: a tile's rows are built in order, by one thread); 0 if a scale is negative or not
  * finite (the bound assumes d >= 0) */
@@ -76,14 +85,16 @@ static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
         uint8_t *blk = tile + SE_SCREEN_TILE_BLOCK * b, *group = bits + 32 * (b / 8);
         memcpy(blk + 2 * i, &src[b].d, 2);
         d[b] = src[b].d;
-        uint32_t l[3] = { 0, 0, 0 };
         for (int e = 0; e < SE_QK; e++) {
             uint8_t u = (uint8_t)(src[b].qs[e] + 128);
             blk[32 + 64 * (e / 8) + 4 * i + e % 4] |= (uint8_t)((u >> 4) << (e % 8 / 4 * 4));
             group[e] |= (uint8_t)((u >> 3 & 1) << (b % 8));
-            for (int p = 0; p < 3; p++) l[p] |= (uint32_t)(u >> p & 1) << e;
         }
-        if (s->low) memcpy(s->low + 3 * (nb * r + b), l, sizeof l);
+        if (!s->low) continue;
+        uint32_t l[3] = { 0, 0, 0 }; /* the low bits of q are u's: adding 128 leaves them */
+        for (int e = 0; e < SE_QK; e++)
+            for (int p = 0; p < 3; p++) l[p] |= (uint32_t)((uint8_t)src[b].qs[e] >> p & 1) << e;
+        memcpy(low_row(s, r) + 3 * b, l, sizeof l);
     }
     return ok;
 }
@@ -120,7 +131,7 @@ static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows, int stand) {
     s->fifth_size = (size_t)(4 * s->nbp + 2 * s->nb);
     if (posix_memalign((void **)&s->tiles, 64, s->tile_size * (size_t)s->n_tiles) != 0) s->tiles = NULL;
     if (posix_memalign((void **)&s->fifth, 64, s->fifth_size * (size_t)n_rows) != 0) s->fifth = NULL;
-    s->low = stand ? malloc((size_t)(12 * s->nb * n_rows)) : NULL;
+    s->low = stand ? malloc(low_size(s) * (size_t)n_rows) : NULL;
     return s->tiles && s->fifth && (s->low || !stand);
 }
 
@@ -178,7 +189,8 @@ void se_screen_free(se_screen *s) {
 
 size_t se_model_screen_bytes(const se_model *m) {
     const se_screen *s = m ? m->screen : NULL;
-    return s ? (s->tile_size * (size_t)s->n_tiles + (s->fifth_size + (s->low ? (size_t)(12 * s->nb) : 0)) * (size_t)s->n_rows) : 0;
+    if (!s) return 0;
+    return s->tile_size * (size_t)s->n_tiles + (s->fifth_size + (s->low ? low_size(s) : 0)) * (size_t)s->n_rows;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -233,13 +245,12 @@ void se_screen_settle_scalar(const se_screen *s, const se_screen_act *a, const i
                              float *down) {
     for (int32_t i = 0; i < n; i++) {
         const uint16_t *d = (const uint16_t *)(fifth_row(s, ids[i]) + 4 * s->nbp);
-        const uint32_t *low = s->low + 3 * s->nb * ids[i];
+        const uint32_t *low = low_row(s, ids[i]);
         float u = 0, w = 0;
         for (int64_t b = 0; b < s->nb; b++) {
             const int8_t *x = a->xq + 32 * b;
             int32_t sum = 0;
-            for (int e = 0; e < SE_QK; e++)
-                for (int p = 0; p < 3; p++) sum += (int32_t)(low[3 * b + p] >> e & 1) * x[e] * (1 << p);
+            for (int e = 0; e < SE_QK; e++) sum += low_of(low + 3 * b, e) * x[e];
             float dd = se_fp16_to_fp32(d[b]) * a->dx[b];
             u += dd * (float)(sum + a->neg7[b]);
             w += dd * (float)(sum + a->pos7[b]);
@@ -252,16 +263,14 @@ void se_screen_settle_scalar(const se_screen *s, const se_screen_act *a, const i
 void se_screen_row_scalar(const se_screen *s, int64_t r, void *out) {
     const int i = (int)(r % SE_SCREEN_TILE);
     const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = fifth_row(s, r);
-    const uint32_t *low = s->low + 3 * s->nb * r;
+    const uint32_t *low = low_row(s, r);
     se_blk_q8_0 *q = out;
     for (int64_t b = 0; b < s->nb; b++) {
         const uint8_t *nib = tile + SE_SCREEN_TILE_BLOCK * b + 32 + 4 * i, *group = bits + 32 * (b / 8);
         memcpy(&q[b].d, bits + 4 * s->nbp + 2 * b, 2);
         for (int e = 0; e < SE_QK; e++) {
             const int h = nib[64 * (e / 8) + e % 4] >> (e % 8 / 4 * 4) & 15, f = group[e] >> (b % 8) & 1;
-            int l = 0;
-            for (int p = 0; p < 3; p++) l |= (int)(low[3 * b + p] >> e & 1) << p;
-            q[b].qs[e] = (int8_t)(16 * h + 8 * f + l - 128);
+            q[b].qs[e] = (int8_t)(16 * h + 8 * f + low_of(low + 3 * b, e) - 128);
         }
     }
 }
@@ -501,7 +510,7 @@ static void prefetch_row(const se_model *m, int64_t r) {
     const uint8_t *rec = fifth_row(s, r);
     const uint8_t *nib = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size + 32 + 4 * (r % SE_SCREEN_TILE);
     for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
-    for (size_t o = 0; o < (size_t)(12 * s->nb); o += 64) __builtin_prefetch((const char *)(s->low + 3 * s->nb * r) + o);
+    for (size_t o = 0; o < low_size(s); o += 64) __builtin_prefetch((const char *)low_row(s, r) + o);
     for (int64_t b = 0; b < s->nb; b++)
         for (int m = 0; m < 4; m++) __builtin_prefetch(nib + SE_SCREEN_TILE_BLOCK * b + 64 * m);
 }
