@@ -216,6 +216,9 @@ SE_API int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, co
  * then each row rebuilt from them into out (n_rows rows of the same bytes) by the ISA in use's
  * kernel. SE_ERR_INVALID for a bad shape or a negative scale. */
 SE_API int se_screen_rows_test(const void *rows, int64_t n_rows, int64_t n, void *out);
+/* For tests: the same planes, then the full head from them (the screened samplers' fallback) for
+ * one token's Q8_0 activations act, the n_rows logits into out, by the ISA in use's path. */
+SE_API int se_screen_head_test(const void *rows, int64_t n_rows, int64_t n, const void *act, float *out);
 /* Bytes of the model's screen planes (0 until the first screened sample builds them) */
 SE_API size_t se_model_screen_bytes(const se_model *m);
 

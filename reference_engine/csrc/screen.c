@@ -14,10 +14,11 @@
  *   - anything else (se_context_head: the logits themselves, any other sampler) runs the full
  *     head first.
  * The planes are built once per model, at the first screened sample (75% of a Q8_0 head's bytes,
- * of which a screen reads the 4-bit plane, 53%, and a few rows' fifth bits). Where the head
- * outweighs the layers and is read from the model's file mapping (Gemma-3) they keep the low bits
- * too (108%) and stand for the head: exact rows, a screened sampler's fallback and a tied model's
- * embeddings are rebuilt from them, and the head's pages leave memory. Models whose head is not
+ * of which a screen reads the 4-bit plane, 53%, and a few rows' fifth bits). Where the head is
+ * read from the model's file mapping, and either the AVX-512 path computes the full head straight
+ * from the planes (screen_avx512.c) or the head outweighs the layers (Gemma-3), they keep the low
+ * bits too (108%) and stand for the head: exact rows, a screened sampler's fallback and a tied
+ * model's embeddings come from them, and the head's pages leave memory. Models whose head is not
  * Q8_0, or is on a device, are never screened.
  */
 #define _GNU_SOURCE
@@ -152,6 +153,10 @@ static int head_outweighs_layers(const se_model *m) {
     return m->output.ne1 * (int64_t)m->output.row_size > layers;
 }
 
+/* Whether the full head from the planes comes straight from them (the AVX-512 path), as fast as
+ * the head's own read; else its rows are rebuilt first */
+static int planes_head_direct(void) { return se_isa_in_use() >= SE_ISA_AVX512 && se_screen_head_avx512; }
+
 /* The model's plane, built on c's pool the first time (the contexts of a model may ask from
  * several threads at once: the lock). NULL when the head cannot be screened. */
 static const se_screen *screen_of(se_context *c) {
@@ -160,10 +165,11 @@ static const se_screen *screen_of(se_context *c) {
     if (m->screen_state == 0) {
         se_screen *s = se_screen_possible(m) ? calloc(1, sizeof *s) : NULL;
         m->screen_state = -1; /* until it is built */
-        /* the planes stand for a head that outweighs the layers, where its pages can leave memory
-         * (a file mapping). Not on SmolLM2: the full head rebuilt from the planes costs twice the
-         * head's own, and a sampler that backs off (top-k 40 without min-p) ran 0.82x as fast */
-        const int batch = head_outweighs_layers(m), stand = batch && m->file_mapped;
+        /* the planes stand for the head where its pages can leave memory (a file mapping), and
+         * either the full head from the planes costs what the head's own does (the AVX-512 path)
+         * or the head outweighs the layers. Elsewhere a head rebuilt from the planes costs twice
+         * its own, and on SmolLM2 a sampler that backs off (top-k 40 without min-p) ran 0.82x as fast */
+        const int batch = head_outweighs_layers(m), stand = m->file_mapped && (batch || planes_head_direct());
         if (s && screen_alloc(s, m->output.ne0, m->output.ne1, stand)) {
             s->batch = batch;
             build_job j = { .s = s, .w = &m->output, .release = stand };
@@ -314,25 +320,55 @@ static void full_head(void *arg, int ith, int nth) {
 }
 
 static int screen_buffers(se_context *c);
+static size_t act_bytes(int64_t nb);
+static void make_act(const se_blk_q8_0 *x, int64_t nb, void *buf, se_screen_act *out);
 
 #define PLANE_ROWS 32 /* rows the full head from the planes rebuilds at a time, into a thread's scratch */
+#define PLANES_AHEAD 32 /* rows ahead whose planes it asks for (two tiles) */
+
+/* The logits of rows [r0, r1) (r0 on a tile's first row) from planes that stand for the head, for
+ * one token's Q8_0 activations x, the head's bits: on the AVX-512 path straight from the planes,
+ * else from rows rebuilt a few at a time and the head's own kernel. buf: act_bytes(nb); scratch:
+ * PLANE_ROWS rows of nb Q8_0 blocks */
+static void planes_logits(const se_screen *s, const se_blk_q8_0 *x, void *buf, se_blk_q8_0 *scratch, int64_t r0,
+                          int64_t r1, float *out) {
+    if (planes_head_direct()) {
+        se_screen_act xa;
+        make_act(x, s->nb, buf, &xa);
+        se_screen_head_avx512(s, &xa, r0 / SE_SCREEN_TILE, (r1 + SE_SCREEN_TILE - 1) / SE_SCREEN_TILE, (int32_t *)scratch, out);
+        return;
+    }
+    const se_screen_row_fn rebuild = row_kernel();
+    const size_t share = s->tile_size / SE_SCREEN_TILE; /* a row's part of its tile */
+    for (int64_t r = r0; r < r1; r += PLANE_ROWS) {
+        const int64_t n = r1 - r < PLANE_ROWS ? r1 - r : PLANE_ROWS;
+        for (int64_t i = 0; i < n; i++) {
+            /* the planes stream from memory: ask for a row's record, l and share of its tile two tiles ahead */
+            const int64_t ahead = r + i + PLANES_AHEAD;
+            if (ahead < r1) {
+                const char *rec = (const char *)fifth_row(s, ahead), *low = (const char *)low_row(s, ahead);
+                const char *tile = (const char *)s->tiles + (size_t)(ahead / SE_SCREEN_TILE) * s->tile_size + share * (size_t)(ahead % SE_SCREEN_TILE);
+                for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
+                for (size_t o = 0; o < low_size(s); o += 64) __builtin_prefetch(low + o);
+                for (size_t o = 0; o < share; o += 64) __builtin_prefetch(tile + o);
+            }
+            rebuild(s, r + i, scratch + i * s->nb);
+        }
+        se_matmul(SE_Q8_0, scratch, 32 * s->nb, x, 1, out + r, 1, 0, n);
+    }
+}
 
 /* The full head from the planes (the fallback of a screened sampler: its head's pages may have
- * left memory): rows rebuilt a few at a time, then the head's own kernel on them, the same bits */
+ * left memory), the same bits */
 static void planes_head(void *arg, int ith, int nth) {
     se_context *c = arg;
-    const se_screen *s = c->m->screen;
     se_acts a;
     head_acts(c, ith, nth, &a);
     int64_t r0, r1;
     se_split(c->m->hp.n_vocab, ith, nth, SPLIT_ALIGN, &r0, &r1);
-    se_blk_q8_0 *rows = (se_blk_q8_0 *)c->scr_rows + (size_t)ith * PLANE_ROWS * (size_t)s->nb;
-    const se_screen_row_fn rebuild = row_kernel();
-    for (int64_t r = r0; r < r1; r += PLANE_ROWS) {
-        const int64_t n = r1 - r < PLANE_ROWS ? r1 - r : PLANE_ROWS;
-        for (int64_t i = 0; i < n; i++) rebuild(s, r + i, rows + i * s->nb);
-        se_matmul(SE_Q8_0, rows, c->m->output.ne0, a.ptr[0], 1, c->logits + r, 1, 0, n);
-    }
+    const se_screen *s = c->m->screen;
+    planes_logits(s, (const se_blk_q8_0 *)a.ptr[0], (char *)c->scr_act + (size_t)ith * c->scr_act_bytes,
+                  (se_blk_q8_0 *)c->scr_rows + (size_t)ith * PLANE_ROWS * (size_t)s->nb, r0, r1, c->logits);
 }
 
 int se_context_head_from_planes(se_context *c) {
@@ -935,6 +971,17 @@ int se_screen_rows_test(const void *rows, int64_t n_rows, int64_t n, void *out) 
     int rc = out ? test_planes(&s, rows, n_rows, n, 1) : SE_ERR_INVALID;
     for (int64_t r = 0; rc == SE_OK && r < n_rows; r++) row_kernel()(&s, r, (se_blk_q8_0 *)out + r * s.nb);
     free_planes(&s);
+    return rc;
+}
+
+int se_screen_head_test(const void *rows, int64_t n_rows, int64_t n, const void *act, float *out) {
+    se_screen s = { 0 };
+    int rc = act && out ? test_planes(&s, rows, n_rows, n, 1) : SE_ERR_INVALID;
+    void *buf = rc == SE_OK ? malloc(act_bytes(s.nb)) : NULL;
+    se_blk_q8_0 *scratch = rc == SE_OK ? malloc((size_t)(PLANE_ROWS * s.nb) * sizeof(se_blk_q8_0)) : NULL;
+    if (rc == SE_OK && !(buf && scratch)) rc = SE_ERR_NOMEM;
+    if (rc == SE_OK) planes_logits(&s, act, buf, scratch, 0, n_rows, out);
+    free_planes(&s); free(buf); free(scratch);
     return rc;
 }
 

@@ -95,6 +95,11 @@ extern const se_screen_bounds_fn se_screen_bounds_avx512;
 typedef void (*se_screen_row_fn)(const se_screen *s, int64_t r, void *out);
 void se_screen_row_scalar(const se_screen *s, int64_t r, void *out);
 extern const se_screen_row_fn se_screen_row_avx2;
+/* The full head from planes that stand for it, the head's bits: the logits of the rows of tiles
+ * [t0, t1) into out (rows past n_rows left alone), with 16 * nb int32 of scratch (screen_avx512.c) */
+typedef void (*se_screen_head_fn)(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, int32_t *scratch,
+                                  float *out);
+extern const se_screen_head_fn se_screen_head_avx512;
 
 /* Stage 1 of the ubatch's deferred rows (se_ub_seg.defer), their activations a in segment order,
  * into their contexts' bounds, each tile read from memory once for all of them: every thread its
