@@ -181,6 +181,7 @@ def api() -> ctypes.CDLL:
         "se_screen_bounds_test": ([_vp, _i64, _i64, _vp, _i32, _vp, _vp], ctypes.c_int),
         "se_screen_rows_test": ([_vp, _i64, _i64, _vp], ctypes.c_int),
         "se_screen_head_test": ([_vp, _i64, _i64, _vp, _vp], ctypes.c_int),
+        "se_screen_planes_test": ([_vp, _i64, _i64, _i32, _vp, _i64], ctypes.c_int64),
         "se_context_head_from_planes": ([_vp], ctypes.c_int),
         "se_traits": ([ctypes.c_int], _vp),
         "se_row_size": ([ctypes.c_int, _i64], ctypes.c_size_t),

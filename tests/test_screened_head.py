@@ -344,6 +344,32 @@ def test_the_planes_give_back_the_head(isa_name, n):
         assert api().se_screen_rows_test(q8_rows(d, q).ctypes.data, n_rows, n, out.ctypes.data) != 0
 
 
+@pytest.mark.parametrize("isa_name", ["avx2", "avx512"])
+@pytest.mark.parametrize("stand", [0, 1])
+def test_the_planes_are_built_the_same_on_every_path(isa_name, stand):
+    """The SIMD packers build the portable packer's planes byte for byte (tiles, records, low bits),
+    for every int8 value, rows of 2 to 20 blocks and a last tile the rows only partly fill."""
+    from isa import using_isa
+    from stdengine.reference.core import api
+
+    for n in (64, 576, 640):
+        rng = np.random.default_rng(n + 4)
+        nb, n_rows = n // 32, 37
+        q = rng.integers(-128, 128, size=(n_rows, nb, 32))
+        q[0] = np.arange(-128, 128).reshape(8, 32)[np.arange(nb) % 8]
+        rows = q8_rows(rng.uniform(0.0, 0.05, size=(n_rows, nb)), q)
+        built = {}
+        for path in ("scalar", isa_name):
+            out = np.zeros(64 * n * n_rows, np.uint8)
+            with using_isa(path):
+                size = api().se_screen_planes_test(
+                    rows.ctypes.data, n_rows, n, stand, out.ctypes.data, out.size
+                )
+            assert size > 0
+            built[path] = out[:size]
+        assert np.array_equal(built["scalar"], built[isa_name])
+
+
 @pytest.mark.parametrize("isa_name", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("n", [64, 576, 640])
 def test_the_full_head_from_the_planes_has_the_heads_bits(isa_name, n):

@@ -69,33 +69,45 @@ static int low_of(const uint32_t w[3], int e) {
     return (int)(w[0] >> e & 1) | (int)(w[1] >> e & 1) << 1 | (int)(w[2] >> e & 1) << 2;
 }
 
+/* Block b's 32 quants q of row r into the planes (screen.h's layout; the bits are or-ed into bytes
+ * the row's build cleared): h into slot r % 16 of the tile, f into the record, l where kept */
+void se_screen_pack_scalar(const se_screen *s, const int8_t *q, int64_t r, int64_t b) {
+    const int i = (int)(r % SE_SCREEN_TILE);
+    uint8_t *blk = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size + SE_SCREEN_TILE_BLOCK * b;
+    uint8_t *group = fifth_row(s, r) + 32 * (b / 8);
+    for (int e = 0; e < SE_QK; e++) {
+        uint8_t u = (uint8_t)(q[e] + 128);
+        blk[32 + 64 * (e / 8) + 4 * i + e % 4] |= (uint8_t)((u >> 4) << (e % 8 / 4 * 4));
+        group[e] |= (uint8_t)((u >> 3 & 1) << (b % 8));
+    }
+    if (!s->low) return;
+    uint32_t l[3] = { 0, 0, 0 }; /* the low bits of q are u's: adding 128 leaves them */
+    for (int e = 0; e < SE_QK; e++)
+        for (int p = 0; p < 3; p++) l[p] |= (uint32_t)((uint8_t)q[e] >> p & 1) << e;
+    memcpy(low_row(s, r) + 3 * b, l, sizeof l);
+}
+
+static se_screen_pack_fn pack_kernel(void) {
+    return se_isa_in_use() >= SE_ISA_AVX2 && se_screen_pack_avx2 ? se_screen_pack_avx2 : se_screen_pack_scalar;
+}
+
 /* Row r of the planes from its Q8_0 row, into slot r % 16 of its tile (the first row of a tile
  * clears it: a tile's rows are built in order, by one thread); 0 if a scale is negative or not
  * finite (the bound assumes d >= 0) */
 static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
-    const int64_t nb = s->nb;
     const int i = (int)(r % SE_SCREEN_TILE);
     uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = fifth_row(s, r);
     uint16_t *d = (uint16_t *)(bits + 4 * s->nbp);
+    const se_screen_pack_fn pack = pack_kernel();
     int ok = 1;
     if (i == 0) memset(tile, 0, s->tile_size);
     memset(bits, 0, s->fifth_size);
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < s->nb; b++) {
         float df = se_fp16_to_fp32(src[b].d);
         ok &= df >= 0 && isfinite(df);
-        uint8_t *blk = tile + SE_SCREEN_TILE_BLOCK * b, *group = bits + 32 * (b / 8);
-        memcpy(blk + 2 * i, &src[b].d, 2);
+        memcpy(tile + SE_SCREEN_TILE_BLOCK * b + 2 * i, &src[b].d, 2);
         d[b] = src[b].d;
-        for (int e = 0; e < SE_QK; e++) {
-            uint8_t u = (uint8_t)(src[b].qs[e] + 128);
-            blk[32 + 64 * (e / 8) + 4 * i + e % 4] |= (uint8_t)((u >> 4) << (e % 8 / 4 * 4));
-            group[e] |= (uint8_t)((u >> 3 & 1) << (b % 8));
-        }
-        if (!s->low) continue;
-        uint32_t l[3] = { 0, 0, 0 }; /* the low bits of q are u's: adding 128 leaves them */
-        for (int e = 0; e < SE_QK; e++)
-            for (int p = 0; p < 3; p++) l[p] |= (uint32_t)((uint8_t)src[b].qs[e] >> p & 1) << e;
-        memcpy(low_row(s, r) + 3 * b, l, sizeof l);
+        pack(s, src[b].qs, r, b);
     }
     return ok;
 }
@@ -970,6 +982,22 @@ int se_screen_rows_test(const void *rows, int64_t n_rows, int64_t n, void *out) 
     se_screen s = { 0 };
     int rc = out ? test_planes(&s, rows, n_rows, n, 1) : SE_ERR_INVALID;
     for (int64_t r = 0; rc == SE_OK && r < n_rows; r++) row_kernel()(&s, r, (se_blk_q8_0 *)out + r * s.nb);
+    free_planes(&s);
+    return rc;
+}
+
+int64_t se_screen_planes_test(const void *rows, int64_t n_rows, int64_t n, int32_t stand, void *out, int64_t cap) {
+    se_screen s = { 0 };
+    int64_t rc = test_planes(&s, rows, n_rows, n, stand != 0);
+    const size_t tiles = s.tile_size * (size_t)s.n_tiles, fifth = s.fifth_size * (size_t)n_rows;
+    const size_t low = s.low ? low_size(&s) * (size_t)n_rows : 0;
+    if (rc == SE_OK && (!out || cap < (int64_t)(tiles + fifth + low))) rc = SE_ERR_INVALID;
+    if (rc == SE_OK) {
+        memcpy(out, s.tiles, tiles);
+        memcpy((char *)out + tiles, s.fifth, fifth);
+        if (low) memcpy((char *)out + tiles + fifth, s.low, low);
+        rc = (int64_t)(tiles + fifth + low);
+    }
     free_planes(&s);
     return rc;
 }

@@ -91,6 +91,11 @@ extern const se_screen_bounds_fn se_screen_bounds_avx2;
 extern const se_screen_refine_fn se_screen_refine_avx2;
 extern const se_screen_refine_fn se_screen_settle_avx2;
 extern const se_screen_bounds_fn se_screen_bounds_avx512;
+/* Block b's 32 int8 quants q of row r into the planes: h, f and (where kept) l; the build clears
+ * the row's bytes first (screen.c's build_row; screen_avx2.c the same with AVX2) */
+typedef void (*se_screen_pack_fn)(const se_screen *s, const int8_t *q, int64_t r, int64_t b);
+void se_screen_pack_scalar(const se_screen *s, const int8_t *q, int64_t r, int64_t b);
+extern const se_screen_pack_fn se_screen_pack_avx2;
 /* Row r of the head from planes that stand for it, as the head stores it: nb Q8_0 blocks (34 bytes each) at out */
 typedef void (*se_screen_row_fn)(const se_screen *s, int64_t r, void *out);
 void se_screen_row_scalar(const se_screen *s, int64_t r, void *out);

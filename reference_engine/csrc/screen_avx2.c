@@ -217,12 +217,36 @@ static void row_avx2(const se_screen *s, int64_t r, void *out) {
     }
 }
 
+/* se_screen_pack_scalar with AVX2: u = q + 128 as bytes; h paired as the tile holds it (byte j of
+ * a group of 8: h of element j in the low nibble, of j + 4 in the high one), f and each bit of l
+ * gathered with movemask-like steps */
+static void pack_avx2(const se_screen *s, const int8_t *q, int64_t r, int64_t b) {
+    const int i = (int)(r % SE_SCREEN_TILE);
+    uint8_t *blk = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size + SE_SCREEN_TILE_BLOCK * b;
+    uint8_t *group = s->fifth + (size_t)r * s->fifth_size + 32 * (b / 8);
+    const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), _mm256_set1_epi8((char)0x80));
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(u, 4), _mm256_set1_epi8(15));
+    const __m256i pair = _mm256_or_si256(h, _mm256_srli_si256(_mm256_slli_epi16(h, 4), 4)); /* h < 16: no carry */
+    uint32_t w[8];
+    _mm256_storeu_si256((__m256i *)w, pair);
+    for (int m = 0; m < 4; m++) memcpy(blk + 32 + 64 * m + 4 * i, &w[2 * m], 4); /* the tile's bytes of row i: only this block's */
+    const __m256i eight = _mm256_set1_epi8(8);
+    const __m256i f = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(u, eight), eight), _mm256_set1_epi8((char)(1 << (b % 8))));
+    _mm256_storeu_si256((__m256i *)group, _mm256_or_si256(_mm256_loadu_si256((const __m256i *)group), f));
+    if (!s->low) return;
+    uint32_t l[3]; /* bit p of each byte to bit 7, then one bit a byte */
+    for (int p = 0; p < 3; p++) l[p] = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(u, 7 - p));
+    memcpy(s->low + 3 * s->nb * r + 3 * b, l, sizeof l);
+}
+
 const se_screen_bounds_fn se_screen_bounds_avx2 = bounds_avx2;
+const se_screen_pack_fn se_screen_pack_avx2 = pack_avx2;
 const se_screen_refine_fn se_screen_refine_avx2 = refine_avx2;
 const se_screen_refine_fn se_screen_settle_avx2 = settle_avx2;
 const se_screen_row_fn se_screen_row_avx2 = row_avx2;
 #else
 const se_screen_bounds_fn se_screen_bounds_avx2 = 0;
+const se_screen_pack_fn se_screen_pack_avx2 = 0;
 const se_screen_refine_fn se_screen_refine_avx2 = 0;
 const se_screen_refine_fn se_screen_settle_avx2 = 0;
 const se_screen_row_fn se_screen_row_avx2 = 0;
