@@ -218,12 +218,12 @@ SE_API int se_screen_bounds_test(const void *rows, int64_t n_rows, int64_t n, co
 SE_API int se_screen_rows_test(const void *rows, int64_t n_rows, int64_t n, void *out);
 /* For tests: the same planes, then the full head from them (the screened samplers' fallback) for
  * one token's Q8_0 activations act, the n_rows logits into out, by the ISA in use's path. */
+SE_API int se_screen_head_test(const void *rows, int64_t n_rows, int64_t n, const void *act, float *out);
 /* For tests: the planes' bytes (the tiles, the records, then the low bits where stand is set) of
  * n_rows Q8_0 rows of n weights, built by the ISA in use's packer, into out (cap bytes); their
  * count, or SE_ERR_INVALID (a bad shape, a negative scale, too small a cap). */
 SE_API int64_t se_screen_planes_test(const void *rows, int64_t n_rows, int64_t n, int32_t stand, void *out,
                                      int64_t cap);
-SE_API int se_screen_head_test(const void *rows, int64_t n_rows, int64_t n, const void *act, float *out);
 /* Bytes of the model's screen planes (0 until the first screened sample builds them) */
 SE_API size_t se_model_screen_bytes(const se_model *m);
 

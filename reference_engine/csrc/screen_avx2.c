@@ -14,10 +14,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2,fma,f16c")
-#include <immintrin.h>
-#include <string.h>
-
-#define INLINE static inline __attribute__((always_inline))
+#include "screen_simd.h"
 
 INLINE float hsum8(__m256 v) {
     __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -26,20 +23,10 @@ INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-/* Lane p: the sum of v[p]'s eight 32-bit lanes */
-INLINE __m256i lane_sums(const __m256i v[8]) {
-    const __m256i a = _mm256_hadd_epi32(v[0], v[1]), c = _mm256_hadd_epi32(v[2], v[3]);
-    const __m256i e = _mm256_hadd_epi32(v[4], v[5]), g = _mm256_hadd_epi32(v[6], v[7]);
-    const __m256i ac = _mm256_hadd_epi32(a, c), eg = _mm256_hadd_epi32(e, g);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ac, eg, 0x20), _mm256_permute2x128_si256(ac, eg, 0x31));
-}
-
 /* sum u*x over 32 elements, in 8 lanes of 32 bits (u unsigned, small) */
 INLINE __m256i dot32(__m256i u, const int8_t *x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)x)), _mm256_set1_epi16(1));
 }
-
-INLINE int32_t ld32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* Stage 1 for the rows of tiles [t0, t1): per block, each half of the tile (8 rows) as above */
 static void bounds_avx2(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, float *lo, float *hi) {

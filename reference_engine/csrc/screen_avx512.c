@@ -13,10 +13,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
-#include <immintrin.h>
-#include <string.h>
-
-static inline int32_t ld32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
+#include "screen_simd.h"
 
 /* 16 * sum h*x of a tile's block (blk) for its 16 rows, one per lane, exactly */
 static inline __m512i sum16h(const uint8_t *blk, const int8_t *x) {
@@ -51,14 +48,6 @@ static void bounds_avx512(const se_screen *s, const se_screen_act *a, int64_t t0
  * The full head from planes that stand for it, without rebuilding its rows: each block's exact
  * integer sum sum q*x = 16 * sum h*x + sum (8f + l)*x - 128 * sum x, then the head's own float
  * steps in its summation order (kernels_avx512.c), so the head's bits. */
-
-/* Lane p: the sum of v[p]'s eight 32-bit lanes */
-static inline __m256i lane_sums(const __m256i v[8]) {
-    const __m256i a = _mm256_hadd_epi32(v[0], v[1]), c = _mm256_hadd_epi32(v[2], v[3]);
-    const __m256i e = _mm256_hadd_epi32(v[4], v[5]), g = _mm256_hadd_epi32(v[6], v[7]);
-    const __m256i ac = _mm256_hadd_epi32(a, c), eg = _mm256_hadd_epi32(e, g);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ac, eg, 0x20), _mm256_permute2x128_si256(ac, eg, 0x31));
-}
 
 /* Row r's sum (8f + l)*x per block, into lane r % 16 of isum[16 * b]: 8f + l as bytes from its
  * bits as masks, one vpdpbusd a block, eight blocks' sums gathered at a time */
