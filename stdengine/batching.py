@@ -19,6 +19,11 @@ step's leader, which waits (on its own condition variable) until every active co
 submitted or its wait runs out, then evaluates the step; the others wait for their results.
 Nobody else is woken on a submission: on a 2-core machine N threads woken per submission (N^2 per
 step) cost as much as a step's forward pass. Only one step runs at a time.
+
+A step lists its contexts in the order they were attached, whoever leads it: the engine may run
+the step on its first context's resources (the reference engine: that context's thread pool), and
+a step on another pool than the last one's wakes that pool's sleeping workers while the last
+one's are still spinning for their next job.
 """
 
 from __future__ import annotations
@@ -62,10 +67,12 @@ class Batcher:
         self._leader: int | None = None  # the pending submission whose thread runs the next step
         self._oldest = 0.0  # when the oldest pending submission came
         self._stepping = False
+        self._rank: dict[int, int] = {}  # id() of each attached context: the order steps list them in
 
     def attach(self, ctx: LocalEngine) -> None:
         """Put a context in batch mode: its evaluations go through this batcher from now on."""
         ctx.batcher = self
+        self._rank.setdefault(id(ctx), len(self._rank))
 
     # --- called from the contexts' threads ------------------------------------------------
     def join(self, ctx: LocalEngine) -> None:
@@ -117,7 +124,7 @@ class Batcher:
         """Evaluate everything pending as one step. Called by the leader with the lock held;
         releases it while the engine works, so that other contexts can submit for the next step
         (the first of them its leader)."""
-        items = list(self._pending.values())
+        items = sorted(self._pending.values(), key=lambda item: self._rank.get(id(item[0]), len(self._rank)))
         self._pending.clear()
         self._leader = None
         self._stepping = True
