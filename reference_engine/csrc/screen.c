@@ -58,8 +58,6 @@ typedef struct {
     int bad[64]; /* per thread: a scale that is negative or not finite (the bound assumes d >= 0) */
 } build_job;
 
-static uint8_t *fifth_row(const se_screen *s, int64_t r) { return s->fifth + (size_t)r * s->fifth_size; }
-
 /* Row r's low bits (where the planes keep them), and their bytes */
 static uint32_t *low_row(const se_screen *s, int64_t r) { return s->low + 3 * s->nb * r; }
 static size_t low_size(const se_screen *s) { return (size_t)(3 * s->nb) * sizeof(uint32_t); }
@@ -73,8 +71,8 @@ static int low_of(const uint32_t w[3], int e) {
  * the row's build cleared): h into slot r % 16 of the tile, f into the record, l where kept */
 void se_screen_pack_scalar(const se_screen *s, const int8_t *q, int64_t r, int64_t b) {
     const int i = (int)(r % SE_SCREEN_TILE);
-    uint8_t *blk = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size + SE_SCREEN_TILE_BLOCK * b;
-    uint8_t *group = fifth_row(s, r) + 32 * (b / 8);
+    uint8_t *blk = se_screen_tile(s, r / SE_SCREEN_TILE) + SE_SCREEN_TILE_BLOCK * b;
+    uint8_t *group = se_screen_record(s, r) + 32 * (b / 8);
     for (int e = 0; e < SE_QK; e++) {
         uint8_t u = (uint8_t)(q[e] + 128);
         blk[32 + 64 * (e / 8) + 4 * i + e % 4] |= (uint8_t)((u >> 4) << (e % 8 / 4 * 4));
@@ -96,7 +94,7 @@ static se_screen_pack_fn pack_kernel(void) {
  * finite (the bound assumes d >= 0) */
 static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
     const int i = (int)(r % SE_SCREEN_TILE);
-    uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = fifth_row(s, r);
+    uint8_t *tile = se_screen_tile(s, r / SE_SCREEN_TILE), *bits = se_screen_record(s, r);
     uint16_t *d = (uint16_t *)(bits + 4 * s->nbp);
     const se_screen_pack_fn pack = pack_kernel();
     int ok = 1;
@@ -219,7 +217,7 @@ void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t
                              float *hi) {
     for (int64_t t = t0; t < t1; t++)
         for (int i = 0; i < SE_SCREEN_TILE; i++) {
-            const uint8_t *tile = s->tiles + (size_t)t * s->tile_size;
+            const uint8_t *tile = se_screen_tile(s, t);
             float l = 0, h = 0;
             for (int64_t b = 0; b < s->nb; b++) {
                 const uint8_t *blk = tile + SE_SCREEN_TILE_BLOCK * b, *nib = blk + 32 + 4 * i;
@@ -242,7 +240,7 @@ void se_screen_bounds_scalar(const se_screen *s, const se_screen_act *a, int64_t
 void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
                              float *down) {
     for (int32_t i = 0; i < n; i++) {
-        const uint8_t *bits = fifth_row(s, ids[i]);
+        const uint8_t *bits = se_screen_record(s, ids[i]);
         const uint16_t *d = (const uint16_t *)(bits + 4 * s->nbp);
         float u = 0, w = 0;
         for (int64_t b = 0; b < s->nb; b++) {
@@ -262,7 +260,7 @@ void se_screen_refine_scalar(const se_screen *s, const se_screen_act *a, const i
 void se_screen_settle_scalar(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
                              float *down) {
     for (int32_t i = 0; i < n; i++) {
-        const uint16_t *d = (const uint16_t *)(fifth_row(s, ids[i]) + 4 * s->nbp);
+        const uint16_t *d = (const uint16_t *)(se_screen_record(s, ids[i]) + 4 * s->nbp);
         const uint32_t *low = low_row(s, ids[i]);
         float u = 0, w = 0;
         for (int64_t b = 0; b < s->nb; b++) {
@@ -280,7 +278,7 @@ void se_screen_settle_scalar(const se_screen *s, const se_screen_act *a, const i
 
 void se_screen_row_scalar(const se_screen *s, int64_t r, void *out) {
     const int i = (int)(r % SE_SCREEN_TILE);
-    const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *bits = fifth_row(s, r);
+    const uint8_t *tile = se_screen_tile(s, r / SE_SCREEN_TILE), *bits = se_screen_record(s, r);
     const uint32_t *low = low_row(s, r);
     se_blk_q8_0 *q = out;
     for (int64_t b = 0; b < s->nb; b++) {
@@ -358,8 +356,8 @@ static void planes_logits(const se_screen *s, const se_blk_q8_0 *x, void *buf, s
             /* the planes stream from memory: ask for a row's record, l and share of its tile two tiles ahead */
             const int64_t ahead = r + i + PLANES_AHEAD;
             if (ahead < r1) {
-                const char *rec = (const char *)fifth_row(s, ahead), *low = (const char *)low_row(s, ahead);
-                const char *tile = (const char *)s->tiles + (size_t)(ahead / SE_SCREEN_TILE) * s->tile_size + share * (size_t)(ahead % SE_SCREEN_TILE);
+                const char *rec = (const char *)se_screen_record(s, ahead), *low = (const char *)low_row(s, ahead);
+                const char *tile = (const char *)se_screen_tile(s, ahead / SE_SCREEN_TILE) + share * (size_t)(ahead % SE_SCREEN_TILE);
                 for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
                 for (size_t o = 0; o < low_size(s); o += 64) __builtin_prefetch(low + o);
                 for (size_t o = 0; o < share; o += 64) __builtin_prefetch(tile + o);
@@ -555,8 +553,8 @@ static void prefetch_row(const se_model *m, int64_t r) {
         for (size_t o = 0; o < m->output.row_size; o += 64) __builtin_prefetch(row + o);
         return;
     }
-    const uint8_t *rec = fifth_row(s, r);
-    const uint8_t *nib = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size + 32 + 4 * (r % SE_SCREEN_TILE);
+    const uint8_t *rec = se_screen_record(s, r);
+    const uint8_t *nib = se_screen_tile(s, r / SE_SCREEN_TILE) + 32 + 4 * (r % SE_SCREEN_TILE);
     for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
     for (size_t o = 0; o < low_size(s); o += 64) __builtin_prefetch((const char *)low_row(s, r) + o);
     for (int64_t b = 0; b < s->nb; b++)

@@ -56,6 +56,10 @@ typedef struct se_screen {
     uint32_t *low;
 } se_screen;
 
+/* Tile t of the 4-bit plane, and row r's record in the fifth plane (the layout above) */
+static inline uint8_t *se_screen_tile(const se_screen *s, int64_t t) { return s->tiles + (size_t)t * s->tile_size; }
+static inline uint8_t *se_screen_record(const se_screen *s, int64_t r) { return s->fifth + (size_t)r * s->fifth_size; }
+
 /* One token's head activations as the kernels read them (nbp blocks, those past nb zero) */
 typedef struct {
     const int8_t *xq;    /* [nbp * 32] the int8 activations, block after block */

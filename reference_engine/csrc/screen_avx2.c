@@ -32,7 +32,7 @@ INLINE __m256i dot32(__m256i u, const int8_t *x) {
 static void bounds_avx2(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, float *lo, float *hi) {
     const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int64_t t = t0; t < t1; t++) {
-        const uint8_t *tile = s->tiles + (size_t)t * s->tile_size;
+        const uint8_t *tile = se_screen_tile(s, t);
         __m256 l[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() }, h[2] = { l[0], l[0] };
         for (int64_t b = 0; b < s->nb; b++) {
             const uint8_t *blk = tile + SE_SCREEN_TILE_BLOCK * b;
@@ -126,10 +126,10 @@ static void refine_avx2(const se_screen *s, const se_screen_act *a, const int32_
                         float *down) {
     for (int32_t i = 0; i < n; i++) {
         if (i + REFINE_AHEAD < n) {
-            const uint8_t *next = s->fifth + (size_t)ids[i + REFINE_AHEAD] * s->fifth_size;
+            const uint8_t *next = se_screen_record(s, ids[i + REFINE_AHEAD]);
             for (size_t o = 0; o < s->fifth_size; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T0);
         }
-        const uint8_t *bits = s->fifth + (size_t)ids[i] * s->fifth_size;
+        const uint8_t *bits = se_screen_record(s, ids[i]);
         refine_row(a, s->nb, (const uint16_t *)(bits + 4 * s->nbp), bits, &up[i], &down[i]);
     }
 }
@@ -165,7 +165,7 @@ static void settle_avx2(const se_screen *s, const se_screen_act *a, const int32_
                         float *down) {
     const int64_t nb = s->nb, full = nb / 8;
     for (int32_t i = 0; i < n; i++) {
-        const uint16_t *d = (const uint16_t *)(s->fifth + (size_t)ids[i] * s->fifth_size + 4 * s->nbp);
+        const uint16_t *d = (const uint16_t *)(se_screen_record(s, ids[i]) + 4 * s->nbp);
         const uint32_t *low = s->low + 3 * nb * ids[i];
         __m256 u = _mm256_setzero_ps(), w = _mm256_setzero_ps();
         for (int64_t g = 0; g < full; g++) settle_step(a, g, d + 8 * g, low + 24 * g, 8, &u, &w);
@@ -184,7 +184,7 @@ static void settle_avx2(const se_screen *s, const se_screen_act *a, const int32_
  * words; then q = 16h + 8f + l - 128 (bytes: no shift carries across, h < 16 and f < 2) */
 static void row_avx2(const se_screen *s, int64_t r, void *out) {
     const int i = (int)(r % SE_SCREEN_TILE);
-    const uint8_t *tile = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size, *rec = s->fifth + (size_t)r * s->fifth_size;
+    const uint8_t *tile = se_screen_tile(s, r / SE_SCREEN_TILE), *rec = se_screen_record(s, r);
     const uint8_t *scales = rec + 4 * s->nbp;
     const uint32_t *low = s->low + 3 * s->nb * r;
     const __m128i low4 = _mm_set1_epi8(15);
@@ -209,8 +209,8 @@ static void row_avx2(const se_screen *s, int64_t r, void *out) {
  * gathered with movemask-like steps */
 static void pack_avx2(const se_screen *s, const int8_t *q, int64_t r, int64_t b) {
     const int i = (int)(r % SE_SCREEN_TILE);
-    uint8_t *blk = s->tiles + (size_t)(r / SE_SCREEN_TILE) * s->tile_size + SE_SCREEN_TILE_BLOCK * b;
-    uint8_t *group = s->fifth + (size_t)r * s->fifth_size + 32 * (b / 8);
+    uint8_t *blk = se_screen_tile(s, r / SE_SCREEN_TILE) + SE_SCREEN_TILE_BLOCK * b;
+    uint8_t *group = se_screen_record(s, r) + 32 * (b / 8);
     const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), _mm256_set1_epi8((char)0x80));
     const __m256i h = _mm256_and_si256(_mm256_srli_epi16(u, 4), _mm256_set1_epi8(15));
     const __m256i pair = _mm256_or_si256(h, _mm256_srli_si256(_mm256_slli_epi16(h, 4), 4)); /* h < 16: no carry */

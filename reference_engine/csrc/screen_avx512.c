@@ -29,7 +29,7 @@ static inline __m512i sum16h(const uint8_t *blk, const int8_t *x) {
 
 static void bounds_avx512(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, float *lo, float *hi) {
     for (int64_t t = t0; t < t1; t++) {
-        const uint8_t *tile = s->tiles + (size_t)t * s->tile_size;
+        const uint8_t *tile = se_screen_tile(s, t);
         __m512 l = _mm512_setzero_ps(), h = _mm512_setzero_ps();
         for (int64_t b = 0; b < s->nb; b++) {
             const uint8_t *blk = tile + SE_SCREEN_TILE_BLOCK * b;
@@ -53,7 +53,7 @@ static void bounds_avx512(const se_screen *s, const se_screen_act *a, int64_t t0
  * bits as masks, one vpdpbusd a block, eight blocks' sums gathered at a time */
 static void low_sums(const se_screen *s, const se_screen_act *a, int64_t r, int32_t *isum) {
     const int i = (int)(r % SE_SCREEN_TILE);
-    const uint8_t *rec = s->fifth + (size_t)r * s->fifth_size;
+    const uint8_t *rec = se_screen_record(s, r);
     const uint32_t *low = s->low + 3 * s->nb * r;
     const __m256i eight = _mm256_set1_epi8(8), four = _mm256_set1_epi8(4), two = _mm256_set1_epi8(2);
     const __m256i one = _mm256_set1_epi8(1), zero = _mm256_setzero_si256();
@@ -93,7 +93,7 @@ static const int LANE32[16] = { 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13
 static void head_avx512(const se_screen *s, const se_screen_act *a, int64_t t0, int64_t t1, int32_t *isum, float *out) {
     for (int64_t t = t0; t < t1; t++) {
         const int64_t r0 = t * SE_SCREEN_TILE, n = s->n_rows - r0 < SE_SCREEN_TILE ? s->n_rows - r0 : SE_SCREEN_TILE;
-        const uint8_t *tile = s->tiles + (size_t)t * s->tile_size;
+        const uint8_t *tile = se_screen_tile(s, t);
         if (n < SE_SCREEN_TILE) memset(isum, 0, (size_t)(16 * s->nb) * sizeof(int32_t)); /* the empty rows' lanes */
         for (int64_t i = 0; i < n; i++) low_sums(s, a, r0 + i, isum);
         for (int64_t b = 0; b < s->nb; b++) { /* and 16 * sum h*x, as stage 1 has it */
