@@ -58,8 +58,7 @@ typedef struct {
     int bad[64]; /* per thread: a scale that is negative or not finite (the bound assumes d >= 0) */
 } build_job;
 
-/* Row r's low bits (where the planes keep them), and their bytes */
-static uint32_t *low_row(const se_screen *s, int64_t r) { return s->low + 3 * s->nb * r; }
+/* The bytes of a row's low bits (where the planes keep them) */
 static size_t low_size(const se_screen *s) { return (size_t)(3 * s->nb) * sizeof(uint32_t); }
 
 /* Element e's l from its block's three words */
@@ -82,7 +81,7 @@ void se_screen_pack_scalar(const se_screen *s, const int8_t *q, int64_t r, int64
     uint32_t l[3] = { 0, 0, 0 }; /* the low bits of q are u's: adding 128 leaves them */
     for (int e = 0; e < SE_QK; e++)
         for (int p = 0; p < 3; p++) l[p] |= (uint32_t)((uint8_t)q[e] >> p & 1) << e;
-    memcpy(low_row(s, r) + 3 * b, l, sizeof l);
+    memcpy(se_screen_low(s, r) + 3 * b, l, sizeof l);
 }
 
 static se_screen_pack_fn pack_kernel(void) {
@@ -261,7 +260,7 @@ void se_screen_settle_scalar(const se_screen *s, const se_screen_act *a, const i
                              float *down) {
     for (int32_t i = 0; i < n; i++) {
         const uint16_t *d = (const uint16_t *)(se_screen_record(s, ids[i]) + 4 * s->nbp);
-        const uint32_t *low = low_row(s, ids[i]);
+        const uint32_t *low = se_screen_low(s, ids[i]);
         float u = 0, w = 0;
         for (int64_t b = 0; b < s->nb; b++) {
             const int8_t *x = a->xq + 32 * b;
@@ -279,7 +278,7 @@ void se_screen_settle_scalar(const se_screen *s, const se_screen_act *a, const i
 void se_screen_row_scalar(const se_screen *s, int64_t r, void *out) {
     const int i = (int)(r % SE_SCREEN_TILE);
     const uint8_t *tile = se_screen_tile(s, r / SE_SCREEN_TILE), *bits = se_screen_record(s, r);
-    const uint32_t *low = low_row(s, r);
+    const uint32_t *low = se_screen_low(s, r);
     se_blk_q8_0 *q = out;
     for (int64_t b = 0; b < s->nb; b++) {
         const uint8_t *nib = tile + SE_SCREEN_TILE_BLOCK * b + 32 + 4 * i, *group = bits + 32 * (b / 8);
@@ -356,7 +355,7 @@ static void planes_logits(const se_screen *s, const se_blk_q8_0 *x, void *buf, s
             /* the planes stream from memory: ask for a row's record, l and share of its tile two tiles ahead */
             const int64_t ahead = r + i + PLANES_AHEAD;
             if (ahead < r1) {
-                const char *rec = (const char *)se_screen_record(s, ahead), *low = (const char *)low_row(s, ahead);
+                const char *rec = (const char *)se_screen_record(s, ahead), *low = (const char *)se_screen_low(s, ahead);
                 const char *tile = (const char *)se_screen_tile(s, ahead / SE_SCREEN_TILE) + share * (size_t)(ahead % SE_SCREEN_TILE);
                 for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
                 for (size_t o = 0; o < low_size(s); o += 64) __builtin_prefetch(low + o);
@@ -556,7 +555,7 @@ static void prefetch_row(const se_model *m, int64_t r) {
     const uint8_t *rec = se_screen_record(s, r);
     const uint8_t *nib = se_screen_tile(s, r / SE_SCREEN_TILE) + 32 + 4 * (r % SE_SCREEN_TILE);
     for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
-    for (size_t o = 0; o < low_size(s); o += 64) __builtin_prefetch((const char *)low_row(s, r) + o);
+    for (size_t o = 0; o < low_size(s); o += 64) __builtin_prefetch((const char *)se_screen_low(s, r) + o);
     for (int64_t b = 0; b < s->nb; b++)
         for (int m = 0; m < 4; m++) __builtin_prefetch(nib + SE_SCREEN_TILE_BLOCK * b + 64 * m);
 }

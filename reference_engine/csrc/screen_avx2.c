@@ -166,7 +166,7 @@ static void settle_avx2(const se_screen *s, const se_screen_act *a, const int32_
     const int64_t nb = s->nb, full = nb / 8;
     for (int32_t i = 0; i < n; i++) {
         const uint16_t *d = (const uint16_t *)(se_screen_record(s, ids[i]) + 4 * s->nbp);
-        const uint32_t *low = s->low + 3 * nb * ids[i];
+        const uint32_t *low = se_screen_low(s, ids[i]);
         __m256 u = _mm256_setzero_ps(), w = _mm256_setzero_ps();
         for (int64_t g = 0; g < full; g++) settle_step(a, g, d + 8 * g, low + 24 * g, 8, &u, &w);
         switch (nb % 8) {
@@ -186,7 +186,7 @@ static void row_avx2(const se_screen *s, int64_t r, void *out) {
     const int i = (int)(r % SE_SCREEN_TILE);
     const uint8_t *tile = se_screen_tile(s, r / SE_SCREEN_TILE), *rec = se_screen_record(s, r);
     const uint8_t *scales = rec + 4 * s->nbp;
-    const uint32_t *low = s->low + 3 * s->nb * r;
+    const uint32_t *low = se_screen_low(s, r);
     const __m128i low4 = _mm_set1_epi8(15);
     const __m256i one = _mm256_set1_epi8(1);
     uint8_t *o = out;
@@ -223,7 +223,7 @@ static void pack_avx2(const se_screen *s, const int8_t *q, int64_t r, int64_t b)
     if (!s->low) return;
     uint32_t l[3]; /* bit p of each byte to bit 7, then one bit a byte */
     for (int p = 0; p < 3; p++) l[p] = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(u, 7 - p));
-    memcpy(s->low + 3 * s->nb * r + 3 * b, l, sizeof l);
+    memcpy(se_screen_low(s, r) + 3 * b, l, sizeof l);
 }
 
 const se_screen_bounds_fn se_screen_bounds_avx2 = bounds_avx2;

@@ -54,7 +54,7 @@ static void bounds_avx512(const se_screen *s, const se_screen_act *a, int64_t t0
 static void low_sums(const se_screen *s, const se_screen_act *a, int64_t r, int32_t *isum) {
     const int i = (int)(r % SE_SCREEN_TILE);
     const uint8_t *rec = se_screen_record(s, r);
-    const uint32_t *low = s->low + 3 * s->nb * r;
+    const uint32_t *low = se_screen_low(s, r);
     const __m256i eight = _mm256_set1_epi8(8), four = _mm256_set1_epi8(4), two = _mm256_set1_epi8(2);
     const __m256i one = _mm256_set1_epi8(1), zero = _mm256_setzero_si256();
     for (int64_t g = 0; g < s->nb; g += 8) {
