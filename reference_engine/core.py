@@ -157,6 +157,8 @@ def api() -> ctypes.CDLL:
         "se_model_set_layer": ([_vp, _i32, _f32, _i32], ctypes.c_int),
         "se_model_finalize": ([_vp, _vp, _vp], ctypes.c_int),
         "se_model_set_file_mapped": ([_vp, ctypes.c_int32], ctypes.c_int),
+        "se_model_set_batch_panels": ([_vp, ctypes.c_int32], ctypes.c_int),
+        "se_model_panels_bytes": ([_vp], ctypes.c_size_t),
         "se_model_free": ([_vp], None),
         "se_context_new": ([_vp, _vp], _vp),
         "se_context_free": ([_vp], None),

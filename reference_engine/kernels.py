@@ -31,6 +31,10 @@ def _core() -> ctypes.CDLL:
     c.se_gemm_min_tokens.argtypes, c.se_gemm_min_tokens.restype = [], _int
     c.se_set_gemm_min_tokens.argtypes, c.se_set_gemm_min_tokens.restype = [_int], _int
     c.se_glu.argtypes, c.se_glu.restype = [_int, _vp, _vp, _i64], None
+    c.se_panels_size.argtypes, c.se_panels_size.restype = [_int, _i64, _i64], ctypes.c_size_t
+    c.se_pack_panels.argtypes, c.se_pack_panels.restype = [_int, _vp, _i64, _i64, _vp], None
+    c.se_matmul_panels.argtypes = [_int, _vp, _vp, _i64, _vp, _int, _vp, _i64, _i64, _i64]
+    c.se_matmul_panels.restype = None
     return c
 
 
@@ -111,11 +115,20 @@ def dot(t: int | str, w, act, n: int) -> float:
     return float(fn(n, w.ctypes.data, act.ctypes.data))
 
 
-def matmul(t: int | str, w, k: int, x: np.ndarray, r0: int = 0, r1: int | None = None) -> np.ndarray:
+def matmul(
+    t: int | str,
+    w,
+    k: int,
+    x: np.ndarray,
+    r0: int = 0,
+    r1: int | None = None,
+    panels: np.ndarray | None = None,
+) -> np.ndarray:
     """y (n_tok, rows) = x (n_tok, k) @ W.T, W given raw as rows of k elements of type t.
 
     Activations are quantized to t's act_type first, as the forward pass does. Only rows
-    [r0, r1) are computed (the others stay NaN), to test the thread pool's row splits.
+    [r0, r1) are computed (the others stay NaN), to test the thread pool's row splits. With
+    panels (pack_panels'), through se_matmul_panels: the panels where they serve the batch.
     """
     w = _raw(w)
     rows = w.size // row_size(t, k)
@@ -123,8 +136,24 @@ def matmul(t: int | str, w, k: int, x: np.ndarray, r0: int = 0, r1: int | None =
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
     act = quantize(traits(t).act_type, x)
     y = np.full((x.shape[0], rows), np.nan, dtype=np.float32)
-    _core().se_matmul(type_id(t), w.ctypes.data, k, act.ctypes.data, x.shape[0], y.ctypes.data, rows, r0, r1)
+    args = (k, act.ctypes.data, x.shape[0], y.ctypes.data, rows, r0, r1)
+    if panels is None:
+        _core().se_matmul(type_id(t), w.ctypes.data, *args)
+    else:
+        _core().se_matmul_panels(type_id(t), w.ctypes.data, panels.ctypes.data, *args)
     return y
+
+
+def pack_panels(t: int | str, w, k: int) -> np.ndarray | None:
+    """W's packed panels (kernels.h) for the ISA in use, or None where it has none for type t."""
+    w = _raw(w)
+    rows = w.size // row_size(t, k)
+    size = _core().se_panels_size(type_id(t), k, rows)
+    if not size:
+        return None
+    panels = np.empty(size, np.uint8)
+    _core().se_pack_panels(type_id(t), w.ctypes.data, k, rows, panels.ctypes.data)
+    return panels
 
 
 GLU_ACTS = {"silu": 0, "gelu_tanh": 1}  # se_ffn_act (csrc/blocks.h)

@@ -240,6 +240,16 @@ class Model:
             raise BadModelFile("the model is closed", hint="load it again")
         return self._handle
 
+    def set_batch_panels(self, on: bool) -> None:
+        """Whether batched decoding may make and read packed panels of the weights (on by default;
+        engine.h, se_model_set_batch_panels). Takes effect before the first batched step."""
+        core.api().se_model_set_batch_panels(self.handle, int(on))
+
+    @property
+    def panels_bytes(self) -> int:
+        """Bytes of the packed panels made for batched decoding (0: none yet, or none here)."""
+        return int(core.api().se_model_panels_bytes(self.handle))
+
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of a tensor, a read-only view into the mapped file (for tests and tools)."""
         t = self.tensors[name]

@@ -14,7 +14,7 @@ import io
 import numpy as np
 import pytest
 from isa import using_isa
-from stdengine.reference.core import ERR_INVALID, OK, Context, api, decode_batch
+from stdengine.reference.core import ERR_INVALID, OK, Context, api, decode_batch, isa_name
 from stdengine.reference.model import Model
 
 from stdengine.errors import ContextOverflow, EngineFailure, InvalidRequest
@@ -92,6 +92,38 @@ def test_contexts_stepped_together_match_each_alone(model, isa, cache):
             finally:
                 for p in pairs:
                     p.close()
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_packed_panels_made_at_the_first_batched_step(which, smollm2_path, gemma3_path):
+    """A fresh model makes its packed panels (kernels.h) at its first batched step, on the paths
+    that have them (AVX-512, AMX), as large as the Q4_0/Q4_1/Q8_0 weights they copy; its steps
+    then read them, and every logit is still the context's alone. With them turned off the model
+    makes none, with the same logits."""
+    path = smollm2_path if which == "smollm2" else gemma3_path
+    for on in (True, False):
+        with Model.load(path) as m:
+            m.set_batch_panels(on)
+            assert m.panels_bytes == 0
+            pairs = [Pair(m) for _ in range(3)]
+            try:
+                logits = _step(
+                    pairs, [_tokens(3 + 5 * i, seed=90 + i) for i in range(3)], f"panels {on}, prompts"
+                )
+                for step in range(3):
+                    logits = _step(pairs, _greedy(logits), f"panels {on}, step {step}")
+            finally:
+                for p in pairs:
+                    p.close()
+            # the matrices of those types (the tied head: the embedding's), rows rounded up to 16
+            copied = [
+                t for t in m.tensors.values() if t.type_name in ("q4_0", "q4_1", "q8_0") and len(t.shape) == 2
+            ]
+            if on and isa_name() in ("avx512", "amx"):
+                low = sum(t.n_bytes for t in copied)
+                assert low <= m.panels_bytes <= low + sum(16 * t.n_bytes // t.shape[1] + 64 for t in copied)
+            else:
+                assert m.panels_bytes == 0
 
 
 def test_rows_taken_from_another_threads_share(model, skewed_shares):

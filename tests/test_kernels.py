@@ -402,6 +402,37 @@ def test_small_batches_equal_single_token(t, isa):
             np.testing.assert_array_equal(part[:, r0:r1], single[:6, r0:r1])
 
 
+PANEL_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]  # the types AVX-512 packs (kernels_avx512_batch.c)
+
+
+@pytest.mark.parametrize("t", PANEL_TYPES, ids=lambda t: t.name)
+def test_packed_panels_equal_single_token(t, isa):
+    """Batched decoding reads packed panels on AVX-512 and AMX (kernels.h): each token's outputs
+    are its one-token outputs bit for bit, for partial last panels (37 rows), row ranges that
+    start inside a panel (the rows before the next panel take se_matmul), every step size that
+    uses them (2 to 15 tokens) and row lengths with and without a short last group. Elsewhere
+    there are no panels, and se_matmul_panels is se_matmul."""
+    rng = rng_for("panels", t)
+    for blocks in (2, 16, 18, 20, 48):
+        rows, k = 37, 32 * blocks
+        w = weights(t, rows, k, rng, sources(t)[-1])
+        panels = K.pack_panels(t, w, k)
+        assert (panels is None) == (isa in ("scalar", "avx2")), f"{isa} packs {t.name}"
+        if panels is None:
+            continue
+        assert panels.size == 48 * K.row_size(t, k)  # rows rounded up to 16, the rows' own size
+        x = rng.standard_normal((15, k)).astype(np.float32)
+        x[1, :32] *= 100  # one block with a much larger range
+        single = np.stack([K.matmul(t, w, k, x[i : i + 1])[0] for i in range(len(x))])
+        for n in range(2, 16):
+            got = K.matmul(t, w, k, x[:n], panels=panels)
+            np.testing.assert_array_equal(got, single[:n], err_msg=f"{t.name} {blocks} blocks, {n} tokens")
+        for r0, r1 in ((0, 16), (16, 37), (3, 37), (5, 9), (36, 37)):  # threads' row ranges
+            part = K.matmul(t, w, k, x[:8], r0, r1, panels=panels)
+            np.testing.assert_array_equal(part[:, r0:r1], single[:8, r0:r1])
+            assert np.isnan(part[:, :r0]).all() and np.isnan(part[:, r1:]).all()
+
+
 @pytest.mark.parametrize("t", QUANT_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [1, 9, 37])
 def test_amx_gemm_equals_avx512(t, blocks):

@@ -114,9 +114,9 @@ def infer_run(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
 
 
 def test_unknown_engine_args_are_refused_not_ignored(tiny):
-    """The reference engine's one -E setting is screen_head: any other key is an unsupported_option
-    error naming it and the valid keys (spec/options.md: engines refuse keys they do not know), in
-    the API and on the command line; a bad value of screen_head is a usage error."""
+    """The reference engine's -E settings are screen_head and batch_panels: any other key is an
+    unsupported_option error naming it and the valid keys (spec/options.md: engines refuse keys
+    they do not know), in the API and on the command line; a bad value of either is a usage error."""
     from stdengine.reference.adapter import ReferenceEngine
 
     from stdengine.errors import UnsupportedOption
@@ -128,8 +128,12 @@ def test_unknown_engine_args_are_refused_not_ignored(tiny):
     assert r.returncode == 2, r.stderr
     assert "error: engine 'reference' has no -E setting foo" in r.stderr
     assert "hint: valid -E keys: screen_head: on (default) or off" in r.stderr and r.stdout == ""
-    r = infer_run("-m", str(tiny), "-E", "screen_head=maybe", "-n", "2", "-p", "hi")
-    assert r.returncode == 2 and "-E screen_head takes on or off, not 'maybe'" in r.stderr, r.stderr
+    assert "batch_panels: on (default) or off" in r.stderr
+    for key in ("screen_head", "batch_panels"):
+        r = infer_run("-m", str(tiny), "-E", f"{key}=maybe", "-n", "2", "-p", "hi")
+        assert r.returncode == 2 and f"-E {key} takes on or off, not 'maybe'" in r.stderr, r.stderr
+    options = Options(model=str(tiny), ctx_size=64, threads=1, engine_args={"batch_panels": "off"})
+    ReferenceEngine.load(options, Emitter(log_format="json", stream=io.StringIO())).close()
     # the same key from a config file's [engine_args] table
     cfg = tiny.parent / "with-args.toml"
     cfg.write_text('[engine_args]\nkv_layout = "interleaved"\n')

@@ -37,18 +37,25 @@ void se_split(int64_t n, int ith, int nth, int64_t align, int64_t *r0, int64_t *
 
 #define NEXT_BYTES 16384 /* per tensor: about what se_matmul keeps asked for ahead */
 
-/* This thread's first NEXT_BYTES of rows [r0, r1) of W */
-static se_prefetch_span rows_span(const se_tensor *W, int64_t r0, int64_t r1) {
+/* What a matmul of n_tok tokens reads of W: its packed panels where they serve (kernels.h), else
+ * its rows; a row's bytes are at the same offset in both. */
+static const void *weights_read(const se_tensor *W, int n_tok) {
+    const void *p = se_panels_for(W->type, __atomic_load_n(&W->panels, __ATOMIC_ACQUIRE), n_tok);
+    return p ? p : W->data;
+}
+
+/* This thread's first NEXT_BYTES of rows [r0, r1) of W, as this pass reads them */
+static se_prefetch_span rows_span(const se_context *c, const se_tensor *W, int64_t r0, int64_t r1) {
     size_t n = r1 > r0 ? (size_t)(r1 - r0) * W->row_size : 0;
-    return (se_prefetch_span){ (const char *)W->data + (size_t)r0 * W->row_size, n < NEXT_BYTES ? n : NEXT_BYTES };
+    return (se_prefetch_span){ (const char *)weights_read(W, c->ub_n) + (size_t)r0 * W->row_size, n < NEXT_BYTES ? n : NEXT_BYTES };
 }
 
 /* The start of this thread's share of a matmul step's rows of W (the split of forward_residual,
  * forward_gate and the head). */
-static se_prefetch_span share_span(const se_tensor *W, int ith, int nth) {
+static se_prefetch_span share_span(const se_context *c, const se_tensor *W, int ith, int nth) {
     int64_t r0, r1;
     se_split(W->ne1, ith, nth, SPLIT_ALIGN, &r0, &r1);
-    return rows_span(W, r0, r1);
+    return rows_span(c, W, r0, r1);
 }
 
 /* ---- rows shared at run time
@@ -138,7 +145,7 @@ void se_share_rows(se_context *c, int ith, int nth, int64_t n, se_rows_fn fn, co
         /* the kernels ask for weight rows ahead only up to r1: the next rows of the share are
          * asked for here, so that the next call does not start on a cold stream */
         for (int i = 0; i < nw; i++) {
-            const se_prefetch_span sp = rows_span(w[i], r1, end);
+            const se_prefetch_span sp = rows_span(c, w[i], r1, end);
             for (size_t o = 0; o < sp.n; o += 64) __builtin_prefetch((const char *)sp.p + o, 0, 2);
         }
         fn(c, arg, r0, r1);
@@ -177,9 +184,9 @@ static int qkv_spans(const se_context *c, int il, int ith, int nth, se_prefetch_
     int64_t hd = hp->head_dim, n = 0, h6[6];
     qkv_heads(hp, ith, nth, h6);
     int64_t q0 = h6[0], q1 = h6[1], k0 = h6[2], k1 = h6[3], v0 = h6[4], v1 = h6[5];
-    if (q1 > q0) sp[n++] = rows_span(&L->t[SE_T_ATTN_Q], q0 * hd, q1 * hd);
-    if (k1 > k0) sp[n++] = rows_span(&L->t[SE_T_ATTN_K], k0 * hd, k1 * hd);
-    if (v1 > v0) sp[n++] = rows_span(&L->t[SE_T_ATTN_V], v0 * hd, v1 * hd);
+    if (q1 > q0) sp[n++] = rows_span(c, &L->t[SE_T_ATTN_Q], q0 * hd, q1 * hd);
+    if (k1 > k0) sp[n++] = rows_span(c, &L->t[SE_T_ATTN_K], k0 * hd, k1 * hd);
+    if (v1 > v0) sp[n++] = rows_span(c, &L->t[SE_T_ATTN_V], v0 * hd, v1 * hd);
     if (c->ub_nseg != 1 || c->ub_n > SE_PRIVATE_TOKENS || hp->n_head_kv > QKV_CACHE_HEADS) return (int)n;
     const se_ub_seg *sg = &c->ub_seg[0];
     for (int64_t h = k0; h < k1; h++) {
@@ -289,7 +296,8 @@ void se_prep_acts(se_context *c, int ith, int nth, const float *src, int64_t k, 
 void se_matmul_rows(const se_tensor *W, const se_acts *a, int n_tok, float *y, int64_t ldy,
                     int64_t r0, int64_t r1) {
     if (r1 <= r0) return;
-    se_matmul(W->type, W->data, W->ne0, act_for(a, W->type), n_tok, y, ldy, r0, r1);
+    se_matmul_panels(W->type, W->data, __atomic_load_n(&W->panels, __ATOMIC_ACQUIRE), W->ne0, act_for(a, W->type), n_tok,
+                     y, ldy, r0, r1);
 }
 
 static const float *rope_row(const se_context *c, int idx, int t) {
@@ -369,7 +377,7 @@ void se_forward_qkv(se_context *c, int il, const se_acts *a, int ith, int nth) {
                 se_kv_store_values(sg->ctx, il, (int)h, sg->pos, sg->n, c->v_new + sg->start * Dkv + h * hd, Dkv);
         }
     }
-    se_prefetch_span next = share_span(&L->t[SE_T_ATTN_OUTPUT], ith, nth); /* after the attention */
+    se_prefetch_span next = share_span(c, &L->t[SE_T_ATTN_OUTPUT], ith, nth); /* after the attention */
     se_pool_barrier_prefetch(c->pool, &next, 1);
 }
 
@@ -424,7 +432,7 @@ void se_attention_block(se_context *c, int il, const float *post_w, int ith, int
     se_forward_attention(c, il, ith, nth);
     const se_tensor *wo[1] = { &L->t[SE_T_ATTN_OUTPUT] };
     se_prep_acts(c, ith, nth, c->att, Dq, c->ub_n, NULL, wo, 1, &a);
-    se_prefetch_span next[2] = { share_span(&L->t[SE_T_FFN_GATE], ith, nth), share_span(&L->t[SE_T_FFN_UP], ith, nth) };
+    se_prefetch_span next[2] = { share_span(c, &L->t[SE_T_FFN_GATE], ith, nth), share_span(c, &L->t[SE_T_FFN_UP], ith, nth) };
     forward_residual(c, wo[0], post_w, &a, next, 2, ith, nth);
 }
 
@@ -449,7 +457,7 @@ static void forward_gate(se_context *c, const se_layer *L, se_ffn_act act, const
     const gate_rows job = { L, act, a };
     const se_tensor *w[2] = { &L->t[SE_T_FFN_GATE], &L->t[SE_T_FFN_UP] };
     se_share_rows(c, ith, nth, c->m->hp.n_ff, gate_chunk, &job, w, 2);
-    se_prefetch_span next = share_span(&L->t[SE_T_FFN_DOWN], ith, nth);
+    se_prefetch_span next = share_span(c, &L->t[SE_T_FFN_DOWN], ith, nth);
     se_pool_barrier_prefetch(c->pool, &next, 1);
 }
 
@@ -466,7 +474,7 @@ void se_ffn_block(se_context *c, int il, se_ffn_act act, const float *post_w, in
     se_prefetch_span next[QKV_SPANS];
     int n_next = 0;
     if (il + 1 < hp->n_layer) n_next = qkv_spans(c, il + 1, ith, nth, next);
-    else if (c->ub_out || c->ub_nout) next[n_next++] = share_span(&c->m->output, ith, nth);
+    else if (c->ub_out || c->ub_nout) next[n_next++] = share_span(c, &c->m->output, ith, nth);
     forward_residual(c, wd[0], post_w, &a, next, n_next, ith, nth);
 }
 

@@ -126,6 +126,12 @@ SE_API int se_model_finalize(se_model *m, int32_t *bad_layer, int32_t *bad_slot)
  * process no longer needs may leave its memory (they are read again from the file when needed):
  * the head's, once the screen's planes hold it (screen.c). Off by default. */
 SE_API int se_model_set_file_mapped(se_model *m, int32_t on);
+/* Packed panels (kernels.h): a second copy of the matmul weights whose type and ISA have them
+ * (AVX-512: Q4_0, Q4_1, Q8_0), as large as those weights, that the steps of batched decoding
+ * read faster. Made at the first se_decode_batch of two contexts or more, unless turned off
+ * (on = 0; before that call). */
+SE_API int se_model_set_batch_panels(se_model *m, int32_t on);
+SE_API size_t se_model_panels_bytes(const se_model *m); /* 0 until made (or none) */
 SE_API void se_model_free(se_model *m);
 
 SE_API se_context *se_context_new(const se_model *m, const se_context_params *cp);
@@ -274,6 +280,7 @@ typedef struct {
     int32_t type;      /* se_type */
     int64_t ne0, ne1;  /* ne0 = row length (elements), ne1 = rows */
     size_t row_size;   /* bytes per row */
+    const void *panels; /* its packed panels, or NULL (se_model_set_batch_panels; atomic: set once) */
 } se_tensor;
 
 typedef struct {
@@ -297,6 +304,10 @@ struct se_model {
     int screen_state;                   /* 0: not tried yet, 1: built, -1: the head cannot be screened */
     pthread_mutex_t screen_lock;
     int file_mapped;                    /* se_model_set_file_mapped */
+    int panels_state;                   /* 0: not made yet, 1: made, -1: none or turned off */
+    void *panels;                       /* every tensor's panels, one allocation */
+    size_t panels_bytes;
+    pthread_mutex_t panels_lock;
 };
 
 /* One thread's private scratch. */

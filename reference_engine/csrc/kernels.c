@@ -694,6 +694,33 @@ int se_set_gemm_min_tokens(int n) {
     return was;
 }
 
+size_t se_panels_size(int wtype, int64_t k, int64_t rows) {
+    se_kernels_init();
+    return tiles[wtype].panels ? (size_t)((rows + 15) / 16 * 16) * se_row_size(wtype, k) : 0;
+}
+
+void se_pack_panels(int wtype, const void *W, int64_t k, int64_t rows, void *P) {
+    if (tiles[wtype].pack) tiles[wtype].pack(wtype, W, k, rows, P);
+}
+
+const void *se_panels_for(int wtype, const void *P, int n_tok) {
+    return P && tiles[wtype].panels && n_tok > 1 && n_tok < gemm_min_tokens ? P : NULL;
+}
+
+void se_matmul_panels(int wtype, const void *W, const void *P, int64_t k, const void *act, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1) {
+    const se_isa_kernels *kt = &tiles[wtype];
+    if (se_panels_for(wtype, P, n_tok)) {
+        const int64_t a = (r0 + 15) / 16 * 16 < r1 ? (r0 + 15) / 16 * 16 : r1; /* panels start at multiples of 16 */
+        const size_t wrow = se_row_size(wtype, k), arow = se_row_size(se_traits(wtype)->act_type, k);
+        if (a == r1 || kt->panels(k, P, wrow, act, arow, n_tok, y, ldy, a, r1) == 0) {
+            if (a > r0) se_matmul(wtype, W, k, act, n_tok, y, ldy, r0, a);
+            return;
+        }
+    }
+    se_matmul(wtype, W, k, act, n_tok, y, ldy, r0, r1);
+}
+
 void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
                float *y, int64_t ldy, int64_t r0, int64_t r1) {
     const se_type_traits *t = se_traits(wtype);

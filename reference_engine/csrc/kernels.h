@@ -67,6 +67,17 @@ void se_quantize_rows(int act_type, const float *x, int64_t k, int n_tok, void *
 void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
                float *y, int64_t ldy, int64_t r0, int64_t r1);
 int se_gemm_min_tokens(void);
+
+/* Packed panels: a copy of a weight matrix that the ISA in use reads faster in batches of 2 to
+ * se_gemm_min_tokens() - 1 tokens (the steps of batched decoding), of the same size as the rows
+ * (rows rounded up to 16); AVX-512 and AMX, types Q4_0, Q4_1 and Q8_0 (kernels_avx512_batch.c).
+ * se_panels_size is 0 where the ISA in use has none for the type. se_matmul_panels is se_matmul
+ * (the same bits), reading P (NULL: none) where it applies. */
+size_t se_panels_size(int wtype, int64_t k, int64_t rows);
+void se_pack_panels(int wtype, const void *W, int64_t k, int64_t rows, void *P);
+const void *se_panels_for(int wtype, const void *P, int n_tok); /* P where a batch of n_tok reads it, else NULL */
+void se_matmul_panels(int wtype, const void *W, const void *P, int64_t k, const void *act, int n_tok, float *y,
+                      int64_t ldy, int64_t r0, int64_t r1);
 /* Test and benchmark hook: batches of n or more tokens take the GEMM from now on (n < 1: the
  * default, SE_GEMM_MIN_TOKENS). Returns the previous value. Not thread-safe, like se_set_isa. */
 int se_set_gemm_min_tokens(int n);
@@ -181,6 +192,9 @@ typedef struct {
     se_gemm_fn small;            /* optional: batches of 2 to se_gemm_min_tokens() - 1 tokens (the
                                   * steps of batched decoding): each weight block unpacked once for
                                   * up to 8 tokens, the one-token path's prefetch; same contract */
+    se_gemm_fn panels;           /* optional: the same batches on the weights' packed panels
+                                  * (made by pack; W is the panels, r0 a multiple of 16) */
+    void (*pack)(int type, const void *W, int64_t k, int64_t rows, void *P);
 } se_isa_kernels;
 
 /* A buffer of at least n bytes (64-byte aligned) owned by the calling thread, reused by its next

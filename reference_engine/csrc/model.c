@@ -91,6 +91,7 @@ se_model *se_model_new(const se_hparams *hp) {
     if (!m) return NULL;
     m->hp = *hp;
     pthread_mutex_init(&m->screen_lock, NULL);
+    pthread_mutex_init(&m->panels_lock, NULL);
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
     if (!m->layers) { free(m); return NULL; }
     for (int il = 0; il < hp->n_layer; il++) {
@@ -98,6 +99,58 @@ se_model *se_model_new(const se_hparams *hp) {
         m->layers[il].sliding_window = 0;
     }
     return m;
+}
+
+int se_model_set_batch_panels(se_model *m, int32_t on) {
+    if (!m) return SE_ERR_INVALID;
+    pthread_mutex_lock(&m->panels_lock);
+    if (m->panels_state == 0 && !on) m->panels_state = -1;
+    else if (m->panels_state == -1 && on && !m->panels) m->panels_state = 0;
+    pthread_mutex_unlock(&m->panels_lock);
+    return SE_OK;
+}
+
+size_t se_model_panels_bytes(const se_model *m) { return m ? m->panels_bytes : 0; }
+
+/* The matmul weights that have panels: each layer's matrices and the head (the embedding's rows
+ * are only looked up). */
+static int panel_tensors(se_model *m, se_tensor **out) {
+    int n = 0;
+    for (int il = 0; il < m->hp.n_layer; il++)
+        for (int slot = 0; slot < SE_T_COUNT; slot++) {
+            se_tensor *t = &m->layers[il].t[slot];
+            if (t->data && t->ne1 > 1 && se_panels_size(t->type, t->ne0, t->ne1)) out[n++] = t;
+        }
+    if (se_panels_size(m->output.type, m->output.ne0, m->output.ne1)) out[n++] = &m->output;
+    return n;
+}
+
+/* Bytes of t's panels in the model's allocation (whole cache lines) */
+static size_t panel_bytes(const se_tensor *t) { return (se_panels_size(t->type, t->ne0, t->ne1) + 63) / 64 * 64; }
+
+/* Makes the panels once (se_model_set_batch_panels); without them (no memory, another ISA, a
+ * device holding layers) the batches take se_matmul's kernels, with the same results. */
+static void make_panels(se_model *m) {
+    pthread_mutex_lock(&m->panels_lock);
+    if (m->panels_state == 0) {
+        m->panels_state = -1;
+        se_tensor **ts = m->dev ? NULL : malloc(((size_t)m->hp.n_layer * SE_T_COUNT + 1) * sizeof *ts);
+        const int n = ts ? panel_tensors(m, ts) : 0;
+        size_t total = 0;
+        for (int i = 0; i < n; i++) total += panel_bytes(ts[i]);
+        char *mem = total ? aligned_alloc(64, total) : NULL;
+        if (mem) {
+            char *p = mem;
+            for (int i = 0; i < n; p += panel_bytes(ts[i]), i++) se_pack_panels(ts[i]->type, ts[i]->data, ts[i]->ne0, ts[i]->ne1, p);
+            p = mem; /* published once all are made: a pass of another context may be reading */
+            for (int i = 0; i < n; p += panel_bytes(ts[i]), i++) __atomic_store_n(&ts[i]->panels, (const void *)p, __ATOMIC_RELEASE);
+            m->panels = mem;
+            m->panels_bytes = total;
+            m->panels_state = 1;
+        }
+        free(ts);
+    }
+    pthread_mutex_unlock(&m->panels_lock);
 }
 
 int se_model_set_file_mapped(se_model *m, int32_t on) {
@@ -111,6 +164,8 @@ void se_model_free(se_model *m) {
     if (m->dev) se_dev_model_free(m->dev); /* its contexts were freed first (engine.h) */
     se_screen_free(m->screen);
     pthread_mutex_destroy(&m->screen_lock);
+    pthread_mutex_destroy(&m->panels_lock);
+    free(m->panels);
     free(m->layers);
     free(m);
 }
@@ -162,7 +217,7 @@ int se_model_set_tensor(se_model *m, int32_t layer, int32_t slot, const void *da
         const se_type_traits *at = se_traits(tr->act_type);
         if (!tr->dot || !at || !at->from_float) return SE_ERR_INVALID;
     }
-    se_tensor t = { data, type, ne0, ne1, se_row_size(type, ne0) };
+    se_tensor t = { data, type, ne0, ne1, se_row_size(type, ne0), NULL };
     if (is_global_slot(slot)) {
         if (slot == SE_T_TOKEN_EMBD) m->token_embd = t;
         else if (slot == SE_T_OUTPUT_NORM) m->output_norm = t;
@@ -464,6 +519,7 @@ int se_decode_batch(se_context *const *ctxs, int32_t n_seq, const int32_t *token
         total += n_tokens[i];
     }
     se_context *c = ctxs[0]; /* its scratch and thread pool serve every pass */
+    if (n_seq > 1) make_panels((se_model *)c->m); /* the model's, made once, then read only */
     int64_t V = c->m->hp.n_vocab, U = c->cp.n_ubatch;
     /* room for the logits of every context that may end in one pass, before anything is changed */
     int32_t rows = (int32_t)min64(n_seq, U);
