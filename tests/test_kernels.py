@@ -409,9 +409,9 @@ PANEL_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]  # the types AVX-512 packs (kernels_avx51
 def test_packed_panels_equal_single_token(t, isa):
     """Batched decoding reads packed panels on AVX-512 and AMX (kernels.h): each token's outputs
     are its one-token outputs bit for bit, for partial last panels (37 rows), row ranges that
-    start inside a panel (the rows before the next panel take se_matmul), every step size that
-    uses them (2 to 15 tokens) and row lengths with and without a short last group. Elsewhere
-    there are no panels, and se_matmul_panels is se_matmul."""
+    start inside a panel (the rows before the next panel take se_matmul), batches of 2 to 17
+    tokens and 40 (the GEMM's sizes: AMX keeps its GEMM there) and row lengths with and without
+    a short last group. Elsewhere there are no panels, and se_matmul_panels is se_matmul."""
     rng = rng_for("panels", t)
     for blocks in (2, 16, 18, 20, 48):
         rows, k = 37, 32 * blocks
@@ -421,10 +421,10 @@ def test_packed_panels_equal_single_token(t, isa):
         if panels is None:
             continue
         assert panels.size == 48 * K.row_size(t, k)  # rows rounded up to 16, the rows' own size
-        x = rng.standard_normal((15, k)).astype(np.float32)
+        x = rng.standard_normal((40, k)).astype(np.float32)
         x[1, :32] *= 100  # one block with a much larger range
         single = np.stack([K.matmul(t, w, k, x[i : i + 1])[0] for i in range(len(x))])
-        for n in range(2, 16):
+        for n in (*range(2, 18), 40):
             got = K.matmul(t, w, k, x[:n], panels=panels)
             np.testing.assert_array_equal(got, single[:n], err_msg=f"{t.name} {blocks} blocks, {n} tokens")
         for r0, r1 in ((0, 16), (16, 37), (3, 37), (5, 9), (36, 37)):  # threads' row ranges

@@ -127,9 +127,9 @@ SE_API int se_model_finalize(se_model *m, int32_t *bad_layer, int32_t *bad_slot)
  * the head's, once the screen's planes hold it (screen.c). Off by default. */
 SE_API int se_model_set_file_mapped(se_model *m, int32_t on);
 /* Packed panels (kernels.h): a second copy of the matmul weights whose type and ISA have them
- * (AVX-512: Q4_0, Q4_1, Q8_0), as large as those weights, that the steps of batched decoding
- * read faster. Made at the first se_decode_batch of two contexts or more, unless turned off
- * (on = 0; before that call). */
+ * (AVX-512: Q4_0, Q4_1, Q8_0), as large as those weights, that batches of tokens read faster.
+ * Made at the first se_decode_batch of two contexts or more (a model that serves one sequence
+ * keeps one copy), unless turned off (on = 0; before that call). */
 SE_API int se_model_set_batch_panels(se_model *m, int32_t on);
 SE_API size_t se_model_panels_bytes(const se_model *m); /* 0 until made (or none) */
 SE_API void se_model_free(se_model *m);

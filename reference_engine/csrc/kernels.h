@@ -68,9 +68,10 @@ void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
                float *y, int64_t ldy, int64_t r0, int64_t r1);
 int se_gemm_min_tokens(void);
 
-/* Packed panels: a copy of a weight matrix that the ISA in use reads faster in batches of 2 to
- * se_gemm_min_tokens() - 1 tokens (the steps of batched decoding), of the same size as the rows
- * (rows rounded up to 16); AVX-512 and AMX, types Q4_0, Q4_1 and Q8_0 (kernels_avx512_batch.c).
+/* Packed panels: a copy of a weight matrix that the ISA in use reads faster in batches of 2
+ * tokens or more (the steps of batched decoding, and the prompts beside them; on AMX only those
+ * below se_gemm_min_tokens(): its GEMM keeps the rest), of the same size as the rows (rows
+ * rounded up to 16); AVX-512 and AMX, types Q4_0, Q4_1 and Q8_0 (kernels_avx512_batch.c).
  * se_panels_size is 0 where the ISA in use has none for the type. se_matmul_panels is se_matmul
  * (the same bits), reading P (NULL: none) where it applies. */
 size_t se_panels_size(int wtype, int64_t k, int64_t rows);
@@ -192,7 +193,7 @@ typedef struct {
     se_gemm_fn small;            /* optional: batches of 2 to se_gemm_min_tokens() - 1 tokens (the
                                   * steps of batched decoding): each weight block unpacked once for
                                   * up to 8 tokens, the one-token path's prefetch; same contract */
-    se_gemm_fn panels;           /* optional: the same batches on the weights' packed panels
+    se_gemm_fn panels;           /* optional: batches of 2 or more on the weights' packed panels
                                   * (made by pack; W is the panels, r0 a multiple of 16) */
     void (*pack)(int type, const void *W, int64_t k, int64_t rows, void *P);
 } se_isa_kernels;

@@ -687,8 +687,8 @@ uint64_t se_amx_probe_macs(int64_t iters) {
 /* ---------------------------------------------------------------- packed panels
  * A step of batched decoding spends about half of the GEMM's time building its panels, and the
  * small-batch kernel as long rearranging its blocks (one thread, 8 tokens, 576-long rows: the
- * GEMM on panels built once ran at 120 GMAC/s, against 73 for either). So for the steps of
- * batched decoding the legacy types whose quants are whole nibbles or bytes keep a copy of their
+ * GEMM on panels built once ran at 120 GMAC/s, against 73 for either). So where batches are
+ * served, the legacy types whose quants are whole nibbles or bytes keep a copy of their
  * weights packed once (se_avx512_pack_panels), in the panels' order but no larger than the rows:
  * 16 rows a panel, the panel of rows r.. at byte r * row size, and per block
  *   Q4_0, Q4_1: 4 vectors, lane i of vector j holding bytes 4j..4j+3 of row i's quants (quants
@@ -698,7 +698,8 @@ uint64_t se_amx_probe_macs(int64_t iters) {
  *         the panels keep them), then the 16 fp16 d.
  * Rows past a matrix's end are zeros. The kernel is the GEMM's with the block loaded from there:
  * the same integers, scales and float operations, so the same bits. From memory, 576-long rows
- * (one thread, Zen 4): Q4_1 at 8 tokens 75 -> 117 GMAC/s, Q8_0 69 -> 123; at 4 tokens about 2x. */
+ * (one thread, Zen 4): Q4_1 at 8 tokens 75 -> 117 GMAC/s, Q8_0 69 -> 123; at 4 tokens about 2x;
+ * at 16 (the GEMM's) 70 -> 122, at 64 99 -> 117, at 512 the same. */
 /* The kernel reads a panel in the chains' order, which the hardware prefetcher does not follow:
  * each block read asks for the same block PACKED_AHEAD panels on, into L2 (prefetcht2). Measured
  * (Zen 4, one thread, 8 tokens, weights from DRAM): 117-123 GMAC/s; asking for a whole panel at
@@ -905,8 +906,7 @@ void se_avx512_pack_panels(int type, const void *W, int64_t k, int64_t rows, voi
     }
 }
 
-/* The small-batch kernel (se_gemm_fn's contract) on packed panels P of wrow-byte rows; r0 a
- * multiple of 16. */
+/* se_gemm_fn's contract on packed panels P of wrow-byte rows; r0 a multiple of 16. */
 INLINE int panels_small(int type, int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok,
                         float *y, int64_t ldy, int64_t r0, int64_t r1) {
     const panel_shape sh = shape_of(type);
