@@ -289,7 +289,7 @@ se_batch_kernel se_avx512_gemm_q3_K, se_avx512_small_q3_K;
 se_batch_kernel se_avx512_gemm_q4_K, se_avx512_small_q4_K;
 se_batch_kernel se_avx512_gemm_q5_K, se_avx512_small_q5_K;
 se_batch_kernel se_avx512_gemm_q6_K, se_avx512_small_q6_K;
-/* The small-batch kernels on packed panels (W: the panels; "packed panels" there) and the packer. */
+/* The batch kernels on packed panels (W: the panels; "packed panels" there) and their packer. */
 se_batch_kernel se_avx512_panels_q4_0, se_avx512_panels_q4_1, se_avx512_panels_q8_0;
 void se_avx512_pack_panels(int type, const void *W, int64_t k, int64_t rows, void *out);
 

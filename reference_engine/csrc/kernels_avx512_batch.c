@@ -907,7 +907,7 @@ void se_avx512_pack_panels(int type, const void *W, int64_t k, int64_t rows, voi
 }
 
 /* se_gemm_fn's contract on packed panels P of wrow-byte rows; r0 a multiple of 16. */
-INLINE int panels_small(int type, int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok,
+INLINE int packed_gemm(int type, int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok,
                         float *y, int64_t ldy, int64_t r0, int64_t r1) {
     const panel_shape sh = shape_of(type);
     const int64_t nb = k / sh.blk;
@@ -922,18 +922,15 @@ INLINE int panels_small(int type, int64_t k, const void *P, size_t wrow, const v
     }
     return 0;
 }
-int se_avx512_panels_q4_0(int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
-                          int64_t ldy, int64_t r0, int64_t r1) {
-    return panels_small(SE_Q4_0, k, P, wrow, act, arow, n_tok, y, ldy, r0, r1);
-}
-int se_avx512_panels_q4_1(int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
-                          int64_t ldy, int64_t r0, int64_t r1) {
-    return panels_small(SE_Q4_1, k, P, wrow, act, arow, n_tok, y, ldy, r0, r1);
-}
-int se_avx512_panels_q8_0(int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
-                          int64_t ldy, int64_t r0, int64_t r1) {
-    return panels_small(SE_Q8_0, k, P, wrow, act, arow, n_tok, y, ldy, r0, r1);
-}
+#define PACKED_KERNEL(T, t)                                                                                      \
+    int se_avx512_panels_##t(int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok,    \
+                             float *y, int64_t ldy, int64_t r0, int64_t r1) {                                    \
+        return packed_gemm(SE_##T, k, P, wrow, act, arow, n_tok, y, ldy, r0, r1);                                \
+    }
+PACKED_KERNEL(Q4_0, q4_0)
+PACKED_KERNEL(Q4_1, q4_1)
+PACKED_KERNEL(Q8_0, q8_0)
+#undef PACKED_KERNEL
 
 /* ---------------------------------------------------------------- instances
  * The table's GEMMs and small-batch kernels (se_kernels_avx512 in kernels_avx512.c): each gives
