@@ -714,9 +714,9 @@ void se_matmul_panels(int wtype, const void *W, const void *P, int64_t k, const 
                       int64_t ldy, int64_t r0, int64_t r1) {
     const se_isa_kernels *kt = &tiles[wtype];
     if (se_panels_for(wtype, P, n_tok)) {
-        const int64_t a = (r0 + 15) / 16 * 16 < r1 ? (r0 + 15) / 16 * 16 : r1; /* panels start at multiples of 16 */
+        const int64_t next = (r0 + 15) / 16 * 16, a = next < r1 ? next : r1; /* panels start at multiples of 16 */
         const size_t wrow = se_row_size(wtype, k), arow = se_row_size(se_traits(wtype)->act_type, k);
-        if (a == r1 || kt->panels(k, P, wrow, act, arow, n_tok, y, ldy, a, r1) == 0) {
+        if (a == r1 || kt->panels(wtype, k, P, wrow, act, arow, n_tok, y, ldy, a, r1) == 0) {
             if (a > r0) se_matmul(wtype, W, k, act, n_tok, y, ldy, r0, a);
             return;
         }

@@ -193,8 +193,10 @@ typedef struct {
     se_gemm_fn small;            /* optional: batches of 2 to se_gemm_min_tokens() - 1 tokens (the
                                   * steps of batched decoding): each weight block unpacked once for
                                   * up to 8 tokens, the one-token path's prefetch; same contract */
-    se_gemm_fn panels;           /* optional: batches of 2 or more on the weights' packed panels
-                                  * (made by pack; W is the panels, r0 a multiple of 16) */
+    /* optional: batches of 2 or more on the weights' packed panels P, made by pack (se_gemm_fn's
+     * contract with the type first; r0 a multiple of 16) */
+    int (*panels)(int type, int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok, float *y,
+                  int64_t ldy, int64_t r0, int64_t r1);
     void (*pack)(int type, const void *W, int64_t k, int64_t rows, void *P);
 } se_isa_kernels;
 

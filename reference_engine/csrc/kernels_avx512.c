@@ -369,13 +369,13 @@ static float dot_q6_K(int64_t n, const void *w, const void *a) { float o; k_quan
 
 const se_isa_kernels se_kernels_avx512[SE_TYPE_COUNT] = {
     [SE_Q4_0] = { .dot = dot_q4_0, .tile = tile_q4_0, .tg_rows = 4, .pp_rows = 2, .gemm = se_avx512_gemm_q4_0, .small = se_avx512_small_q4_0,
-                  .panels = se_avx512_panels_q4_0, .pack = se_avx512_pack_panels },
+                  .panels = se_avx512_packed_gemm, .pack = se_avx512_pack_panels },
     [SE_Q4_1] = { .dot = dot_q4_1, .tile = tile_q4_1, .tg_rows = 4, .pp_rows = 2, .gemm = se_avx512_gemm_q4_1, .small = se_avx512_small_q4_1,
-                  .panels = se_avx512_panels_q4_1, .pack = se_avx512_pack_panels },
+                  .panels = se_avx512_packed_gemm, .pack = se_avx512_pack_panels },
     [SE_Q5_0] = { .dot = dot_q5_0, .tile = tile_q5_0, .tg_rows = 4, .pp_rows = 2, .gemm = se_avx512_gemm_q5_0, .small = se_avx512_small_q5_0 },
     [SE_Q5_1] = { .dot = dot_q5_1, .tile = tile_q5_1, .tg_rows = 4, .pp_rows = 2, .gemm = se_avx512_gemm_q5_1, .small = se_avx512_small_q5_1 },
     [SE_Q8_0] = { .dot = dot_q8_0, .tile = tile_q8_0, .tg_rows = 4, .pp_rows = 2, .gemm = se_avx512_gemm_q8_0, .small = se_avx512_small_q8_0,
-                  .panels = se_avx512_panels_q8_0, .pack = se_avx512_pack_panels,
+                  .panels = se_avx512_packed_gemm, .pack = se_avx512_pack_panels,
                   .from_float = q8_0_from_float },
     [SE_Q2_K] = { .dot = dot_q2_K, .tile = tile_q2_K, .tg_rows = 1, .pp_rows = 1, .gemm = se_avx512_gemm_q2_K, .small = se_avx512_small_q2_K },
     [SE_Q3_K] = { .dot = dot_q3_K, .tile = tile_q3_K, .tg_rows = 1, .pp_rows = 1, .gemm = se_avx512_gemm_q3_K, .small = se_avx512_small_q3_K },

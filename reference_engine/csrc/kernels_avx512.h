@@ -289,8 +289,9 @@ se_batch_kernel se_avx512_gemm_q3_K, se_avx512_small_q3_K;
 se_batch_kernel se_avx512_gemm_q4_K, se_avx512_small_q4_K;
 se_batch_kernel se_avx512_gemm_q5_K, se_avx512_small_q5_K;
 se_batch_kernel se_avx512_gemm_q6_K, se_avx512_small_q6_K;
-/* The batch kernels on packed panels (W: the panels; "packed panels" there) and their packer. */
-se_batch_kernel se_avx512_panels_q4_0, se_avx512_panels_q4_1, se_avx512_panels_q8_0;
+/* The batch kernel on packed panels (P: the panels; "packed panels" there) and its packer. */
+int se_avx512_packed_gemm(int type, int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok,
+                          float *y, int64_t ldy, int64_t r0, int64_t r1);
 void se_avx512_pack_panels(int type, const void *W, int64_t k, int64_t rows, void *out);
 
 #endif /* x86-64 GCC */

@@ -922,15 +922,15 @@ INLINE int packed_gemm(int type, int64_t k, const void *P, size_t wrow, const vo
     }
     return 0;
 }
-#define PACKED_KERNEL(T, t)                                                                                      \
-    int se_avx512_panels_##t(int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok,    \
-                             float *y, int64_t ldy, int64_t r0, int64_t r1) {                                    \
-        return packed_gemm(SE_##T, k, P, wrow, act, arow, n_tok, y, ldy, r0, r1);                                \
+/* packed_gemm for the types se_avx512_pack_panels packs, each with its type a constant */
+int se_avx512_packed_gemm(int type, int64_t k, const void *P, size_t wrow, const void *act, size_t arow, int n_tok,
+                          float *y, int64_t ldy, int64_t r0, int64_t r1) {
+    switch (type) {
+    case SE_Q4_0: return packed_gemm(SE_Q4_0, k, P, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    case SE_Q4_1: return packed_gemm(SE_Q4_1, k, P, wrow, act, arow, n_tok, y, ldy, r0, r1);
+    default: return packed_gemm(SE_Q8_0, k, P, wrow, act, arow, n_tok, y, ldy, r0, r1);
     }
-PACKED_KERNEL(Q4_0, q4_0)
-PACKED_KERNEL(Q4_1, q4_1)
-PACKED_KERNEL(Q8_0, q8_0)
-#undef PACKED_KERNEL
+}
 
 /* ---------------------------------------------------------------- instances
  * The table's GEMMs and small-batch kernels (se_kernels_avx512 in kernels_avx512.c): each gives
