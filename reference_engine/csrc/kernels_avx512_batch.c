@@ -547,37 +547,42 @@ INLINE void build_panel(int type, panel_shape sh, const uint8_t *w, size_t wrow,
     }
 }
 
-/* Each token's side (see above) and where each block's quants start in an activation row. */
+/* Each token's side (see above) and where each block's quants start in an activation row. The
+ * loops walk activation blocks and the panel blocks in each (per of them), with no division: it
+ * runs at every kernel call. */
 static void build_side(panel_shape sh, int64_t nb, const uint8_t *a, size_t arow, int n_tok,
                        side_t *side, int32_t *qoff) {
     const se_type_traits *at = &se_types[sh.act];
     const int act = sh.act, asz = at->size;
     const int per = at->blck / sh.blk; /* panel blocks per activation block */
-    for (int64_t b = 0; b < nb; b++)
-        qoff[b] = (int32_t)((b / per) * asz + at->qs_offset + (b % per) * sh.blk);
+    const int64_t nab = nb / per;
+    for (int64_t ab = 0, b = 0; ab < nab; ab++)
+        for (int j = 0; j < per; j++, b++) qoff[b] = (int32_t)(ab * asz + at->qs_offset + j * sh.blk);
     for (int t = 0; t < n_tok; t++) {
-        const uint8_t *y = a + (size_t)t * arow;
+        const uint8_t *blk = a + (size_t)t * arow;
         side_t *st = side + (size_t)t * nb;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = y + (b / per) * asz;
+        for (int64_t ab = 0; ab < nab; ab++, blk += asz) {
             if (act == SE_Q8_K) {
                 const se_blk_q8_K *k8 = (const se_blk_q8_K *)blk;
-                const int j = (int)(b % per);
-                st[b].d = k8->d;
-                /* the activations' sum over the block: one bsum of 16, or two */
-                const int bsum = sh.blk == 16 ? k8->bsums[j] : k8->bsums[2 * j] + k8->bsums[2 * j + 1];
-                if (sh.min) st[b].s = k8->d * (float)bsum;
-                else st[b].bias = -sh.offset * bsum;
-            } else {
-                st[b].d = h2f(blk); /* Q8_0 and Q8_1 start with d; Q8_1's s follows */
-                if (sh.min) {
-                    st[b].s = h2f(blk + offsetof(se_blk_q8_1, s));
-                } else {
-                    int sum = 0;
-                    for (int i = 0; i < at->blck; i++) sum += (int8_t)blk[at->qs_offset + i];
-                    st[b].bias = -sh.offset * sum;
+                for (int j = 0; j < per; j++, st++) {
+                    st->d = k8->d;
+                    /* the activations' sum over the block: one bsum of 16, or two */
+                    const int bsum = sh.blk == 16 ? k8->bsums[j] : k8->bsums[2 * j] + k8->bsums[2 * j + 1];
+                    if (sh.min) st->s = k8->d * (float)bsum;
+                    else st->bias = -sh.offset * bsum;
                 }
+                continue;
             }
+            /* Q8_0 and Q8_1 (blocks of 32, per 1): d first, Q8_1 s after it */
+            st->d = h2f(blk);
+            if (sh.min) {
+                st->s = h2f(blk + offsetof(se_blk_q8_1, s));
+            } else {
+                int sum = 0;
+                for (int i = 0; i < SE_QK; i++) sum += (int8_t)blk[at->qs_offset + i];
+                st->bias = -sh.offset * sum;
+            }
+            st++;
         }
     }
 }
