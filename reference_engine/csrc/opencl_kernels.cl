@@ -256,7 +256,8 @@ MATMUL(q6_K, 0)
 
 /* ------------------------------------------------------------------ norms, rope, activations */
 
-/* Row r: y = x / sqrt(mean(x^2) + eps) * w, the squares summed in acc_t (blocks.c se_rmsnorm). */
+/* Row r: y = x / sqrt(mean(x^2) + eps) * w, the squares summed in acc_t in one chain (blocks.c
+ * se_rmsnorm adds them in 8 partial sums: the same value within rounding). */
 __kernel void rmsnorm(__global float *y, ulong yoff, __global const float *x, ulong xoff,
                       __global const float *w, ulong woff, long n, int rows, float eps) {
     int r = get_global_id(0);
