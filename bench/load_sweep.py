@@ -17,7 +17,9 @@ slot together: -c slots x per-slot context), LABEL=llama-server:BINARY (default:
 PATH; README, "Serving many users at once", says how to build it from the llama-cpp-python
 source). Every request is a streamed completion of a fresh prompt of -p tokens, greedy, exactly
 -n tokens (min_tokens and ignore_eos); --requests-per R sends R x concurrency requests (at least
-4) per run.
+4) per run. --rounds N runs the whole sweep N times, the servers started afresh each round, and
+adds each round's throughput at every concurrency over that at the lowest (issue 21's targets are
+such ratios: a VM's speed drifts within minutes, and a ratio within one round drifts less).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -126,44 +129,49 @@ class Served:
 
 
 def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
-    """Every server x model x concurrency; save(results) after each run, so that an interrupted
-    sweep keeps what it measured."""
+    """Every round x model x server x concurrency; save(results) after each run, so that an
+    interrupted sweep keeps what it measured."""
     from stdengine.store import resolve_model
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     n_ctx = args.n_prompt + args.n_gen + 64
     out: list[dict[str, Any]] = []
-    for model in args.model:
+    runs = [
+        (rnd, model, spec)
+        for rnd in range(1, args.rounds + 1)
+        for model in args.model
+        for spec in args.server
+    ]
+    for rnd, model, spec in runs:
         path = resolve_model(model)
-        for spec in args.server:
-            label, _, rest = spec.partition("=")
-            kind, _, where = rest.partition(":")  # PYTHONPATH, or llama-server's binary
-            binary, pythonpath = (where, None) if kind == "llama-server" else ("", where or None)
-            cmd = server_command(kind, path, _free_port(), max(concurrencies), n_ctx, args.threads, binary)
-            served = Served(cmd, pythonpath, Path(tempfile.mkdtemp()) / "server.log")
-            try:
-                for c in concurrencies:
-                    argv = [
-                        "-e",
-                        "openai",
-                        "--url",
-                        served.url,
-                        "-p",
-                        str(args.n_prompt),
-                        "-n",
-                        str(args.n_gen),
-                    ]
-                    argv += ["--concurrency", str(c), "--requests", str(max(4, args.requests_per * c))]
-                    cpu0 = served.cpu_seconds()
-                    result = run_load_test(parse_args(argv))
-                    cpu = served.cpu_seconds() - cpu0  # the warm-up request included
-                    result.update(server=label, kind=kind, model_alias=model, server_cpu_s=cpu)
-                    result["tokens_per_cpu_s"] = result["total_output_tokens"] / cpu if cpu > 0 else 0.0
-                    out.append(result)
-                    save(out)
-                    print(one_line(result), file=sys.stderr, flush=True)
-            finally:
-                served.close()
+        label, _, rest = spec.partition("=")
+        kind, _, where = rest.partition(":")  # PYTHONPATH, or llama-server's binary
+        binary, pythonpath = (where, None) if kind == "llama-server" else ("", where or None)
+        cmd = server_command(kind, path, _free_port(), max(concurrencies), n_ctx, args.threads, binary)
+        served = Served(cmd, pythonpath, Path(tempfile.mkdtemp()) / "server.log")
+        try:
+            for c in concurrencies:
+                argv = [
+                    "-e",
+                    "openai",
+                    "--url",
+                    served.url,
+                    "-p",
+                    str(args.n_prompt),
+                    "-n",
+                    str(args.n_gen),
+                ]
+                argv += ["--concurrency", str(c), "--requests", str(max(4, args.requests_per * c))]
+                cpu0 = served.cpu_seconds()
+                result = run_load_test(parse_args(argv))
+                cpu = served.cpu_seconds() - cpu0  # the warm-up request included
+                result.update(server=label, kind=kind, model_alias=model, server_cpu_s=cpu, round=rnd)
+                result["tokens_per_cpu_s"] = result["total_output_tokens"] / cpu if cpu > 0 else 0.0
+                out.append(result)
+                save(out)
+                print(one_line(result), file=sys.stderr, flush=True)
+        finally:
+            served.close()
     return out
 
 
@@ -192,18 +200,56 @@ def render(results: list[dict[str, Any]], command: str, note: str) -> str:
         " all threads) the server process used during the run: what the tokens cost, which other"
         " load on the machine changes less than the wall-clock rate",
         "",
-        "| model | server | concurrency | requests | tok/s (aggregate) | TTFT median (ms) | TTFT p99 (ms) |"
+        "| round | model | server | concurrency | requests | tok/s (aggregate) | TTFT median (ms) | TTFT p99 (ms) |"
         " ITL median (ms) | ITL p99 (ms) | tok/CPU-s | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r['model_alias']} | {r['server']} | {r['concurrency']} | {r['requests']} | "
+            f"| {r.get('round', 1)} | {r['model_alias']} | {r['server']} | {r['concurrency']} | {r['requests']} | "
             f"{r['output_throughput']:.1f} | {r['ttft_ms']['median']:.0f} | {r['ttft_ms']['p99']:.0f} | "
             f"{r['itl_ms']['median']:.1f} | {r['itl_ms']['p99']:.1f} | {r.get('tokens_per_cpu_s', 0):.1f} | "
             f"{r['errors']} |"
         )
+    ratios = ratio_lines(results)
+    if ratios:
+        lines += [
+            "",
+            "Each round's figure at a concurrency over the same round's at the lowest concurrency:",
+            "",
+        ]
+        lines += ratios
     return "\n".join(lines) + "\n"
+
+
+def ratio_lines(results: list[dict[str, Any]]) -> list[str]:
+    """A table of aggregate tok/s and p99 inter-token latency at each concurrency over those at the
+    lowest, per model, server and round, with the median over rounds; empty with one round."""
+    runs = {(r["model_alias"], r["server"], r.get("round", 1), r["concurrency"]): r for r in results}
+    if len({rnd for _, _, rnd, _ in runs}) < 2:
+        return []
+    lines = [
+        "| model | server | concurrency | tok/s ratio, each round | median | p99 ITL ratio, each round | median |",
+        "|---|---|---:|---|---:|---|---:|",
+    ]
+    for model, server in dict.fromkeys((m, s) for m, s, _, _ in runs):
+        mine = {(rnd, c): r for (m, s, rnd, c), r in runs.items() if (m, s) == (model, server)}
+        low = min(c for _, c in mine)
+        for c in sorted({c for _, c in mine} - {low}):
+            # rounds with both runs, the low one with tokens (a round cut short has fewer)
+            pairs = [
+                (mine[rnd, low], r) for (rnd, cc), r in sorted(mine.items()) if cc == c and (rnd, low) in mine
+            ]
+            pairs = [(a, b) for a, b in pairs if a["output_throughput"] and a["itl_ms"]["p99"]]
+            if not pairs:
+                continue
+            tps = [b["output_throughput"] / a["output_throughput"] for a, b in pairs]
+            itl = [b["itl_ms"]["p99"] / a["itl_ms"]["p99"] for a, b in pairs]
+            lines.append(
+                f"| {model} | {server} | {c} / {low} | {', '.join(f'{x:.2f}' for x in tps)} | "
+                f"{statistics.median(tps):.2f}x | {', '.join(f'{x:.2f}' for x in itl)} | {statistics.median(itl):.2f}x |"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,9 +268,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("--requests-per", type=int, default=2, help="requests per run = this x concurrency")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="run the whole sweep this many times (servers started afresh)"
+    )
     ap.add_argument("--note", default="", help="a line for the results file (e.g. the machine was busy)")
     ap.add_argument("--out", help="results file stem (default: bench/results/load-<UTC stamp>)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     stem = Path(args.out) if args.out else RESULTS / time.strftime("load-%Y%m%d-%H%M", time.gmtime())
     command = "python -m stdengine.bench.load_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
 

@@ -646,3 +646,52 @@ def test_sample_speed_times_every_sampler(tmp_path, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if str(path) in line]
     assert len(rows) == len(sample_speed.SAMPLERS)
     assert all(float(r.rstrip(" |").rsplit("|", 1)[1]) > 0 for r in rows)
+
+
+# ---- the load sweep's rounds (bench/load_sweep.py): ratios within each round, from made-up runs
+
+
+def _sweep_run(rnd: int, c: int, tps: float, itl_p99: float, server: str = "after") -> dict[str, Any]:
+    return {
+        "round": rnd,
+        "model_alias": "m",
+        "server": server,
+        "concurrency": c,
+        "requests": 4 * c,
+        "output_throughput": tps,
+        "ttft_ms": {"median": 10.0, "p99": 20.0},
+        "itl_ms": {"median": 5.0, "p99": itl_p99},
+        "tokens_per_cpu_s": 1.0,
+        "errors": 0,
+    }
+
+
+def test_load_sweep_rounds_give_each_rounds_ratio_to_the_lowest_concurrency():
+    from stdengine.bench.load_sweep import ratio_lines, render
+
+    runs = [
+        _sweep_run(1, 1, 100.0, 10.0),
+        _sweep_run(1, 8, 400.0, 20.0),
+        _sweep_run(2, 1, 50.0, 10.0),  # a slow round: its ratio is its own
+        _sweep_run(2, 8, 250.0, 15.0),
+        _sweep_run(3, 1, 80.0, 8.0),
+        _sweep_run(3, 8, 360.0, 24.0),
+    ]
+    lines = ratio_lines(runs)
+    assert lines[2] == "| m | after | 8 / 1 | 4.00, 5.00, 4.50 | 4.50x | 2.00, 1.50, 3.00 | 2.00x |"
+    assert len(lines) == 3
+    text = render(runs, "cmd", "")
+    assert "| 2 | m | after | 8 | 32 | 250.0 |" in text
+    assert lines[2] in text
+    # one round: no ratio table; a round cut short (no concurrency 8) is left out of the medians
+    assert ratio_lines(runs[:2]) == []
+    assert ratio_lines(runs[:5])[2] == "| m | after | 8 / 1 | 4.00, 5.00 | 4.50x | 2.00, 1.50 | 1.75x |"
+
+
+def test_load_sweep_refuses_zero_rounds(capsys):
+    from stdengine.bench.load_sweep import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["-m", "x", "--server", "a=infer", "--rounds", "0"])
+    assert e.value.code == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
