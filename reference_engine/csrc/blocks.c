@@ -202,16 +202,15 @@ static int qkv_spans(const se_context *c, int il, int ith, int nth, se_prefetch_
     return (int)n;
 }
 
-/* y = x / rms(x) * w. The squares are summed in double (as llama.cpp does) in RMS_SUMS partial
- * sums, element i in sum i % RMS_SUMS, then added in a fixed tree: one order on every path, which
- * the compiler turns into vector adds (one chain of n adds, as before, cost about 0.6 us a row on
- * SmolLM2: 3% of a step of 8 sequences, where every thread normalises every token). */
-#define RMS_SUMS 8
+/* y = x / rms(x) * w. The squares are summed in double (as llama.cpp does) in 8 partial sums,
+ * element i in sum i % 8, then added in a fixed tree: one order on every path, which the compiler
+ * turns into vector adds (one chain of n adds, as before, cost about 0.6 us a row on SmolLM2: 3% of
+ * a step of 8 sequences, where every thread normalises every token). */
 void se_rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps) {
-    double s[RMS_SUMS] = { 0 };
+    double s[8] = { 0 };
     int64_t i = 0;
-    for (; i + RMS_SUMS <= n; i += RMS_SUMS)
-        for (int j = 0; j < RMS_SUMS; j++) s[j] += (double)(x[i + j] * x[i + j]);
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) s[j] += (double)(x[i + j] * x[i + j]);
     for (int j = 0; i < n; i++, j++) s[j] += (double)(x[i] * x[i]);
     const double ss = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
     float scale = 1.0f / sqrtf((float)(ss / (double)n) + eps);
