@@ -136,6 +136,7 @@ def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     n_ctx = args.n_prompt + args.n_gen + 64
     out: list[dict[str, Any]] = []
+    paths = {model: resolve_model(model) for model in args.model}
     runs = [
         (rnd, model, spec)
         for rnd in range(1, args.rounds + 1)
@@ -143,7 +144,7 @@ def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
         for spec in args.server
     ]
     for rnd, model, spec in runs:
-        path = resolve_model(model)
+        path = paths[model]
         label, _, rest = spec.partition("=")
         kind, _, where = rest.partition(":")  # PYTHONPATH, or llama-server's binary
         binary, pythonpath = (where, None) if kind == "llama-server" else ("", where or None)
@@ -206,7 +207,7 @@ def render(results: list[dict[str, Any]], command: str, note: str) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {r.get('round', 1)} | {r['model_alias']} | {r['server']} | {r['concurrency']} | {r['requests']} | "
+            f"| {r['round']} | {r['model_alias']} | {r['server']} | {r['concurrency']} | {r['requests']} | "
             f"{r['output_throughput']:.1f} | {r['ttft_ms']['median']:.0f} | {r['ttft_ms']['p99']:.0f} | "
             f"{r['itl_ms']['median']:.1f} | {r['itl_ms']['p99']:.1f} | {r.get('tokens_per_cpu_s', 0):.1f} | "
             f"{r['errors']} |"
@@ -225,20 +226,22 @@ def render(results: list[dict[str, Any]], command: str, note: str) -> str:
 def ratio_lines(results: list[dict[str, Any]]) -> list[str]:
     """A table of aggregate tok/s and p99 inter-token latency at each concurrency over those at the
     lowest, per model, server and round, with the median over rounds; empty with one round."""
-    runs = {(r["model_alias"], r["server"], r.get("round", 1), r["concurrency"]): r for r in results}
-    if len({rnd for _, _, rnd, _ in runs}) < 2:
+    groups: dict[tuple[str, str], dict[tuple[int, int], dict[str, Any]]] = {}  # (model, server): (round, c)
+    for r in results:
+        groups.setdefault((r["model_alias"], r["server"]), {})[r["round"], r["concurrency"]] = r
+    if len({rnd for runs in groups.values() for rnd, _ in runs}) < 2:
         return []
     lines = [
         "| model | server | concurrency | tok/s ratio, each round | median | p99 ITL ratio, each round | median |",
         "|---|---|---:|---|---:|---|---:|",
     ]
-    for model, server in dict.fromkeys((m, s) for m, s, _, _ in runs):
-        mine = {(rnd, c): r for (m, s, rnd, c), r in runs.items() if (m, s) == (model, server)}
-        low = min(c for _, c in mine)
-        for c in sorted({c for _, c in mine} - {low}):
+    for (model, server), runs in groups.items():
+        low = min(c for _, c in runs)
+        rounds = sorted({rnd for rnd, _ in runs})
+        for c in sorted({c for _, c in runs} - {low}):
             # rounds with both runs, the low one with tokens (a round cut short has fewer)
             pairs = [
-                (mine[rnd, low], r) for (rnd, cc), r in sorted(mine.items()) if cc == c and (rnd, low) in mine
+                (runs[rnd, low], runs[rnd, c]) for rnd in rounds if (rnd, low) in runs and (rnd, c) in runs
             ]
             pairs = [(a, b) for a, b in pairs if a["output_throughput"] and a["itl_ms"]["p99"]]
             if not pairs:
