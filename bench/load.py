@@ -20,11 +20,11 @@ from stdengine.bench.client import (
     Target,
     check_extensions,
     completion_body,
-    httpx_module,
     measure_latency,
     served_model,
     stream_completion,
 )
+from stdengine.bench.http_stream import LeanClient
 from stdengine.bench.params import BenchParams
 from stdengine.bench.record import cpu_info, utc_now
 
@@ -87,34 +87,33 @@ def load_metrics(
 async def _load(
     params: BenchParams, target: Target, model: str, prompts: list[tuple[str, int]], n_gen: int
 ) -> tuple[list[Stream], float]:
-    httpx = httpx_module()
     sem = asyncio.Semaphore(params.concurrency)
     streams: list[Stream] = [Stream(t_start=math.nan) for _ in prompts]
-    limits = httpx.Limits(max_connections=params.concurrency + 2)
 
-    async def one(client: Any, i: int, prompt: str) -> None:
+    async def one(client: LeanClient, i: int, prompt: str) -> None:
         async with sem:
             s = streams[i]
             s.t_start = time.perf_counter()
             body = completion_body(model, prompt, n_gen, not params.no_extensions)
             try:
-                async with client.stream("POST", f"{target.api}/completions", json=body) as r:
-                    if r.status_code != 200:
-                        s.refused(r.status_code, await r.aread())
+                async with client.post("/completions", body) as r:
+                    if r.status != 200:
+                        s.refused(r.status, await r.read())
                     else:
-                        async for text in r.aiter_text():
+                        async for text in r.text():
                             if s.feed(text, time.perf_counter()):
                                 break
             except Exception as e:
                 s.error = f"{type(e).__name__}: {e}"
             s.finish(time.perf_counter())
 
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(600.0, connect=10.0), headers=target.headers, limits=limits
-    ) as client:
+    client = LeanClient(target.api, target.headers)
+    try:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(client, i, p) for i, (p, _) in enumerate(prompts)))
         duration = time.perf_counter() - t0
+    finally:
+        await client.aclose()
     return streams, duration
 
 
