@@ -1,5 +1,5 @@
 """The load test's HTTP client: POSTs a JSON body and reads the streamed reply as it arrives, over
-asyncio streams, with HTTP/1.1 keep-alive.
+asyncio streams, one connection per request.
 
 Why not httpx, which the rest of infer-bench uses: the load test runs on the machine it measures,
 and there every millisecond of the client's is taken from the server (on 2 cores, from one of its
@@ -7,7 +7,8 @@ compute threads, which the other then waits for at a barrier). httpx's asyncio s
 anyio, h11) spent about 0.5 ms of CPU per streamed chunk at concurrency 1 and 0.14 ms at 8; this
 client spends about a quarter of that (README, "The load test's own cost"). It speaks only what the
 load test needs: http and https, no proxy, replies framed by chunked encoding, Content-Length or the
-connection's close.
+connection's close. Each request has its own connection (the load test stops reading a stream at its
+[DONE], which leaves nothing to reuse; so did httpx, which closes a reply not read to its end).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
-_Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
 
 class Reply:
     """A reply's status and headers, then its body as it arrives (once: chunks(), text() or
@@ -32,8 +31,6 @@ class Reply:
         self._reader = reader
         self.status = 0
         self.headers: dict[str, str] = {}
-        self.complete = False  # the whole body has been read
-        self.keep_alive = False
         self.reads = 0  # of the body so far (a stalled server shows as a count that stays)
 
     async def _read_head(self) -> None:
@@ -47,8 +44,6 @@ class Reply:
             name, sep, value = line.partition(":")
             if sep:
                 self.headers[name.strip().lower()] = value.strip()
-        connection = self.headers.get("connection", "").lower()
-        self.keep_alive = version == "HTTP/1.1" and connection != "close" or connection == "keep-alive"
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes, as the server sent them."""
@@ -70,11 +65,9 @@ class Reply:
                 self.reads += 1
                 yield data
         else:  # the body ends where the connection does
-            self.keep_alive = False
             while data := await r.read(1 << 16):
                 self.reads += 1
                 yield data
-        self.complete = True
 
     async def text(self) -> AsyncIterator[str]:
         """The body as text (UTF-8; a character split across chunks is joined)."""
@@ -90,9 +83,9 @@ class Reply:
 
 
 class LeanClient:
-    """POSTs to paths under base_url (http:// or https://), each with headers; idle connections are
-    kept for the next request. A request fails (an exception) when connecting takes more than
-    connect_timeout seconds or the server sends nothing for timeout seconds."""
+    """POSTs to paths under base_url (http:// or https://), each with headers. A request fails (an
+    exception) when connecting takes more than connect_timeout seconds or the server sends nothing
+    for timeout seconds."""
 
     def __init__(
         self, base_url: str, headers: dict[str, str], connect_timeout: float = 10.0, timeout: float = 600.0
@@ -105,53 +98,33 @@ class LeanClient:
         self._ssl = ssl.create_default_context() if u.scheme == "https" else None
         self._base = u.path.rstrip("/")
         host = u.netloc.rpartition("@")[2]  # as the URL gives it: [::1]:8080, example.com
-        self._head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": host, **headers}.items())
+        fields = {"Host": host, **headers, "Content-Type": "application/json", "Connection": "close"}
+        self._head = "".join(f"{k}: {v}\r\n" for k, v in fields.items())
         self._connect_timeout = connect_timeout
         self._timeout = timeout
-        self._idle: list[_Connection] = []
-
-    async def _connect(self) -> _Connection:
-        return await asyncio.wait_for(
-            asyncio.open_connection(self._host, self._port, ssl=self._ssl), self._connect_timeout
-        )
 
     @asynccontextmanager
     async def post(self, path: str, body: Any) -> AsyncIterator[Reply]:
         data = json.dumps(body).encode()
-        request = (
-            f"POST {self._base}{path} HTTP/1.1\r\n{self._head}"
-            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-        ).encode() + data
-        for fresh in (not self._idle, True):  # an idle connection first, if any, then a new one
-            reader, writer = await self._connect() if fresh else self._idle.pop()
-            reply = Reply(reader)
-            watchdog = _Watchdog(reply, writer, self._timeout)
-            try:
-                writer.write(request)
-                await reply._read_head()
-                break
-            except (ConnectionError, asyncio.IncompleteReadError) as e:
-                watchdog.cancel()
-                writer.close()
-                watchdog.raise_if_fired(e)
-                if fresh:  # else the server had closed the idle connection: once more, on a new one
-                    raise
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(self._host, self._port, ssl=self._ssl), self._connect_timeout
+        )
+        reply = Reply(reader)
+        watchdog = _Watchdog(reply, writer, self._timeout)
         try:
+            writer.write(
+                f"POST {self._base}{path} HTTP/1.1\r\n{self._head}Content-Length: {len(data)}\r\n\r\n".encode()
+                + data
+            )
+            await reply._read_head()
             yield reply
         except (ConnectionError, asyncio.IncompleteReadError) as e:
-            watchdog.raise_if_fired(e)
+            if watchdog.fired:
+                raise TimeoutError(f"the server sent nothing for {self._timeout:g} s") from e
             raise
         finally:
             watchdog.cancel()
-            if reply.complete and reply.keep_alive:
-                self._idle.append((reader, writer))
-            else:
-                writer.close()
-
-    async def aclose(self) -> None:
-        for _, writer in self._idle:
             writer.close()
-        self._idle.clear()
 
 
 class _Watchdog:
@@ -176,8 +149,3 @@ class _Watchdog:
 
     def cancel(self) -> None:
         self._timer.cancel()
-
-    def raise_if_fired(self, e: Exception) -> None:
-        """A connection failed with e: a TimeoutError instead where it was this watchdog's doing."""
-        if self.fired:
-            raise TimeoutError(f"the server sent nothing for {self._timeout:g} s") from e

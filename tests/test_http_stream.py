@@ -1,6 +1,6 @@
 """The load test's HTTP client (stdengine.bench.http_stream) against a loopback server that writes
-its replies byte by byte as each test scripts them: every framing the client claims to read,
-connections kept and reopened, a stalled server, a refused connection."""
+its replies byte by byte as each test scripts them: every framing the client claims to read, a
+stalled server, a refused connection."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from stdengine.bench.http_stream import LeanClient
 
-Handler = Callable[[dict, asyncio.StreamWriter], Awaitable[bool]]  # True: keep the connection open
+Handler = Callable[[dict, asyncio.StreamWriter], Awaitable[None]]
 
 
 async def _read_request(reader: asyncio.StreamReader) -> dict | None:
@@ -32,10 +32,9 @@ async def _serve(handler: Handler) -> tuple[asyncio.Server, list[dict], list[int
 
     async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections[0] += 1
-        while (req := await _read_request(reader)) is not None:
+        if (req := await _read_request(reader)) is not None:
             requests.append(req)
-            if not await handler(req, writer):
-                break
+            await handler(req, writer)
         writer.close()
 
     server = await asyncio.start_server(on_connection, "127.0.0.1", 0)
@@ -55,27 +54,23 @@ async def _post(client: LeanClient, body: dict) -> tuple[int, str]:
         return r.status, "".join([t async for t in r.text()])
 
 
-def test_chunked_reply_is_joined_whatever_the_cuts_and_the_connection_is_kept():
+def test_chunked_reply_is_joined_whatever_the_cuts():
     # "é" is two bytes, cut between two chunks; the request carries the base path, Host and headers
-    async def handler(req: dict, w: asyncio.StreamWriter) -> bool:
+    async def handler(req: dict, w: asyncio.StreamWriter) -> None:
         w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         w.write(_chunked(b"data: caf\xc3", b"\xa9\n", b"\ndata: [DONE]\n\n"))
         await w.drain()
-        return True
 
     async def main() -> None:
-        server, requests, connections = await _serve(handler)
+        server, requests, _ = await _serve(handler)
         port = server.sockets[0].getsockname()[1]
         async with server:
             client = LeanClient(_url(server), {"Authorization": "Bearer k"})
             assert await _post(client, {"n": 1}) == (200, "data: café\n\ndata: [DONE]\n\n")
-            assert await _post(client, {"n": 2}) == (200, "data: café\n\ndata: [DONE]\n\n")
-            await client.aclose()
-        assert connections[0] == 1  # the second request went over the first's connection
-        assert [r["json"] for r in requests] == [{"n": 1}, {"n": 2}]
-        assert requests[0]["line"] == "POST /v1/completions HTTP/1.1"
-        assert requests[0]["headers"]["authorization"] == "Bearer k"
-        assert requests[0]["headers"]["host"] == f"127.0.0.1:{port}"
+        (req,) = requests
+        assert req["line"] == "POST /v1/completions HTTP/1.1" and req["json"] == {"n": 1}
+        assert req["headers"]["authorization"] == "Bearer k"
+        assert req["headers"]["host"] == f"127.0.0.1:{port}" and req["headers"]["connection"] == "close"
 
     asyncio.run(main())
 
@@ -86,10 +81,9 @@ def test_content_length_and_close_delimited_replies():
         b"HTTP/1.0 200 OK\r\n\r\nthe end is the close",  # no length: the body ends with the connection
     ]
 
-    async def handler(req: dict, w: asyncio.StreamWriter) -> bool:
+    async def handler(req: dict, w: asyncio.StreamWriter) -> None:
         w.write(replies[req["json"]["i"]])
         await w.drain()
-        return req["json"]["i"] == 0
 
     async def main() -> None:
         server, _, connections = await _serve(handler)
@@ -98,37 +92,16 @@ def test_content_length_and_close_delimited_replies():
             async with client.post("/completions", {"i": 0}) as r:
                 assert r.status == 400 and await r.read() == b'{"error":"x"}'
             assert await _post(client, {"i": 1}) == (200, "the end is the close")
-            await client.aclose()
-        assert connections[0] == 1
-
-    asyncio.run(main())
-
-
-def test_an_idle_connection_the_server_closed_is_replaced():
-    async def handler(req: dict, w: asyncio.StreamWriter) -> bool:
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await w.drain()
-        return False  # closes after each reply without saying so (a keep-alive timeout)
-
-    async def main() -> None:
-        server, requests, connections = await _serve(handler)
-        async with server:
-            client = LeanClient(_url(server), {})
-            for i in range(3):
-                assert await _post(client, {"i": i}) == (200, "ok")
-                await asyncio.sleep(0.05)  # the server's close reaches the client's idle connection
-            await client.aclose()
-        assert connections[0] == 3 and [r["json"]["i"] for r in requests] == [0, 1, 2]
+        assert connections[0] == 2  # one a request
 
     asyncio.run(main())
 
 
 def test_a_server_that_stops_sending_times_out():
-    async def handler(req: dict, w: asyncio.StreamWriter) -> bool:
+    async def handler(req: dict, w: asyncio.StreamWriter) -> None:
         w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"5\r\nhello\r\n")
         await w.drain()
         await asyncio.sleep(5)  # then nothing
-        return False
 
     async def main() -> None:
         server, _, _ = await _serve(handler)
@@ -140,14 +113,13 @@ def test_a_server_that_stops_sending_times_out():
                     async for text in r.text():
                         got.append(text)
             assert got == ["hello"]
-            await client.aclose()
 
     asyncio.run(main())
 
 
 def test_a_refused_connection_and_a_non_http_url_are_errors():
     async def main() -> None:
-        server, _, _ = await _serve(lambda req, w: asyncio.sleep(0, False))
+        server, _, _ = await _serve(lambda req, w: asyncio.sleep(0))
         url = _url(server)
         server.close()
         await server.wait_closed()
