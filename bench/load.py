@@ -130,7 +130,9 @@ def run_load_test(params: BenchParams) -> dict[str, Any]:
         # extension fields, before the load runs every request into the same 400
         probe = completion_body(model, maker.words(8), 1 if params.no_warmup else 2, not params.no_extensions)
         check_extensions(stream_completion(client, target.api, probe))
+    cpu0 = time.process_time()
     streams, duration = asyncio.run(_load(params, target, model, prompts, n_gen))
+    client_cpu_s = time.process_time() - cpu0  # what the client took from the machine it measures
     metrics = load_metrics(streams, [n for _, n in prompts], duration, n_gen)
     return {
         "engine": params.engines[0] if params.engines else "openai",
@@ -143,7 +145,14 @@ def run_load_test(params: BenchParams) -> dict[str, Any]:
         "n_gen": n_gen,
         "extensions": not params.no_extensions,
         **metrics,
+        "client_cpu_s": client_cpu_s,
     }
+
+
+def client_ms_per_token(result: dict[str, Any]) -> float:
+    """The load client's CPU per generated token (ms); 0 for results from before it was recorded."""
+    n = result.get("total_output_tokens", 0)
+    return 1000 * result.get("client_cpu_s", 0.0) / n if n else 0.0
 
 
 LOAD_ROWS = (
@@ -178,5 +187,6 @@ def render_load(result: dict[str, Any], fmt: str) -> str:
         f"errors {result['errors']}, duration {result['duration_s']:.2f} s",
         f"request throughput {result['request_throughput']:.3f} req/s, output throughput "
         f"{result['output_throughput']:.2f} tok/s, total token throughput {result['total_token_throughput']:.2f} tok/s",
+        f"client CPU {result['client_cpu_s']:.2f} s ({client_ms_per_token(result):.3f} ms a generated token)",
     ]
     return "\n".join(lines) + "\n"

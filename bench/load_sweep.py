@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stdengine.bench.load import run_load_test
+from stdengine.bench.load import client_ms_per_token, run_load_test
 from stdengine.bench.params import parse_args
 from stdengine.bench.record import cpu_info, stdengine_commit, utc_now
 
@@ -181,7 +181,7 @@ def one_line(r: dict[str, Any]) -> str:
         f"{r['model_alias']} {r['server']} c={r['concurrency']}: {r['output_throughput']:.1f} tok/s, "
         f"TTFT median {r['ttft_ms']['median']:.0f} ms p99 {r['ttft_ms']['p99']:.0f} ms, ITL median "
         f"{r['itl_ms']['median']:.1f} ms p99 {r['itl_ms']['p99']:.1f} ms, {r['tokens_per_cpu_s']:.1f} tok per "
-        f"server CPU-s, errors {r['errors']}, short {r['short']}"
+        f"server CPU-s, client {client_ms_per_token(r):.3f} CPU-ms per token, errors {r['errors']}, short {r['short']}"
     )
 
 
@@ -199,18 +199,19 @@ def render(results: list[dict[str, Any]], command: str, note: str) -> str:
         " aggregate tok/s = generated tokens / wall time of the run; TTFT and ITL as the client sees"
         " them (spec/bench-record.md §6.2); tok/CPU-s = generated tokens / CPU time (user + system,"
         " all threads) the server process used during the run: what the tokens cost, which other"
-        " load on the machine changes less than the wall-clock rate",
+        " load on the machine changes less than the wall-clock rate; client ms/tok = the load"
+        " client's CPU time per generated token, taken from the same cores",
         "",
         "| round | model | server | concurrency | requests | tok/s (aggregate) | TTFT median (ms) | TTFT p99 (ms) |"
-        " ITL median (ms) | ITL p99 (ms) | tok/CPU-s | errors |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " ITL median (ms) | ITL p99 (ms) | tok/CPU-s | client ms/tok | errors |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r['round']} | {r['model_alias']} | {r['server']} | {r['concurrency']} | {r['requests']} | "
             f"{r['output_throughput']:.1f} | {r['ttft_ms']['median']:.0f} | {r['ttft_ms']['p99']:.0f} | "
             f"{r['itl_ms']['median']:.1f} | {r['itl_ms']['p99']:.1f} | {r.get('tokens_per_cpu_s', 0):.1f} | "
-            f"{r['errors']} |"
+            f"{client_ms_per_token(r):.3f} | {r['errors']} |"
         )
     ratios = ratio_lines(results)
     if ratios:

@@ -662,6 +662,8 @@ def _sweep_run(rnd: int, c: int, tps: float, itl_p99: float, server: str = "afte
         "ttft_ms": {"median": 10.0, "p99": 20.0},
         "itl_ms": {"median": 5.0, "p99": itl_p99},
         "tokens_per_cpu_s": 1.0,
+        "total_output_tokens": 100 * c,
+        "client_cpu_s": 0.01 * c,  # 0.1 ms a token
         "errors": 0,
     }
 
@@ -681,7 +683,7 @@ def test_load_sweep_rounds_give_each_rounds_ratio_to_the_lowest_concurrency():
     assert lines[2] == "| m | after | 8 / 1 | 4.00, 5.00, 4.50 | 4.50x | 2.00, 1.50, 3.00 | 2.00x |"
     assert len(lines) == 3
     text = render(runs, "cmd", "")
-    assert "| 2 | m | after | 8 | 32 | 250.0 |" in text
+    assert "| 2 | m | after | 8 | 32 | 250.0 |" in text and "| 1.0 | 0.100 | 0 |" in text
     assert lines[2] in text
     # one round: no ratio table; a round cut short (no concurrency 8) is left out of the medians
     assert ratio_lines(runs[:2]) == []

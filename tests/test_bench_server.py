@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -139,6 +140,7 @@ def test_load_test(server_url):
     )
     assert md.returncode == 0, md.stderr
     assert "| TTFT (ms)        |" in md.stdout and "errors 0" in md.stdout
+    assert re.search(r"client CPU \d+\.\d\d s \(\d+\.\d{3} ms a generated token\)", md.stdout)
 
 
 def test_unreachable_server_is_a_clear_error():
@@ -198,6 +200,8 @@ def test_load_test_against_infer_serve(infer_serve):
     assert res["completed"] == 4 and res["errors"] == 0 and res["short"] == 0 and res["extensions"]
     assert res["total_output_tokens"] == 32
     assert res["output_throughput"] > 0 and res["request_throughput"] > 0 and res["ttft_ms"]["median"] > 0
+    # the client's own CPU while the requests ran: some, and less than the run's wall time
+    assert 0 < res["client_cpu_s"] < res["duration_s"]
 
 
 def test_ignore_eos_and_min_tokens(infer_serve):
