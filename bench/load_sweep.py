@@ -133,7 +133,7 @@ def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
     interrupted sweep keeps what it measured."""
     from stdengine.store import resolve_model
 
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    concurrencies = args.concurrency
     n_ctx = args.n_prompt + args.n_gen + 64
     out: list[dict[str, Any]] = []
     paths = {model: resolve_model(model) for model in args.model}
@@ -256,9 +256,24 @@ def ratio_lines(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _counts(text: str) -> list[int]:
+    """--concurrency's value: positive whole numbers, comma-separated."""
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give positive whole numbers separated by commas, e.g. 1,8"
+        )
+    return counts
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m stdengine.bench.load_sweep", description=__doc__.splitlines()[0]
+        prog="python -m stdengine.bench.load_sweep",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("-m", "--model", action="append", required=True, help="catalogue alias or GGUF path")
     ap.add_argument(
@@ -267,11 +282,22 @@ def main(argv: list[str] | None = None) -> None:
         required=True,
         help="LABEL=KIND[:PYTHONPATH], or LABEL=llama-server[:BINARY]",
     )
-    ap.add_argument("--concurrency", default="1,2,4,8,16")
-    ap.add_argument("-p", "--n-prompt", type=int, default=32)
-    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument(
+        "--concurrency",
+        type=_counts,
+        default="1,2,4,8,16",
+        help="comma-separated numbers of requests in flight (default %(default)s)",
+    )
+    ap.add_argument(
+        "-p", "--n-prompt", type=int, default=32, help="prompt tokens a request (default %(default)s)"
+    )
+    ap.add_argument(
+        "-n", "--n-gen", type=int, default=128, help="generated tokens a request (default %(default)s)"
+    )
     ap.add_argument("--requests-per", type=int, default=2, help="requests per run = this x concurrency")
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument(
+        "-t", "--threads", type=int, default=2, help="each server's compute threads (default %(default)s)"
+    )
     ap.add_argument(
         "--rounds", type=int, default=1, help="run the whole sweep this many times (servers started afresh)"
     )

@@ -697,3 +697,13 @@ def test_load_sweep_refuses_zero_rounds(capsys):
         main(["-m", "x", "--server", "a=infer", "--rounds", "0"])
     assert e.value.code == 2
     assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["1,x", "0", "8,-1", ""])
+def test_load_sweep_refuses_a_concurrency_that_is_not_positive_numbers(capsys, value):
+    from stdengine.bench.load_sweep import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["-m", "x", "--server", "a=infer", "--concurrency", value])
+    assert e.value.code == 2
+    assert "give positive whole numbers separated by commas" in capsys.readouterr().err
