@@ -55,13 +55,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="GGUF file, or a catalogue alias")
     ap.add_argument("-n", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="context counts")
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-t", "--threads", type=int, default=2, help="compute threads (default %(default)s)")
     ap.add_argument("--steps", type=int, default=16, help="one-token steps per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="rounds of every mode, taking turns (default %(default)s)"
+    )
     ap.add_argument(
         "--cache", choices=["f32", "f16"], default="f32", help="KV cache type (infer serve's default: f16)"
     )
-    ap.add_argument("--modes", nargs="+", default=["batched", "separate"], choices=["batched", "separate"])
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["batched", "separate"],
+        choices=["batched", "separate"],
+        help="batched: one se_decode_batch a step; separate: one se_decode per context (default: both)",
+    )
     ap.add_argument("--gemm-min", type=int, nargs="+", help="batched once per value: the GEMM from N rows on")
     args = ap.parse_args(argv)
     if args.gemm_min:

@@ -87,9 +87,13 @@ def measure(engine_name: str, model: str, n_tokens: int) -> list[tuple[str, int,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", default="reference,llamacpp")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--tokens", type=int, default=80)
+    ap.add_argument(
+        "--engines", default="reference,llamacpp", help="comma-separated engines (default %(default)s)"
+    )
+    ap.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated catalogue aliases or GGUF paths"
+    )
+    ap.add_argument("--tokens", type=int, default=80, help="tokens of text compared (default %(default)s)")
     args = ap.parse_args(argv)
     m = machine()
     print(f"machine: {m['cpu']}, {m['logical_cpus']} CPUs; {m['date']}; stdengine {m['stdengine_commit']}")

@@ -258,7 +258,9 @@ def study(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated catalogue aliases or GGUF paths"
+    )
     ap.add_argument(
         "--schedules",
         default="4,5,6,4+5,3+4+5,4+5+6",

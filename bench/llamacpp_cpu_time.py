@@ -18,9 +18,11 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
-    ap.add_argument("--llamacpp-path", required=True)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("model", help="GGUF file")
+    ap.add_argument(
+        "--llamacpp-path", required=True, help="a llama-cpp-python installed with pip install --target DIR"
+    )
+    ap.add_argument("--reps", type=int, default=3, help="repetitions (default %(default)s)")
     args = ap.parse_args()
     sys.path.insert(0, args.llamacpp_path)
 

@@ -37,9 +37,18 @@ def _infer(*args: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--types", nargs="+", default=["Q3_K_M", "Q2_K", "Q2_K-pure"])
-    ap.add_argument("--engines", nargs="+", default=["reference", "llamacpp"])
-    ap.add_argument("--work", type=Path, default=Path("/tmp/stdengine-quantize-conformance"))
+    ap.add_argument(
+        "--types", nargs="+", default=["Q3_K_M", "Q2_K", "Q2_K-pure"], help="file types to quantize to"
+    )
+    ap.add_argument(
+        "--engines", nargs="+", default=["reference", "llamacpp"], help="engines to run the suite with"
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/stdengine-quantize-conformance"),
+        help="where the files go (default %(default)s)",
+    )
     ap.add_argument("--report", type=Path, default=None, help="bundles (default WORK/reports)")
     args = ap.parse_args()
     from stdengine.conformance.golden import golden_path, load_golden, sha256_file

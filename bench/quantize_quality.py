@@ -42,6 +42,7 @@ TYPES = {
     "Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q5_K_S": 16, "Q5_1": 9, "Q5_0": 8, "Q4_K_M": 15,
     "Q4_K_S": 14, "Q4_1": 3, "Q4_0": 2, "Q3_K_M": 12, "Q3_K_S": 11, "Q2_K": 10,
 }  # fmt: skip
+MODELS = ("smollm2-135m-instruct", "gemma-3-270m")  # the catalogue models
 HELD_OUT = Path("/usr/share/common-licenses/GPL-3")  # English prose no step of this bench tunes on
 
 
@@ -137,15 +138,22 @@ def make_imatrix(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"])
-    ap.add_argument("--types", nargs="+", default=list(TYPES))
+    ap.add_argument("--models", nargs="+", default=list(MODELS), help="catalogue aliases or GGUF paths")
+    ap.add_argument(
+        "--types", nargs="+", default=list(TYPES), help="file types to quantize to (default: all)"
+    )
     ap.add_argument("--tokens", type=int, default=384, help="tokens of held-out text per window")
     ap.add_argument(
         "--windows", type=int, default=4, help="consecutive windows of the text, each from an empty context"
     )
-    ap.add_argument("--work", type=Path, default=Path("/tmp/stdengine-quantize-quality"))
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--text", type=Path, default=HELD_OUT)
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/stdengine-quantize-quality"),
+        help="where the files go (default %(default)s)",
+    )
+    ap.add_argument("--threads", type=int, default=2, help="compute threads (default %(default)s)")
+    ap.add_argument("--text", type=Path, default=HELD_OUT, help="the held-out text (default %(default)s)")
     ap.add_argument("--table", type=Path, help="only write the Markdown table of this results .jsonl")
     ap.add_argument("--imatrix-text", type=Path, help="give both quantizers an imatrix made over this text")
     ap.add_argument(

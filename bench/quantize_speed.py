@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from stdengine.bench.quantize_quality import TYPES, llama_quantize
+from stdengine.bench.quantize_quality import MODELS, TYPES, llama_quantize
 
 
 def timed(fn: Callable[..., object], *a: object, **kw: object) -> tuple[float, float]:
@@ -34,11 +34,20 @@ def timed(fn: Callable[..., object], *a: object, **kw: object) -> tuple[float, f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"])
-    ap.add_argument("--types", nargs="+", default=["Q4_K_M", "Q2_K", "Q4_0"])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/stdengine-quantize-quality"))
+    ap.add_argument("--models", nargs="+", default=list(MODELS), help="catalogue aliases or GGUF paths")
+    ap.add_argument(
+        "--types", nargs="+", default=["Q4_K_M", "Q2_K", "Q4_0"], help="file types to quantize to"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="runs of each quantizer, taking turns (default %(default)s)"
+    )
+    ap.add_argument("--threads", type=int, default=2, help="compute threads (default %(default)s)")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/stdengine-quantize-quality"),
+        help="where the files go (default %(default)s)",
+    )
     ap.add_argument("--no-llama", action="store_true", help="time our quantizer only")
     ap.add_argument("--label", default="", help="a note stored with each row (e.g. the build)")
     args = ap.parse_args()

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help="catalogue aliases or GGUF paths")
     ap.add_argument("--samples", type=int, default=2000, help="samples per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, taking turns (default %(default)s)")
     args = ap.parse_args(argv)
     print(
         f"{utc_now()}, stdengine {stdengine_commit()}, CPU {cpu_info()}; us per sample, median of {args.rounds} rounds of {args.samples}"

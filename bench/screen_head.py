@@ -177,10 +177,12 @@ def study(model: str, n: int, rounds: int, threads: int) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated catalogue aliases or GGUF paths"
+    )
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per run (default 128)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each engine, taking turns (default 3)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="compute threads (default %(default)s)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # PATH SAMPLER N on|off: peak_rss's process
     args = ap.parse_args(argv)
     if args.child:
