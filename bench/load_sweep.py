@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from stdengine.bench.load import client_ms_per_token, run_load_test
-from stdengine.bench.params import parse_args
+from stdengine.bench.params import parse_args, parse_int_range
 from stdengine.bench.record import cpu_info, stdengine_commit, utc_now
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -257,9 +257,10 @@ def ratio_lines(results: list[dict[str, Any]]) -> list[str]:
 
 
 def _counts(text: str) -> list[int]:
-    """--concurrency's value: positive whole numbers, comma-separated."""
+    """--concurrency's value: positive whole numbers, comma-separated (infer-bench's lists, so
+    llama-bench's ranges such as 1-16*2 too)."""
     try:
-        counts = [int(c) for c in text.split(",")]
+        counts = parse_int_range(text)
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         "--concurrency",
         type=_counts,
         default="1,2,4,8,16",
-        help="comma-separated numbers of requests in flight (default %(default)s)",
+        help="numbers of requests in flight, comma-separated, or a range such as 1-16*2 (default %(default)s)",
     )
     ap.add_argument(
         "-p", "--n-prompt", type=int, default=32, help="prompt tokens a request (default %(default)s)"
