@@ -743,13 +743,16 @@ void se_matmul(int wtype, const void *W, int64_t k, const void *act, int n_tok,
         return;
     if (n_tok == 1) {
         /* Weights stream from DRAM once per token: ask for the rows SE_PREFETCH_BYTES ahead, since
-         * the hardware prefetcher alone leaves the core waiting on memory half of the time. */
+         * the hardware prefetcher alone leaves the core waiting on memory half of the time. Into
+         * L2 (prefetcht2), as the packed panels and the barrier do: asked into L1, each line holds
+         * one of the core's few fill buffers for the whole trip from memory (Intel Xeon, Gemma-3's
+         * head: 67.6 -> 72.4 tokens/s). */
         const int64_t ahead = (int64_t)(SE_PREFETCH_BYTES / wrow) + 1;
         int64_t r = r0;
         for (; r + kt->tg_rows <= r1; r += kt->tg_rows) {
             if (r + ahead + kt->tg_rows <= r1) {
                 const char *p = w + wrow * (size_t)(r + ahead);
-                for (size_t o = 0; o < wrow * (size_t)kt->tg_rows; o += 64) __builtin_prefetch(p + o);
+                for (size_t o = 0; o < wrow * (size_t)kt->tg_rows; o += 64) __builtin_prefetch(p + o, 0, 1);
             }
             kt->tile(k, w + wrow * (size_t)r, wrow, kt->tg_rows, a, arow, 1, y + r);
         }
