@@ -133,14 +133,16 @@ static void build_rows(void *arg, int ith, int nth) {
 
 /* Memory for the 4-bit plane, in 2 MiB pages where the system allows them (transparent huge
  * pages on madvise; refused, the pages stay small). Stage 1 streams it every token, and with
- * fewer page walks ran about 1.2x as fast on the Intel Xeon (Gemma-3, greedy); the first sample,
- * which builds the planes, took about 100 ms longer there (2 MiB pages cost the VM more to fault
- * in), so the planes read only in part (fifth and low bits) keep small pages. */
+ * fewer page walks ran about 1.1x as fast on the Intel Xeon (Gemma-3, greedy); the first sample,
+ * which builds the planes, took up to about 130 ms longer there (2 MiB pages cost the VM more to
+ * fault in), so the planes read only in part (fifth and low bits) keep small pages. */
 static void *huge_alloc(size_t n) {
     const size_t huge = (size_t)2 << 20;
     void *p;
     if (posix_memalign(&p, huge, n) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
     madvise(p, n, MADV_HUGEPAGE);
+#endif
     return p;
 }
 
