@@ -131,11 +131,13 @@ static void build_rows(void *arg, int ith, int nth) {
     }
 }
 
-/* Memory for the 4-bit plane, in 2 MiB pages where the system allows them (transparent huge
- * pages on madvise; refused, the pages stay small). Stage 1 streams it every token, and with
- * fewer page walks ran about 1.1x as fast on the Intel Xeon (Gemma-3, greedy); the first sample,
- * which builds the planes, took up to about 130 ms longer there (2 MiB pages cost the VM more to
- * fault in), so the planes read only in part (fifth and low bits) keep small pages. */
+/* Memory for the 4-bit plane and the fifth bits, in 2 MiB pages where the system allows them
+ * (transparent huge pages on madvise; refused, the pages stay small). Stage 1 streams the 4-bit
+ * plane every token, and with fewer page walks ran about 1.1x as fast on the Intel Xeon (Gemma-3,
+ * greedy); stage 2 reads records of the fifth bits scattered over 35 MB (Gemma-3 at top-k 40: about
+ * 6300 a token), each a page walk of its own in 4 KiB pages. The first sample, which builds the
+ * planes, can take a few hundred ms longer there (the VM is slow to fault in 2 MiB pages when it
+ * must compact memory), so the low bits, which stage 3 reads for a few rows only, keep small pages. */
 static void *huge_alloc(size_t n) {
     const size_t huge = (size_t)2 << 20;
     void *p;
@@ -155,7 +157,7 @@ static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows, int stand) {
     s->tile_size = (size_t)(SE_SCREEN_TILE_BLOCK * s->nb);
     s->fifth_size = (size_t)(4 * s->nbp + 2 * s->nb);
     s->tiles = huge_alloc(s->tile_size * (size_t)s->n_tiles);
-    if (posix_memalign((void **)&s->fifth, 64, s->fifth_size * (size_t)n_rows) != 0) s->fifth = NULL;
+    s->fifth = huge_alloc(s->fifth_size * (size_t)n_rows);
     s->low = stand ? malloc(low_size(s) * (size_t)n_rows) : NULL;
     return s->tiles && s->fifth && (s->low || !stand);
 }
@@ -619,10 +621,14 @@ static void my_top(screen_job *j, int ith, int64_t r0, int64_t r1, const se_cand
     se_cand *top = c->scr_top + (size_t)ith * SE_SCREEN_MAX_K;
     int32_t n = 0, numbers = 1;
     if (!left) {
-        for (int64_t r = r0; r < r1; r++) {
-            numbers &= lo[r] <= hi[r]; /* false for a NaN */
-            offer(top, j->k, &n, (int32_t)r, lo[r]);
-        }
+        for (int64_t r = r0; r < r1; r++) numbers &= lo[r] <= hi[r]; /* false for a NaN */
+        const int32_t k = j->k;
+        float least = -INFINITY; /* the heap's least logit once it is full, in a register */
+        for (int64_t r = r0; r < r1; r++)
+            if (lo[r] >= least) {
+                se_cand_push(top, k, &n, (se_cand){ (int32_t)r, lo[r] });
+                if (n == k) least = top[0].logit;
+            }
     } else {
         for (int32_t i = 0; i < n_left; i++)
             if (hi[left[i].id] >= thr) offer(top, j->k, &n, left[i].id, lo[left[i].id]);

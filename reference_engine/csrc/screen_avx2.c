@@ -120,15 +120,12 @@ INLINE void refine_row(const se_screen_act *a, int64_t nb, const uint16_t *d, co
     *down = hsum8(w);
 }
 
-#define REFINE_AHEAD 4 /* rows whose scales and fifth bits are asked for before they are read */
+#define REFINE_AHEAD 4 /* rows whose bits and scales stages 2 and 3 ask for before they read them */
 
 static void refine_avx2(const se_screen *s, const se_screen_act *a, const int32_t *ids, int32_t n, float *up,
                         float *down) {
     for (int32_t i = 0; i < n; i++) {
-        if (i + REFINE_AHEAD < n) {
-            const uint8_t *next = se_screen_record(s, ids[i + REFINE_AHEAD]);
-            for (size_t o = 0; o < s->fifth_size; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T0);
-        }
+        if (i + REFINE_AHEAD < n) prefetch_span(se_screen_record(s, ids[i + REFINE_AHEAD]), s->fifth_size);
         const uint8_t *bits = se_screen_record(s, ids[i]);
         refine_row(a, s->nb, (const uint16_t *)(bits + 4 * s->nbp), bits, &up[i], &down[i]);
     }
@@ -165,6 +162,10 @@ static void settle_avx2(const se_screen *s, const se_screen_act *a, const int32_
                         float *down) {
     const int64_t nb = s->nb, full = nb / 8;
     for (int32_t i = 0; i < n; i++) {
+        if (i + REFINE_AHEAD < n) { /* the scales of its record and its l */
+            prefetch_span(se_screen_record(s, ids[i + REFINE_AHEAD]) + 4 * s->nbp, 2 * (size_t)nb);
+            prefetch_span(se_screen_low(s, ids[i + REFINE_AHEAD]), 12 * (size_t)nb);
+        }
         const uint16_t *d = (const uint16_t *)(se_screen_record(s, ids[i]) + 4 * s->nbp);
         const uint32_t *low = se_screen_low(s, ids[i]);
         __m256 u = _mm256_setzero_ps(), w = _mm256_setzero_ps();

@@ -11,6 +11,12 @@
 
 INLINE int32_t ld32(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
+/* Asks for every cache line that bytes [p, p + n) touch */
+INLINE void prefetch_span(const void *p, size_t n) {
+    const uintptr_t end = (uintptr_t)p + n;
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < end; a += 64) _mm_prefetch((const char *)a, _MM_HINT_T0);
+}
+
 /* Lane p: the sum of v[p]'s eight 32-bit lanes */
 INLINE __m256i lane_sums(const __m256i v[8]) {
     const __m256i a = _mm256_hadd_epi32(v[0], v[1]), c = _mm256_hadd_epi32(v[2], v[3]);
