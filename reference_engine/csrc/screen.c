@@ -136,8 +136,9 @@ static void build_rows(void *arg, int ith, int nth) {
  * plane every token, and with fewer page walks ran about 1.1x as fast on the Intel Xeon (Gemma-3,
  * greedy); stage 2 reads records of the fifth bits scattered over 35 MB (Gemma-3 at top-k 40: about
  * 6300 a token), each a page walk of its own in 4 KiB pages. The first sample, which builds the
- * planes, can take a few hundred ms longer there (the VM is slow to fault in 2 MiB pages when it
- * must compact memory), so the low bits, which stage 3 reads for a few rows only, keep small pages. */
+ * planes, can take a few hundred ms longer there (some runs the VM is slow to fault in 2 MiB pages;
+ * the kernel does not compact for them), so the low bits, which stage 3 reads for a few rows only,
+ * keep small pages. */
 static void *huge_alloc(size_t n) {
     const size_t huge = (size_t)2 << 20;
     void *p;
