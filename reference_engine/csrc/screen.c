@@ -58,9 +58,6 @@ typedef struct {
     int bad[64]; /* per thread: a scale that is negative or not finite (the bound assumes d >= 0) */
 } build_job;
 
-/* The bytes of a row's low bits (where the planes keep them) */
-static size_t low_size(const se_screen *s) { return (size_t)(3 * s->nb) * sizeof(uint32_t); }
-
 /* Element e's l from its block's three words */
 static int low_of(const uint32_t w[3], int e) {
     return (int)(w[0] >> e & 1) | (int)(w[1] >> e & 1) << 1 | (int)(w[2] >> e & 1) << 2;
@@ -159,7 +156,7 @@ static int screen_alloc(se_screen *s, int64_t n, int64_t n_rows, int stand) {
     s->fifth_size = (size_t)(4 * s->nbp + 2 * s->nb);
     s->tiles = huge_alloc(s->tile_size * (size_t)s->n_tiles);
     s->fifth = huge_alloc(s->fifth_size * (size_t)n_rows);
-    s->low = stand ? malloc(low_size(s) * (size_t)n_rows) : NULL;
+    s->low = stand ? malloc(se_screen_low_size(s) * (size_t)n_rows) : NULL;
     return s->tiles && s->fifth && (s->low || !stand);
 }
 
@@ -223,7 +220,7 @@ void se_screen_free(se_screen *s) {
 size_t se_model_screen_bytes(const se_model *m) {
     const se_screen *s = m ? m->screen : NULL;
     if (!s) return 0;
-    return s->tile_size * (size_t)s->n_tiles + (s->fifth_size + (s->low ? low_size(s) : 0)) * (size_t)s->n_rows;
+    return s->tile_size * (size_t)s->n_tiles + (s->fifth_size + (s->low ? se_screen_low_size(s) : 0)) * (size_t)s->n_rows;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -376,7 +373,7 @@ static void planes_logits(const se_screen *s, const se_blk_q8_0 *x, void *buf, s
                 const char *rec = (const char *)se_screen_record(s, ahead), *low = (const char *)se_screen_low(s, ahead);
                 const char *tile = (const char *)se_screen_tile(s, ahead / SE_SCREEN_TILE) + share * (size_t)(ahead % SE_SCREEN_TILE);
                 for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
-                for (size_t o = 0; o < low_size(s); o += 64) __builtin_prefetch(low + o);
+                for (size_t o = 0; o < se_screen_low_size(s); o += 64) __builtin_prefetch(low + o);
                 for (size_t o = 0; o < share; o += 64) __builtin_prefetch(tile + o);
             }
             rebuild(s, r + i, scratch + i * s->nb);
@@ -573,7 +570,7 @@ static void prefetch_row(const se_model *m, int64_t r) {
     const uint8_t *rec = se_screen_record(s, r);
     const uint8_t *nib = se_screen_tile(s, r / SE_SCREEN_TILE) + 32 + 4 * (r % SE_SCREEN_TILE);
     for (size_t o = 0; o < s->fifth_size; o += 64) __builtin_prefetch(rec + o);
-    for (size_t o = 0; o < low_size(s); o += 64) __builtin_prefetch((const char *)se_screen_low(s, r) + o);
+    for (size_t o = 0; o < se_screen_low_size(s); o += 64) __builtin_prefetch((const char *)se_screen_low(s, r) + o);
     for (int64_t b = 0; b < s->nb; b++)
         for (int m = 0; m < 4; m++) __builtin_prefetch(nib + SE_SCREEN_TILE_BLOCK * b + 64 * m);
 }
@@ -1009,7 +1006,7 @@ int64_t se_screen_planes_test(const void *rows, int64_t n_rows, int64_t n, int32
     se_screen s = { 0 };
     int64_t rc = test_planes(&s, rows, n_rows, n, stand != 0);
     const size_t tiles = s.tile_size * (size_t)s.n_tiles, fifth = s.fifth_size * (size_t)n_rows;
-    const size_t low = s.low ? low_size(&s) * (size_t)n_rows : 0;
+    const size_t low = s.low ? se_screen_low_size(&s) * (size_t)n_rows : 0;
     if (rc == SE_OK && (!out || cap < (int64_t)(tiles + fifth + low))) rc = SE_ERR_INVALID;
     if (rc == SE_OK) {
         memcpy(out, s.tiles, tiles);

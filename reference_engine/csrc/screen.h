@@ -56,11 +56,12 @@ typedef struct se_screen {
     uint32_t *low;
 } se_screen;
 
-/* Tile t of the 4-bit plane, row r's record in the fifth plane, and row r's low bits (where kept):
- * the layout above */
+/* Tile t of the 4-bit plane, row r's record in the fifth plane, and row r's low bits (where kept)
+ * and their bytes: the layout above */
 static inline uint8_t *se_screen_tile(const se_screen *s, int64_t t) { return s->tiles + (size_t)t * s->tile_size; }
 static inline uint8_t *se_screen_record(const se_screen *s, int64_t r) { return s->fifth + (size_t)r * s->fifth_size; }
 static inline uint32_t *se_screen_low(const se_screen *s, int64_t r) { return s->low + 3 * s->nb * r; }
+static inline size_t se_screen_low_size(const se_screen *s) { return (size_t)(3 * s->nb) * sizeof(uint32_t); }
 
 /* One token's head activations as the kernels read them (nbp blocks, those past nb zero) */
 typedef struct {

@@ -164,7 +164,7 @@ static void settle_avx2(const se_screen *s, const se_screen_act *a, const int32_
     for (int32_t i = 0; i < n; i++) {
         if (i + REFINE_AHEAD < n) { /* the scales of its record and its l */
             prefetch_span(se_screen_record(s, ids[i + REFINE_AHEAD]) + 4 * s->nbp, 2 * (size_t)nb);
-            prefetch_span(se_screen_low(s, ids[i + REFINE_AHEAD]), 3 * sizeof(uint32_t) * (size_t)nb); /* three words a block */
+            prefetch_span(se_screen_low(s, ids[i + REFINE_AHEAD]), se_screen_low_size(s));
         }
         const uint16_t *d = (const uint16_t *)(se_screen_record(s, ids[i]) + 4 * s->nbp);
         const uint32_t *low = se_screen_low(s, ids[i]);
