@@ -225,6 +225,23 @@ def test_samplers_that_need_the_whole_distribution_are_not_screened(engine):
     lazy_head(ctx, 1)
 
 
+def test_head_pending_says_whether_the_next_sample_computes_head_rows(engine):
+    """se_context_head_pending, which Context.sample reads to choose whether its C call releases
+    the GIL: 1 after a decode that left the head to the sampler, 0 once the logits are computed."""
+    from stdengine.reference.core import api
+
+    ctx, c = engine.ctx, api()
+    prompt = engine.tokenize("Once upon a time")
+    for mode, pending in ((0, 0), (ALWAYS, 1)):
+        lazy_head(ctx, mode)
+        ctx.reset()
+        ctx.evaluate(prompt)
+        assert c.se_context_head_pending(ctx._h) == pending, mode
+    c.se_context_head(ctx._h)
+    assert c.se_context_head_pending(ctx._h) == 0
+    lazy_head(ctx, 1)
+
+
 def q8_rows(d: np.ndarray, q: np.ndarray) -> np.ndarray:
     """Q8_0 rows (ggml's layout: an f16 scale, then 32 int8) from scales [rows, nb], quants [rows, nb, 32]"""
     rows, nb = d.shape

@@ -181,6 +181,9 @@ SE_API int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n);
 SE_API int se_context_set_lazy_head(se_context *c, int32_t on); /* 2: as 1, and never fall back
                                                                   * to the full head for speed (tests) */
 SE_API int se_context_head(se_context *c);
+/* 1 when the last logits are pending (the next se_sample computes head rows: milliseconds), 0
+ * when they are computed (a sample then takes microseconds). */
+SE_API int se_context_head_pending(const se_context *c);
 /* The pending head as a screened sampler's fallback computes it where the screen's planes stand for
  * the head (a head that outweighs the layers): from the planes, with the full head's bits, so that
  * the head's pages stay out of memory. SE_ERR_INVALID when nothing is pending or there are no such

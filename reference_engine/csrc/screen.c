@@ -421,6 +421,8 @@ int se_context_head(se_context *c) {
     return SE_OK;
 }
 
+int se_context_head_pending(const se_context *c) { return c && c->head_pending; }
+
 int se_context_set_lazy_head(se_context *c, int32_t on) {
     if (!c) return SE_ERR_INVALID;
     if (!on) se_context_head(c); /* nothing stays pending once it is off */
