@@ -766,14 +766,14 @@ INLINE void gemm_chain(int blk, int min, int packed, int nt, const uint8_t *pane
     }
 }
 
-/* nt tokens (<= 4) x one panel: y[t * ldy + r] for the panel's rows r < 16 in mask. The
+/* nt tokens (<= 8) x one panel: y[t * ldy + r] for the panel's rows r < 16 in mask. The
  * summation order with rows in lanes: the 16 lane chains, added as they come in hsum16's tree
  * ((c0 + c2) + (c1 + c3) per quad of chains, then (q0 + q2) + (q1 + q3)). */
 INLINE void gemm_tile(int blk, int min, int packed, int nt, const uint8_t *panel, int64_t nb, const uint8_t *a,
                       size_t arow, const int32_t *qoff, const side_t *side, const int32_t *dots, float *y, int64_t ldy,
                       __mmask16 mask) {
     const int *lane = blk == 16 ? LANE16 : LANE32;
-    __m512 half[2][4], quad[4], x[4], z[4];
+    __m512 half[2][8], quad[8], x[8], z[8];
     for (int h = 0; h < 2; h++)
         for (int j = 0; j < 2; j++) {
             const int qd = h + 2 * j; /* quads 0 and 2 make the first half, 1 and 3 the second */
@@ -790,13 +790,17 @@ INLINE void gemm_tile(int blk, int min, int packed, int nt, const uint8_t *panel
     for (int t = 0; t < nt; t++) _mm512_mask_storeu_ps(y + t * ldy, mask, _mm512_add_ps(half[0][t], half[1][t]));
 }
 
-/* Tokens [t, t_end) x one panel, 4 at a time. dots (AMX) holds the integer sums of the tokens
- * from t_dots on (see gemm_chain). */
+/* Tokens [t, t_end) x one panel, 4 at a time, or 8 on packed panels: a packed block's nibbles
+ * are unpacked once for the tokens of a tile, so 8 halve that work (Xeon Emerald Rapids, one
+ * thread, 8 tokens, weights in cache: Q4_1 576 x 1536 137 -> 142 GMAC/s, Q8_0 49152 x 576 125 ->
+ * 139; a batched step of 8 SmolLM2 sequences 3-7% faster). The GEMM's panels are unpacked
+ * already. dots (AMX) holds the integer sums of the tokens from t_dots on (see gemm_chain). */
 INLINE void gemm_tokens(panel_shape sh, int packed, const uint8_t *panel, int64_t nb, const uint8_t *a, size_t arow,
                         const int32_t *qoff, const side_t *side, const int32_t *dots, int t_dots, int t, int t_end,
                         float *y, int64_t ldy, __mmask16 mask) {
-    for (; t < t_end; t += 4) {
-        const int nt = t_end - t < 4 ? t_end - t : 4;
+    const int most = packed ? 8 : 4;
+    for (; t < t_end; t += most) {
+        const int nt = t_end - t < most ? t_end - t : most;
         const uint8_t *at = a + (size_t)t * arow;
         const side_t *st = side + (size_t)t * nb;
         const int32_t *dt = dots ? dots + 16 * (t - t_dots) : NULL;
@@ -806,6 +810,10 @@ INLINE void gemm_tokens(panel_shape sh, int packed, const uint8_t *panel, int64_
         case 2: gemm_tile(sh.blk, sh.min, packed, 2, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
         case 3: gemm_tile(sh.blk, sh.min, packed, 3, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
         case 4: gemm_tile(sh.blk, sh.min, packed, 4, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
+        case 5: gemm_tile(sh.blk, sh.min, packed, 5, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
+        case 6: gemm_tile(sh.blk, sh.min, packed, 6, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
+        case 7: gemm_tile(sh.blk, sh.min, packed, 7, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
+        case 8: gemm_tile(sh.blk, sh.min, packed, 8, panel, nb, at, arow, qoff, st, dt, yt, ldy, mask); break;
         }
     }
 }
