@@ -6,8 +6,9 @@ For each catalogue model it decodes a 32-token prompt with the full head (so tha
 the whole vocabulary: what it does for a context of a batched step, with the screen off, or after
 a screen that did not pay), then times `Context.sample` for: greedy; greedy with a banned token (as
 `ignore_eos` bans the end-of-generation tokens); greedy with the penalties over 64 tokens; and the
-CLI's default sampler (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8). Prints the median of
---rounds rounds, in microseconds per sample.
+CLI's default sampler (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8); and the same without
+top-k (top-p then sorts the whole vocabulary). Prints the median of --rounds rounds, in
+microseconds per sample.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ SAMPLERS = {
     ),
     "top-k 40, top-p 0.95, min-p 0.05, temp 0.8": (
         SamplingParams(temp=0.8, top_k=40, top_p=0.95, min_p=0.05),
+        [],
+    ),
+    # no top-k: top-p sorts the whole vocabulary
+    "top-p 0.95, min-p 0.05, temp 0.8": (
+        SamplingParams(temp=0.8, top_k=0, top_p=0.95, min_p=0.05),
         [],
     ),
 }

@@ -578,6 +578,31 @@ def test_sampling_top_k_without_a_copy_of_the_vocabulary(wide_ctx):
     ctx.ban([])
 
 
+def test_top_p_without_top_k_sorts_as_top_k_does(wide_ctx):
+    """Top-p over the whole vocabulary sorts it in the candidates' order (sampling.c,
+    sort_by_logit: a radix sort) as the top-k path does with qsort (the higher logit first, the
+    lower id among equal ones, -0 equal to +0): the same seeded draws with top_k = 0 as with
+    top_k = n_vocab - 1, which keeps all but the last row and sorts them through qsort. Logits with
+    many exact ties, both zeros, a banned row (-inf) and wide ranges."""
+    ctx, rng = wide_ctx, np.random.default_rng(1)
+    V = ctx.n_vocab
+    for trial in range(60):
+        x = rng.normal(0, [0.5, 2, 8][trial % 3], V).astype(np.float32)
+        if trial % 2 == 0:
+            x = np.round(x * 2) / 2  # many exact ties
+        x[rng.choice(V, 20, replace=False)] = rng.choice([0.0, -0.0], 20)
+        x[np.argmin(x)] = -1e30  # the last row, which top_k = V - 1 drops, far below any cut
+        ctx.logits_buffer[:] = x
+        ctx.ban(rng.choice(V, 1).tolist())
+        draws = {}
+        for k in (0, V - 1):
+            ctx.sample(SamplingParams(temp=0.0, seed=trial + 1))  # the next seed differs: a fresh stream
+            params = SamplingParams(temp=1.0, top_k=k, top_p=0.9, min_p=0.0, seed=trial)
+            draws[k] = [ctx.sample(params) for _ in range(40)]
+        assert draws[0] == draws[V - 1], trial
+    ctx.ban([])
+
+
 # ---------------------------------------------------------------------------------------------
 # SmolLM2-135M-Instruct Q4_1 against llama.cpp
 # ---------------------------------------------------------------------------------------------

@@ -182,7 +182,7 @@ SE_API int se_context_set_lazy_head(se_context *c, int32_t on); /* 2: as 1, and 
                                                                   * to the full head for speed (tests) */
 SE_API int se_context_head(se_context *c);
 /* 1 when the last logits are pending (the next se_sample computes head rows: milliseconds), 0
- * when they are computed (a sample then takes microseconds). */
+ * when they are computed (a greedy or small top-k sample then takes microseconds). */
 SE_API int se_context_head_pending(const se_context *c);
 /* The pending head as a screened sampler's fallback computes it where the screen's planes stand for
  * the head (a head that outweighs the layers): from the planes, with the full head's bits, so that
@@ -371,6 +371,7 @@ struct se_context {
     int32_t ub_logits_rows;  /* [ub_logits_rows][n_vocab] allocated */
     /* sampler */
     se_cand *cand;           /* [n_vocab] */
+    se_cand *cand_sorting;   /* [n_vocab] the sort's other half (sampling.c), made at its first use */
     int32_t *counts;         /* [n_vocab] occurrences in the penalty window, kept all zero */
     uint64_t rng[2];         /* xoroshiro128** state (sampling.c) */
     int64_t rng_seed;

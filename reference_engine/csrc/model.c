@@ -390,7 +390,7 @@ void se_context_free(se_context *c) {
     free(c->x); free(c->xb); free(c->q); free(c->att); free(c->tmp); free(c->hb); free(c->hb2);
     free(c->rope);
     for (int j = 0; j < 3; j++) free(c->act[j]);
-    free(c->logits); free(c->cand); free(c->counts);
+    free(c->logits); free(c->cand); free(c->cand_sorting); free(c->counts);
     free(c->head_x); free(c->ban);
     se_screen_context_free(c);
     free(c);

@@ -101,6 +101,37 @@ static void top_k(se_cand *cand, int32_t n, int32_t k) {
     qsort(cand, (size_t)k, sizeof *cand, se_cand_desc);
 }
 
+/* A key whose unsigned order is the candidates' order of logits, highest first: -0 is +0 (they
+ * are equal logits), and NaN, which compares equal to nothing, comes last. */
+static uint32_t desc_key(float x) {
+    if (x != x) return UINT32_MAX;
+    if (x == 0) x = 0;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u & 0x80000000u ? u : ~u & 0x7fffffffu;
+}
+
+/* cand[0..n), in id order, into the candidates' order (what qsort with se_cand_desc gives) by a
+ * stable radix sort on desc_key, 8 bits a pass, through tmp[0..n): equal logits keep their ids
+ * ascending. A whole vocabulary (top-p without top-k) in a few passes over it, where qsort took
+ * 23 ms for Gemma-3's 262144 rows (Xeon). */
+static void sort_by_logit(se_cand *cand, int32_t n, se_cand *tmp) {
+    uint32_t count[4][256] = {{0}};
+    for (int32_t i = 0; i < n; i++) {
+        const uint32_t k = desc_key(cand[i].logit);
+        for (int b = 0; b < 4; b++) count[b][(k >> (8 * b)) & 255]++;
+    }
+    se_cand *src = cand, *dst = tmp;
+    for (int b = 0; b < 4; b++) {
+        if (count[b][(desc_key(cand[0].logit) >> (8 * b)) & 255] == (uint32_t)n) continue; /* one digit: in order */
+        uint32_t at[256], sum = 0;
+        for (int d = 0; d < 256; d++) at[d] = sum, sum += count[b][d];
+        for (int32_t i = 0; i < n; i++) dst[at[(desc_key(src[i].logit) >> (8 * b)) & 255]++] = src[i];
+        se_cand *t = src; src = dst; dst = t;
+    }
+    if (src != cand) memcpy(cand, src, (size_t)n * sizeof *cand);
+}
+
 /* The largest of x[0..16), NaNs left out (-inf when there is nothing else). */
 static float max16(const float *x) {
 #if defined(__SSE2__)
@@ -191,7 +222,7 @@ int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n) {
 /* top-k, top-p and min-p, in llama.cpp's order, on the n candidates: returns how many are left at
  * the front of cand (sorted in the candidates' order where top-k or top-p ran; screen.c's
  * screened_survivors gives the same from the screened rows) */
-static int32_t truncate(const se_sampling_params *sp, se_cand *cand, int32_t n, int32_t V) {
+static int32_t truncate(const se_sampling_params *sp, se_cand *cand, int32_t n, int32_t V, se_cand *tmp) {
     /* top-k (sorted descending afterwards, which top-p needs) */
     int sorted = 0;
     if (sp->top_k > 0 && sp->top_k < V) {
@@ -201,7 +232,11 @@ static int32_t truncate(const se_sampling_params *sp, se_cand *cand, int32_t n, 
     }
     /* top-p: the smallest prefix whose probability reaches p */
     if (sp->top_p < 1.0f) {
-        if (!sorted) { qsort(cand, (size_t)n, sizeof *cand, se_cand_desc); sorted = 1; }
+        if (!sorted) { /* no top-k, so no screen: cand is the whole vocabulary, in id order */
+            if (tmp) sort_by_logit(cand, n, tmp);
+            else qsort(cand, (size_t)n, sizeof *cand, se_cand_desc);
+            sorted = 1;
+        }
         float mx = cand[0].logit;
         double sum = 0;
         for (int32_t i = 0; i < n; i++) sum += exp((double)(cand[i].logit - mx));
@@ -274,7 +309,10 @@ int32_t se_sample(se_context *c, const se_sampling_params *sp) {
         return cand[best].id;
     }
 
-    if (!final) n = truncate(sp, cand, n, V);
+    if (!final) {
+        if (!c->cand_sorting && sp->top_p < 1.0f) c->cand_sorting = malloc((size_t)V * sizeof(se_cand));
+        n = truncate(sp, cand, n, V, c->cand_sorting); /* without it (no memory), qsort */
+    }
     /* temperature, then the draw */
     float mx = cand[0].logit;
     for (int32_t i = 1; i < n; i++) if (cand[i].logit > mx) mx = cand[i].logit;
