@@ -591,7 +591,7 @@ def test_top_p_without_top_k_sorts_as_top_k_does(wide_ctx):
         if trial % 2 == 0:
             x = np.round(x * 2) / 2  # many exact ties
         x[rng.choice(V, 20, replace=False)] = rng.choice([0.0, -0.0], 20)
-        x[np.argmin(x)] = -1e30  # the last row, which top_k = V - 1 drops, far below any cut
+        x[np.argmin(x)] = -1e30  # far below any cut, as the banned row (-inf): top_k = V - 1 drops one
         ctx.logits_buffer[:] = x
         ctx.ban(rng.choice(V, 1).tolist())
         draws = {}
