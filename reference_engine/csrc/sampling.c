@@ -123,7 +123,7 @@ static void sort_by_logit(se_cand *cand, int32_t n, se_cand *tmp) {
     }
     se_cand *src = cand, *dst = tmp;
     for (int b = 0; b < 4; b++) {
-        if (count[b][(desc_key(cand[0].logit) >> (8 * b)) & 255] == (uint32_t)n) continue; /* one digit: in order */
+        if (count[b][(desc_key(src[0].logit) >> (8 * b)) & 255] == (uint32_t)n) continue; /* one digit: in order */
         uint32_t at[256], sum = 0;
         for (int d = 0; d < 256; d++) at[d] = sum, sum += count[b][d];
         for (int32_t i = 0; i < n; i++) dst[at[(desc_key(src[i].logit) >> (8 * b)) & 255]++] = src[i];
@@ -219,10 +219,12 @@ int se_context_set_banned(se_context *c, const int32_t *ids, int32_t n) {
     return SE_OK;
 }
 
-/* top-k, top-p and min-p, in llama.cpp's order, on the n candidates: returns how many are left at
- * the front of cand (sorted in the candidates' order where top-k or top-p ran; screen.c's
+/* top-k, top-p and min-p, in llama.cpp's order, on the n candidates in c->cand: returns how many
+ * are left at its front (sorted in the candidates' order where top-k or top-p ran; screen.c's
  * screened_survivors gives the same from the screened rows) */
-static int32_t truncate(const se_sampling_params *sp, se_cand *cand, int32_t n, int32_t V, se_cand *tmp) {
+static int32_t truncate(se_context *c, const se_sampling_params *sp, int32_t n) {
+    se_cand *cand = c->cand;
+    const int32_t V = c->m->hp.n_vocab;
     /* top-k (sorted descending afterwards, which top-p needs) */
     int sorted = 0;
     if (sp->top_k > 0 && sp->top_k < V) {
@@ -233,8 +235,9 @@ static int32_t truncate(const se_sampling_params *sp, se_cand *cand, int32_t n, 
     /* top-p: the smallest prefix whose probability reaches p */
     if (sp->top_p < 1.0f) {
         if (!sorted) { /* no top-k, so no screen: cand is the whole vocabulary, in id order */
-            if (tmp) sort_by_logit(cand, n, tmp);
-            else qsort(cand, (size_t)n, sizeof *cand, se_cand_desc);
+            if (!c->cand_sorting) c->cand_sorting = malloc((size_t)V * sizeof(se_cand));
+            if (c->cand_sorting) sort_by_logit(cand, n, c->cand_sorting);
+            else qsort(cand, (size_t)n, sizeof *cand, se_cand_desc); /* no memory for the radix sort */
             sorted = 1;
         }
         float mx = cand[0].logit;
@@ -309,10 +312,7 @@ int32_t se_sample(se_context *c, const se_sampling_params *sp) {
         return cand[best].id;
     }
 
-    if (!final) {
-        if (!c->cand_sorting && sp->top_p < 1.0f) c->cand_sorting = malloc((size_t)V * sizeof(se_cand));
-        n = truncate(sp, cand, n, V, c->cand_sorting); /* without it (no memory), qsort */
-    }
+    if (!final) n = truncate(c, sp, n);
     /* temperature, then the draw */
     float mx = cand[0].logit;
     for (int32_t i = 1; i < n; i++) if (cand[i].logit > mx) mx = cand[i].logit;
