@@ -213,22 +213,26 @@ def _ties(n: int) -> np.ndarray:
 
 def test_q8_0_from_float_matches_gguf(isa):
     rng = np.random.default_rng(2)
-    x = (rng.standard_normal((3, 32 * 9)) * rng.uniform(0.01, 100, (3, 1))).astype(np.float32)
+    # 21 blocks a row: the AVX-512 path quantizes 16 blocks at a time, then the rest
+    x = (rng.standard_normal((3, 32 * 21)) * rng.uniform(0.01, 100, (3, 1))).astype(np.float32)
     x[1, 32:64] = 0
+    x[1, 32 * 17 : 32 * 18] = 0
     x[2, 64:96] = _ties(32)  # roundf: halfway cases go away from zero
+    x[2, 32 * 19 : 32 * 20] = -_ties(32)
     np.testing.assert_array_equal(K.quantize(T.Q8_0, x), gg_quantize(x, T.Q8_0).view(np.uint8))
 
 
 def test_q8_1_from_float(isa):
     rng = np.random.default_rng(3)
-    x = (rng.standard_normal((2, 32 * 5)) * 3).astype(np.float32)
+    x = (rng.standard_normal((2, 32 * 21)) * 3).astype(np.float32)  # 16 blocks and 5 (see above)
     x[1, :32] = _ties(32)
-    got = K.quantize(T.Q8_1, x).reshape(2, 5, 36)
-    q8_0 = gg_quantize(x, T.Q8_0).view(np.uint8).reshape(2, 5, 34)
+    x[1, 32 * 18 : 32 * 19] = 0
+    got = K.quantize(T.Q8_1, x).reshape(2, 21, 36)
+    q8_0 = gg_quantize(x, T.Q8_0).view(np.uint8).reshape(2, 21, 34)
     np.testing.assert_array_equal(got[:, :, 0:2], q8_0[:, :, 0:2])  # same d and quants as Q8_0
     np.testing.assert_array_equal(got[:, :, 4:], q8_0[:, :, 2:])
     # s = d * sum(q) in fp16, with d = amax/127 before its fp16 rounding
-    d = np.abs(x.reshape(2, 5, 32)).max(axis=2) / np.float32(127)
+    d = np.abs(x.reshape(2, 21, 32)).max(axis=2) / np.float32(127)
     s = (d * q8_0[:, :, 2:].view(np.int8).astype(np.int32).sum(axis=2).astype(np.float32)).astype(np.float16)
     np.testing.assert_array_equal(got[:, :, 2:4].copy().view(np.float16)[..., 0], s)
 

@@ -99,6 +99,28 @@ void se_kv_store_values(se_context *c, int il, int h, int64_t p0, int n, const f
  * SmolLM2's logits differed by up to 0.97 between one token at a time and a batch).
  */
 
+/* The cache comes from memory: between two reads of a context's keys a step streams the weights,
+ * and a batched step's 8 caches outgrow the L2. So the kernel asks for the key tiles and value
+ * rows about ATT_AHEAD_BYTES ahead of those it attends, instead of waiting on the hardware
+ * prefetcher at the start of every head (8 SmolLM2 sequences to 160 positions, Xeon: the
+ * attention 9-13% of a step's time; the step 0-10% faster in pairs, depending on the hour). */
+#define ATT_AHEAD_BYTES 16384
+
+/* Positions (whole tiles, at least one) whose keys and values (ke, ve bytes an element) make
+ * about ATT_AHEAD_BYTES */
+static inline int64_t att_ahead(int hd, size_t kve) {
+    int64_t n = ATT_AHEAD_BYTES / ((int64_t)hd * (int64_t)kve) / TILE * TILE;
+    return n > TILE ? n : TILE;
+}
+
+/* Asks for the key tiles and value rows of positions [p0, p1), p0 a tile's first */
+static inline void att_prefetch(const void *kc, const void *vc, int64_t p0, int64_t p1, int hd, size_t ke, size_t ve) {
+    if (p1 <= p0) return;
+    const char *k = (const char *)kc + (size_t)p0 * hd * ke, *v = (const char *)vc + (size_t)p0 * hd * ve;
+    for (size_t o = 0; o < (size_t)((p1 - p0 + TILE - 1) / TILE * TILE) * hd * ke; o += 64) __builtin_prefetch(k + o, 0, 3);
+    for (size_t o = 0; o < (size_t)(p1 - p0) * hd * ve; o += 64) __builtin_prefetch(v + o, 0, 3);
+}
+
 /* One query row: what it reads and writes, and the key positions [lo, hi) it sees. */
 typedef struct {
     const float *q;

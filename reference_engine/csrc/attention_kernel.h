@@ -113,7 +113,10 @@ SE_INLINE void ATT_NAME(block)(const att_row *rw, const int nr, const void *kc, 
         hi = max64(hi, rw[r].hi), hi_all = min64(hi_all, rw[r].hi);
     }
     const vi iota = ATT_IOTA;
+    const int64_t ahead = att_ahead(hd, sizeof(KE) + sizeof(VE));
+    att_prefetch(kc, vc, lo / TILE * TILE, min64(hi, lo / TILE * TILE + ahead), hd, sizeof(KE), sizeof(VE));
     for (int64_t p0 = lo / TILE * TILE; p0 < hi; p0 += TILE) {
+        att_prefetch(kc, vc, p0 + ahead, min64(hi, p0 + ahead + TILE), hd, sizeof(KE), sizeof(VE));
         /* scores: s[r] = sum over d of q[r][d] * (row d of the key tile), in w partial sums */
         const KE *kt = (const KE *)kc + p0 * hd;
         vf s[ACC > ATT_ROWS * NV ? ACC : ATT_ROWS * NV];

@@ -205,35 +205,84 @@ INLINE __m512 round_away16(__m512 v) {
     return _mm512_mask_add_ps(t, up, t, one);
 }
 
-/* One block of 32: writes the quants, returns d (f32) and the quants' sum. */
-INLINE float quant_block32(const float *x, int8_t *qs, int *sum) {
-    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float d = amax / 127, id = d ? 1 / d : 0;
-    const __m512 vid = _mm512_set1_ps(id);
-    const __m512i q0 = _mm512_cvtps_epi32(round_away16(_mm512_mul_ps(v0, vid)));
-    const __m512i q1 = _mm512_cvtps_epi32(round_away16(_mm512_mul_ps(v1, vid)));
-    _mm_storeu_si128((__m128i *)qs, _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128((__m128i *)(qs + 16), _mm512_cvtepi32_epi8(q1));
-    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    return d;
+/* v[b] (b < 16): 16 lanes each; returns lane b = the max (is_max) or the sum of v[b]'s lanes. Four
+ * rounds of pairwise folds instead of 16 reductions. A sum is exact here (small integers) and a
+ * max is exact in any order, so the result is that of any reduction order. */
+INLINE __m512 reduce16(__m512 *v, int is_max) {
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int h = 8, n = 16; h > 0; h /= 2, n /= 2) {
+        /* v[2i] and v[2i+1] hold 16 / 2h groups of 2h lanes each, side by side: lanes [0, 32) of
+         * the pair. Lane j of the folded vector is group j / h's lane j % h (lo) with its lane
+         * j % h + h (hi), maxed or added: the groups halve, v[2i]'s then v[2i+1]'s. */
+        const __m512i lo = _mm512_add_epi32(iota, _mm512_and_si512(iota, _mm512_set1_epi32(-h)));
+        const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(h));
+        for (int i = 0; i < n / 2; i++) {
+            const __m512 a = _mm512_permutex2var_ps(v[2 * i], lo, v[2 * i + 1]);
+            const __m512 b = _mm512_permutex2var_ps(v[2 * i], hi, v[2 * i + 1]);
+            v[i] = is_max ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b);
+        }
+    }
+    return v[0];
+}
+
+/* Up to 16 blocks of 32 (nb of them) at x: their quants into qs (32 bytes a block, block b at
+ * qs + b * bs), their d (f32) into lane b of *d and their quants' sums (exact, as floats) into
+ * lane b of *sum. The same float operations per block as the scalar code's; the horizontal max
+ * and sum, the divisions and the f16 conversions done for 16 blocks at once instead of one by one
+ * (Q8_1, 8 rows of 1536, Xeon: 17.7 -> 11.4 ns a block; a batched step quantizes every token's
+ * activations on every thread, about 4% of its time before). */
+INLINE void quant_blocks16(const float *x, int nb, int8_t *qs, size_t bs, __m512 *d, __m512 *sum) {
+    __m512 r[16];
+    for (int b = 0; b < 16; b++)
+        r[b] = b < nb ? _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + 32 * b)), _mm512_abs_ps(_mm512_loadu_ps(x + 32 * b + 16)))
+                      : _mm512_setzero_ps();
+    *d = _mm512_div_ps(reduce16(r, 1), _mm512_set1_ps(127));
+    const __mmask16 nz = _mm512_cmp_ps_mask(*d, _mm512_setzero_ps(), _CMP_NEQ_UQ); /* d ? 1 / d : 0 */
+    float id[16];
+    _mm512_storeu_ps(id, _mm512_maskz_div_ps(nz, _mm512_set1_ps(1), *d));
+    for (int b = 0; b < 16; b++) {
+        r[b] = _mm512_setzero_ps();
+        if (b >= nb) continue;
+        const __m512 vid = _mm512_set1_ps(id[b]);
+        const __m512i q0 = _mm512_cvtps_epi32(round_away16(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b), vid)));
+        const __m512i q1 = _mm512_cvtps_epi32(round_away16(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b + 16), vid)));
+        _mm_storeu_si128((__m128i *)(qs + b * bs), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qs + b * bs + 16), _mm512_cvtepi32_epi8(q1));
+        r[b] = _mm512_cvtepi32_ps(_mm512_add_epi32(q0, q1));
+    }
+    *sum = reduce16(r, 0);
+}
+
+/* The 16 lanes of v rounded to f16 (as _cvtss_sh does one) into h[] */
+INLINE void to_f16_16(__m512 v, uint16_t *h) {
+    _mm256_storeu_si256((__m256i *)h, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 static void q8_0_from_float(const float *x, void *dst, int64_t n) {
     se_blk_q8_0 *b = dst;
-    for (int64_t i = 0; i < n / 32; i++, x += 32) {
-        int s;
-        b[i].d = _cvtss_sh(quant_block32(x, b[i].qs, &s), _MM_FROUND_TO_NEAREST_INT);
+    for (int64_t i = 0; i < n / 32; i += 16, x += 512) {
+        const int nb = n / 32 - i < 16 ? (int)(n / 32 - i) : 16;
+        __m512 d, sum;
+        uint16_t dh[16];
+        quant_blocks16(x, nb, b[i].qs, sizeof *b, &d, &sum);
+        to_f16_16(d, dh);
+        for (int j = 0; j < nb; j++) b[i + j].d = dh[j];
     }
 }
 
 static void q8_1_from_float(const float *x, void *dst, int64_t n) {
     se_blk_q8_1 *b = dst;
-    for (int64_t i = 0; i < n / 32; i++, x += 32) {
-        int s;
-        const float d = quant_block32(x, b[i].qs, &s);
-        b[i].d = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
-        b[i].s = _cvtss_sh(d * (float)s, _MM_FROUND_TO_NEAREST_INT);
+    for (int64_t i = 0; i < n / 32; i += 16, x += 512) {
+        const int nb = n / 32 - i < 16 ? (int)(n / 32 - i) : 16;
+        __m512 d, sum;
+        uint16_t dh[16], sh[16];
+        quant_blocks16(x, nb, b[i].qs, sizeof *b, &d, &sum);
+        to_f16_16(d, dh);
+        to_f16_16(_mm512_mul_ps(d, sum), sh);
+        for (int j = 0; j < nb; j++) {
+            b[i + j].d = dh[j];
+            b[i + j].s = sh[j];
+        }
     }
 }
 
