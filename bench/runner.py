@@ -76,7 +76,7 @@ GREEDY = SamplingParams(temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=
 def run_gen(engine: Decoder, n_gen: int, src: TokenSource, sample: bool = False) -> None:
     """n_gen single-token decodes; the first token is BOS if the model adds one, then random ones.
     sample: each token's evaluation is followed by a greedy sample (an in-process engine's
-    _step and _sample_tokens, LocalEngine's generation loop) instead of returning its logits."""
+    _evaluate and _sample_tokens, LocalEngine's generation loop) instead of returning its logits."""
     token = src.bos if src.bos is not None else src.random()
     if not sample:
         for _ in range(n_gen):
@@ -87,7 +87,7 @@ def run_gen(engine: Decoder, n_gen: int, src: TokenSource, sample: bool = False)
     samples = local._sample_tokens(GREEDY)
     try:
         for _ in range(n_gen):
-            local._step([token])
+            local._evaluate([token])
             next(samples)
             token = src.random()
     finally:

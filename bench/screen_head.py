@@ -66,12 +66,12 @@ def load(engine: str, model: str, args: dict[str, str], threads: int) -> Any:
 def generate(engine: Any, sampler: SamplingParams, n: int) -> tuple[list[int], float]:
     """n tokens after the prompt, as infer run makes them (no stop); tokens and tokens/s"""
     engine.reset()
-    engine._prefill(engine.tokenize(PROMPT))
+    engine._evaluate(engine.tokenize(PROMPT))
     samples = engine._sample_tokens(sampler)
     out = [next(samples)]
     t0 = time.perf_counter()
     for _ in range(n):
-        engine._step([out[-1]])
+        engine._evaluate([out[-1]])
         out.append(next(samples))
     samples.close()
     return out, n / (time.perf_counter() - t0)
@@ -80,10 +80,10 @@ def generate(engine: Any, sampler: SamplingParams, n: int) -> tuple[list[int], f
 def replay_without_head(engine: Any, tokens: list[int]) -> float:
     """generate's steps for these tokens (its output), without the head and the sampler; tokens/s"""
     engine.reset()
-    engine._prefill(engine.tokenize(PROMPT))
+    engine._evaluate(engine.tokenize(PROMPT))
     t0 = time.perf_counter()
     for t in tokens[:-1]:
-        engine._step([t])  # the lazy head: nothing reads these logits, so the head never runs
+        engine._evaluate([t])  # the lazy head: nothing reads these logits, so the head never runs
     return (len(tokens) - 1) / (time.perf_counter() - t0)
 
 
@@ -91,12 +91,12 @@ def first_sample_ms(model: str, threads: int) -> tuple[float, float]:
     """The first screened sample of a fresh model (it builds the plane), and the next one"""
     e = load("reference", model, {}, threads)
     try:
-        e._prefill(e.tokenize(PROMPT))
+        e._evaluate(e.tokenize(PROMPT))
         greedy = SAMPLERS["greedy"]
         t0 = time.perf_counter()
         tok = e.ctx.sample(greedy)
         t1 = time.perf_counter()
-        e._step([tok])
+        e._evaluate([tok])
         t2 = time.perf_counter()
         e.ctx.sample(greedy)
         t3 = time.perf_counter()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from stdengine.conformance.runner import find_golden, run_suite
 from stdengine.conformance.suite import Context, exit_status
 
 from stdengine.events import null_emitter
+from stdengine.local_engine import Evaluate
 from stdengine.options import Options
 
 
@@ -54,9 +56,9 @@ def kv_window(window: int) -> type:
     """The reference engine keeping only the last `window` tokens of each prompt."""
     base = reference_engine()
 
-    def _prefill(self: Any, prompt: list[int]) -> int:
+    def _prefill(self: Any, prompt: list[int], reuse: bool = True) -> Generator[Evaluate, None, int]:
         self._keep_prefix(0)
-        self._evaluate(prompt[-window:])
+        yield Evaluate(prompt[-window:])
         return min(len(prompt), window)
 
     return type(f"KvWindow{window}", (base,), {"_prefill": _prefill})

@@ -1,43 +1,45 @@
 """Steps several contexts of one model together: the scheduler under `infer serve -np N`.
 
-Each context runs its own generate() in its own thread, as without batching; what changes is
-where its tokens are evaluated. A context in batch mode (`LocalEngine.batcher` set) hands every
-evaluation to the Batcher that the contexts share, which gathers what each active context wants
-evaluated and makes one `_evaluate_batch` call per step: an engine with the `batch_decode`
-capability evaluates the step in shared forward passes (the weights read once for all the
-contexts), any other gets LocalEngine's default, a loop of `_evaluate` calls (same results).
+One thread per model (the Scheduler's) drives the generations of all its contexts. Each runs as
+`LocalEngine.generation()`, a generator that yields its events and an `Evaluate` wherever it
+needs tokens evaluated. A step of the loop resumes every generation that is not waiting for an
+evaluation until it asks for one (sampling, stop strings and log-probabilities run then, on the
+scheduler's thread), hands its events to the request's `emit`, and then evaluates what all of
+them asked for in one `_evaluate_batch` call: an engine with the `batch_decode` capability in
+shared forward passes (the weights read once for all the contexts), any other with LocalEngine's
+default, a loop of `_evaluate` calls (same results).
 
-A step starts as soon as every active context (one inside generate()) has submitted, or when the
-oldest submission has waited WAIT_S: a context that is still sampling, sending its token or
-scoring log-probabilities when the others are ready joins the next step instead of holding them
-up. A prompt is submitted in chunks of CHUNK tokens, one chunk a step, so a long prompt delays the
-other contexts' next token by at most the evaluation of CHUNK tokens per context that is reading a
-prompt in that step (spec/server.md, "Continuous batching").
+Why one thread: with a thread per context, every step handed the GIL and the cores from one
+thread to the next eight times over (2-core machine, 8 sequences: about a tenth of the run passed
+between steps). Here the Python between two steps runs in one thread, straight through, and what
+it hands to the requests (their events, their end) goes out in one `deliver` call just before
+the step: the server's event loop is woken once a step, when the step has released the GIL, and
+does not take the GIL from the scheduler in the middle of its work.
 
-There is no scheduler thread: the first submission of a step makes its context's thread the
-step's leader, which waits (on its own condition variable) until every active context has
-submitted or its wait runs out, then evaluates the step; the others wait for their results.
-Nobody else is woken on a submission: on a 2-core machine N threads woken per submission (N^2 per
-step) cost as much as a step's forward pass. Only one step runs at a time.
+A request submitted while a step runs joins the next one. A prompt goes in chunks of CHUNK
+tokens, one chunk a step, so a long prompt delays the other contexts' next token by at most the
+evaluation of CHUNK tokens per context that is reading a prompt in that step (spec/server.md,
+"Continuous batching"). A cancelled generation is closed before the next step.
 
-A step lists its contexts in the order they were attached, whoever leads it: the engine may run
-the step on its first context's resources (the reference engine: that context's thread pool), and
-a step on another pool than the last one's wakes that pool's sleeping workers while the last
-one's are still spinning for their next job.
+A step lists its contexts in the order the scheduler was given them: the engine may run the step
+on its first context's resources (the reference engine: that context's thread pool), and a step
+on another pool than the last one's wakes that pool's sleeping workers while the last one's are
+still spinning for their next job.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from stdengine.local_engine import LocalEngine
+from stdengine.adapter import GenerateRequest
+from stdengine.errors import EngineFailure
+from stdengine.local_engine import Evaluate, GenerationStep, LocalEngine
 
 CHUNK = 64  # prompt tokens per context per step
-WAIT_S = 0.005  # the longest a step waits for an active context that has not submitted yet
 
 
 @dataclass
@@ -51,100 +53,185 @@ class BatchStats:
     seconds: float = 0.0  # the steps' evaluations, summed
 
 
-class Batcher:
-    def __init__(self, chunk: int = CHUNK, wait_s: float = WAIT_S) -> None:
+Calls = list[tuple[Callable[[Any], object], Any]]  # (fn, arg): fn(arg), in order
+
+
+@dataclass
+class Job:
+    """One request's generation on one context, as the scheduler runs it."""
+
+    ctx: LocalEngine
+    steps: Any  # ctx.generation(request)
+    emit: Callable[[Any], object]  # each event, or the exception that ended the generation
+    done: Callable[[Any], object]  # called once (with None), after the last emit
+    cancelled: threading.Event
+    rank: int
+    todo: list[int] = field(default_factory=list)  # the tokens of its Evaluate not yet evaluated
+    ended: bool = False
+
+
+class Scheduler:
+    """contexts: those it may be given, in the order its steps list them. deliver(calls): runs
+    the calls (to the jobs' emit and done) in order, wherever their receiver lives (the server: on
+    its event loop); by default at once, on the scheduler's thread."""
+
+    def __init__(
+        self,
+        contexts: Sequence[LocalEngine],
+        chunk: int = CHUNK,
+        deliver: Callable[[Calls], object] | None = None,
+    ) -> None:
         if chunk < 1:
-            raise ValueError("a batcher's chunk must be at least one token")
+            raise ValueError("a scheduler's chunk must be at least one token")
         self.chunk = chunk
-        self.wait_s = wait_s
+        self._deliver = deliver or _call_all
+        self._outbox: Calls = []
         self.stats = BatchStats()
+        self._rank = {id(c): i for i, c in enumerate(contexts)}  # the order steps list them in
         self._lock = threading.Lock()
-        self._due = threading.Condition(self._lock)  # the leader waits here for its step's moment
-        self._done = threading.Condition(self._lock)  # the others wait here for their results
-        self._active: set[int] = set()  # id() of the contexts inside generate()
-        self._pending: dict[int, tuple[LocalEngine, list[int]]] = {}  # submitted, not yet taken
-        self._results: dict[int, BaseException | None] = {}  # evaluated: None, or the error
-        self._leader: int | None = None  # the pending submission whose thread runs the next step
-        self._oldest = 0.0  # when the oldest pending submission came
-        self._stepping = False
-        self._rank: dict[int, int] = {}  # id() of each attached context: the order steps list them in
+        self._wake = threading.Condition(self._lock)
+        self._new: list[Job] = []  # submitted, not yet taken in
+        self._running: list[Job] = []  # the scheduler thread's own
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="infer-scheduler", daemon=True)
+        self._thread.start()
 
-    def attach(self, ctx: LocalEngine) -> None:
-        """Put a context in batch mode: its evaluations go through this batcher from now on."""
-        ctx.batcher = self
-        self._rank.setdefault(id(ctx), len(self._rank))
-
-    # --- called from the contexts' threads ------------------------------------------------
-    def join(self, ctx: LocalEngine) -> None:
-        """The context starts a generation: steps wait (boundedly) for its submissions."""
+    def submit(
+        self,
+        ctx: LocalEngine,
+        request: GenerateRequest,
+        emit: Callable[[Any], object],
+        done: Callable[[Any], object],
+        cancelled: threading.Event | None = None,
+    ) -> None:
+        """Run request on ctx from the next step on (from any thread): emit(event) for each of
+        its events, or emit(error) for the exception that ends it, then done(None), all through
+        `deliver`. Setting `cancelled` stops it before the next step. ctx must be free for the
+        scheduler alone until done is called."""
+        job = Job(
+            ctx,
+            ctx.generation(request),
+            emit,
+            done,
+            cancelled or threading.Event(),
+            self._rank.get(id(ctx), len(self._rank)),
+        )
         with self._lock:
-            self._active.add(id(ctx))
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            self._new.append(job)
+            self._wake.notify()
 
-    def leave(self, ctx: LocalEngine) -> None:
-        """The context's generation ended: steps stop waiting for it."""
+    def close(self) -> None:
+        """Stop the loop (generations still running are closed) and wait for it."""
         with self._lock:
-            self._active.discard(id(ctx))
-            self._due.notify()  # the pending ones may now be all that the next step waits for
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
 
-    def evaluate(self, ctx: LocalEngine, tokens: list[int]) -> None:
-        """What ctx._evaluate(tokens) does, in shared steps (a prompt one chunk at a time)."""
-        for start in range(0, len(tokens), self.chunk):
-            self._submit(ctx, tokens[start : start + self.chunk])
-
-    def _submit(self, ctx: LocalEngine, tokens: list[int]) -> None:
-        key = id(ctx)
-        with self._lock:
-            if not self._pending:
-                self._oldest = time.monotonic()
-            self._pending[key] = (ctx, tokens)
-            if self._leader is None:
-                self._leader = key
-            elif self._ready():
-                self._due.notify()  # the leader's wait is over
-            while key not in self._results:
-                if self._leader != key:
-                    self._done.wait()
-                    continue
-                wait = self._oldest + self.wait_s - time.monotonic()
-                if self._stepping:
-                    self._due.wait()  # the step before ours is running
-                elif self._ready() or wait <= 0:
-                    self._step()  # returns with the lock held again, our result in
-                else:
-                    self._due.wait(wait)
-            error = self._results.pop(key)
-        if error is not None:
-            raise error
-
-    def _ready(self) -> bool:
-        """Every active context has submitted: waiting longer gains nothing."""
-        return self._active <= self._pending.keys()
-
-    def _step(self) -> None:
-        """Evaluate everything pending as one step. Called by the leader with the lock held;
-        releases it while the engine works, so that other contexts can submit for the next step
-        (the first of them its leader)."""
-        items = sorted(self._pending.values(), key=lambda item: self._rank.get(id(item[0]), len(self._rank)))
-        self._pending.clear()
-        self._leader = None
-        self._stepping = True
-        self._lock.release()
-        t0 = time.monotonic()
+    # --- the scheduler's thread ------------------------------------------------------------
+    def _loop(self) -> None:
         try:
-            results = _run(items)
+            while self._next_step():
+                pass
+        except BaseException as e:  # a bug here must not leave the requests waiting forever
+            with self._lock:
+                self._closed = True  # later submissions are refused
+            failure = EngineFailure(f"the scheduler stopped: {type(e).__name__}: {e}")
+            for job in self._running:
+                if not job.ended:
+                    self._outbox.append((job.emit, failure))
+                    self._end(job, close=True)
+            raise
         finally:
-            self._lock.acquire()
-            self._stepping = False
-        self.stats.seconds += time.monotonic() - t0
-        self.stats.steps += 1
-        self.stats.rows += len(items)
-        self.stats.tokens += sum(len(t) for _, t in items)
-        self.stats.max_rows = max(self.stats.max_rows, len(items))
-        self._results.update(results)
-        if self._pending:
-            self._oldest = time.monotonic()  # what came during the step waits from now
-        self._done.notify_all()
-        self._due.notify()  # the next step's leader, if it came during this one
+            with self._lock:
+                new, self._new = self._new, []
+            for job in new:
+                self._end(job, close=True)
+            self._flush()
+
+    def _next_step(self) -> bool:
+        """Take in the new jobs, resume the running ones, run a step; False once closed."""
+        self._flush()  # what the last step's errors ended
+        with self._lock:
+            while not (self._new or self._running or self._closed):
+                self._wake.wait()
+            if self._closed:
+                self._running += self._new
+                self._new.clear()
+                for job in self._running:
+                    self._end(job, close=True)
+                return False
+            if self._new:
+                self._running = sorted(self._running + self._new, key=lambda j: j.rank)
+                self._new.clear()
+        for job in self._running:
+            if job.cancelled.is_set():
+                self._end(job, close=True)
+            elif not job.todo:
+                self._resume(job, None)
+        self._running = [job for job in self._running if not job.ended]
+        self._flush()
+        if self._running:
+            self._step(self._running)
+            self._running = [job for job in self._running if not job.ended]  # an error may end one
+        return True
+
+    def _resume(self, job: Job, error: BaseException | None) -> None:
+        """Run job's generation (error thrown into it) until it asks for an evaluation or ends."""
+        try:
+            item: GenerationStep = next(job.steps) if error is None else job.steps.throw(error)
+            while not isinstance(item, Evaluate):
+                self._outbox.append((job.emit, item))
+                if job.cancelled.is_set():
+                    self._end(job, close=True)
+                    return
+                item = next(job.steps)
+            job.todo = item.tokens
+        except StopIteration:
+            self._end(job)
+        except BaseException as e:  # handed to the request, which answers with it
+            self._outbox.append((job.emit, e))
+            self._end(job)
+
+    def _end(self, job: Job, close: bool = False) -> None:
+        if close:
+            try:
+                job.steps.close()  # stop the generation where it is
+            except Exception as e:
+                self._outbox.append((job.emit, e))
+        job.ended = True
+        self._outbox.append((job.done, None))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            calls, self._outbox = self._outbox, []
+            self._deliver(calls)
+
+    def _step(self, running: list[Job]) -> None:
+        """Evaluate the next chunk of every job's Evaluate in one step; an error goes back into
+        its own job's generation."""
+        items = [(job.ctx, job.todo[: self.chunk]) for job in running]
+        t0 = time.monotonic()
+        errors = _run(items)
+        s = self.stats
+        s.seconds += time.monotonic() - t0
+        s.steps += 1
+        s.rows += len(items)
+        s.tokens += sum(len(t) for _, t in items)
+        s.max_rows = max(s.max_rows, len(items))
+        for job, (ctx, chunk) in zip(running, items, strict=True):
+            error = errors[id(ctx)]
+            if error is None:
+                job.todo = job.todo[len(chunk) :]
+            else:
+                job.todo = []
+                self._resume(job, error)
+
+
+def _call_all(calls: Calls) -> None:
+    for fn, arg in calls:
+        fn(arg)
 
 
 def _run(items: list[tuple[LocalEngine, list[int]]]) -> dict[int, BaseException | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -36,7 +37,6 @@ from stdengine.errors import ContextOverflow, InvalidRequest
 from stdengine.generation import StopMatcher, render_chat_template, request_tokens, validate_sampling
 
 if TYPE_CHECKING:
-    from stdengine.batching import Batcher
     from stdengine.events import Emitter
     from stdengine.options import Options
     from stdengine.structured import Matcher, Vocabulary
@@ -44,6 +44,18 @@ if TYPE_CHECKING:
 
 # The end-of-generation ids of each model (see LocalEngine._eog_ids), for as long as it is loaded.
 _EOG_IDS: weakref.WeakKeyDictionary[object, np.ndarray] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Evaluate:
+    """What LocalEngine.generation() yields when it needs tokens evaluated: whoever drives it
+    evaluates them in its context (alone with _evaluate, or in one _evaluate_batch with other
+    contexts' tokens) before resuming it, or throws the evaluation's error into it."""
+
+    tokens: list[int]
+
+
+GenerationStep = GenerationEvent | Evaluate
 
 
 class TextStream(Protocol):
@@ -69,8 +81,6 @@ class LocalEngine(Engine):
     add_bos: bool
     n_vocab: int
     tokens: list[int]
-    # set (Batcher.attach) when this context shares steps with other contexts of its model
-    batcher: Batcher | None = None
 
     @staticmethod
     def thread_counts(options: Options) -> tuple[int, int]:
@@ -111,17 +121,30 @@ class LocalEngine(Engine):
 
     # --- generation ------------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
-        batcher = self.batcher
-        if batcher is None:
-            yield from self._generate(request)
-            return
-        batcher.join(self)
+        """generation(), its evaluations done here, one at a time."""
+        steps = self.generation(request)
         try:
-            yield from self._generate(request)
+            error: BaseException | None = None
+            while True:
+                try:
+                    item = next(steps) if error is None else steps.throw(error)
+                except StopIteration:
+                    return
+                error = None
+                if isinstance(item, Evaluate):
+                    try:
+                        self._evaluate(item.tokens)
+                    except BaseException as e:  # raised where generation() asked for it
+                        error = e
+                else:
+                    yield item
         finally:
-            batcher.leave(self)
+            steps.close()
 
-    def _generate(self, request: GenerateRequest) -> Iterator[GenerationEvent]:
+    def generation(self, request: GenerateRequest) -> Generator[GenerationStep, None, None]:
+        """generate()'s events, with an Evaluate wherever tokens must be evaluated: the
+        scheduler of `infer serve` (stdengine.batching) drives the generations of several
+        contexts this way and evaluates their tokens together."""
         s = request.sampling
         want_logprobs = check_logprobs(request.logprobs)
         if request.prompt_tokens is not None:
@@ -139,7 +162,7 @@ class LocalEngine(Engine):
         t0 = now_ms()
         reproducible = s.temp <= 0 or s.seed != -1
         try:
-            prompt_n = self._prefill(prompt, reuse=self.batch_invariant or not reproducible)
+            prompt_n = yield from self._prefill(prompt, reuse=self.batch_invariant or not reproducible)
         except BaseException:
             self._plan_sample(None)  # no sample follows
             raise
@@ -190,7 +213,7 @@ class LocalEngine(Engine):
                     break  # the context is full: finish with "length"
                 if s.n_predict >= 0 and n_gen >= s.n_predict:
                     break
-                self._step([tok])
+                yield Evaluate([tok])
         finally:
             samples.close()
             self._forbid(None)
@@ -261,7 +284,7 @@ class LocalEngine(Engine):
                 n_ctx=self.n_ctx(),
             )
 
-    def _prefill(self, prompt: list[int], reuse: bool = True) -> int:
+    def _prefill(self, prompt: list[int], reuse: bool = True) -> Generator[Evaluate, None, int]:
         """Evaluate the prompt, reusing the longest prefix the KV cache already holds (none unless
         reuse); returns the number of tokens evaluated (llama.cpp's prompt_n)."""
         common = 0
@@ -272,15 +295,8 @@ class LocalEngine(Engine):
         common = min(common, len(prompt) - 1)  # always evaluate the last token, for its logits
         common = self._keep_prefix(common)
         todo = prompt[common:]
-        self._step(todo)
+        yield Evaluate(todo)
         return len(todo)
-
-    def _step(self, tokens: list[int]) -> None:
-        """_evaluate, through the batcher when this context shares steps with others."""
-        if self.batcher is None:
-            self._evaluate(tokens)
-        else:
-            self.batcher.evaluate(self, tokens)
 
     # --- hooks -----------------------------------------------------------------------------
     def token_text(self, token: int) -> str:

@@ -1,10 +1,11 @@
 """Contexts that step together (stdengine.batching, issue 21): answers equal the solo answers, a
-long prompt goes in chunks, one context's error stays its own, and `infer serve -np N` with a
-batcher answers concurrent requests as it answers them one by one.
+long prompt goes in chunks, one context's error stays its own, a cancelled generation leaves at
+once, and `infer serve -np N` with a scheduler answers concurrent requests as it answers them one
+by one.
 
 The engine's own batched forward pass (`batch_decode`) is tested bit for bit in the reference
-engine's tests; here the batcher runs whatever `_evaluate_batch` the engine has (LocalEngine's
-loop until then), and the answers are compared with the same engine's solo answers."""
+engine's tests; here the scheduler runs whatever `_evaluate_batch` the engine has (LocalEngine's
+loop for the stand-in engine), and the answers are compared with the same engine's solo answers."""
 
 from __future__ import annotations
 
@@ -19,169 +20,61 @@ import numpy as np
 import pytest
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
-from stdengine.batching import Batcher
+from stdengine.batching import Scheduler
 from stdengine.errors import InvalidRequest
 from stdengine.events import Emitter
 from stdengine.local_engine import LocalEngine
 from stdengine.options import Options
 
-# --- the batcher on a stand-in engine (no model) ------------------------------------------------
+# --- the scheduler on a stand-in engine (no model) ----------------------------------------------
+
+BAD = 99  # a token Scripted's _evaluate refuses, before evaluating anything
 
 
-class Recorder(LocalEngine):
-    """Only what the batcher touches: tokens, and an _evaluate that records its calls (and refuses
-    a negative token, before evaluating anything)."""
+class Gate:
+    """Holds a step inside an evaluation until opened, so that the jobs submitted meanwhile all
+    join the next step."""
 
-    name = "recorder"
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
 
-    def __init__(self, log: list[tuple[int, list[int]]], tag: int) -> None:
-        self.tokens = []
-        self.log = log
-        self.tag = tag
-
-    def _evaluate(self, tokens: list[int]) -> None:
-        if any(t < 0 for t in tokens):
-            raise InvalidRequest(f"bad token in context {self.tag}")
-        self.log.append((self.tag, list(tokens)))
-        self.tokens.extend(tokens)
-
-    # abstract methods of Engine, unused here
-    @classmethod
-    def load(cls, options: Any, events: Any) -> Any:
-        raise NotImplementedError
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        raise NotImplementedError
-
-    def detokenize(self, tokens: Any) -> str:
-        raise NotImplementedError
-
-    def decode(self, tokens: Any, all_logits: bool = False) -> Any:
-        raise NotImplementedError
-
-    def n_ctx(self) -> int:
-        return 1 << 20
-
-    def reset(self) -> None:
-        self.tokens = []
-
-    def info(self) -> Any:
-        raise NotImplementedError
+    def hold(self) -> None:
+        self.entered.set()
+        assert self.opened.wait(30)
 
 
-def run_threads(targets: list[Any]) -> list[BaseException | None]:
-    errors: list[BaseException | None] = [None] * len(targets)
-
-    def wrap(i: int) -> None:
-        try:
-            targets[i]()
-        except BaseException as e:
-            errors[i] = e
-
-    threads = [threading.Thread(target=wrap, args=(i,)) for i in range(len(targets))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
-    return errors
-
-
-def test_prompts_go_in_chunks_and_steps_gather_the_contexts() -> None:
-    log: list[tuple[int, list[int]]] = []
-    batcher = Batcher(chunk=4, wait_s=10.0)  # a step waits for every active context
-    a, b = Recorder(log, 0), Recorder(log, 1)
-    for c in (a, b):
-        batcher.attach(c)
-        batcher.join(c)
-
-    def work(c: Recorder, prompt: list[int]) -> None:
-        batcher.evaluate(c, prompt)
-        for t in range(3):
-            batcher.evaluate(c, [100 + t])
-        batcher.leave(c)
-
-    assert run_threads([lambda: work(a, list(range(10))), lambda: work(b, [7, 8])]) == [None, None]
-    assert a.tokens == [*range(10), 100, 101, 102] and b.tokens == [7, 8, 100, 101, 102]
-    # a's prompt in chunks of 4; each step holds both contexts while both are active
-    assert [t for tag, t in log if tag == 0] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [100], [101], [102]]
-    s = batcher.stats
-    assert s.tokens == 13 + 5 and s.rows == 6 + 4 and s.max_rows == 2
-    # b ran out of work after 4 steps; then a stepped alone (it stopped waiting for b at leave)
-    assert s.steps == 6
-
-
-def test_a_step_lists_its_contexts_in_the_order_they_were_attached() -> None:
-    """Whoever submits first, a step hands the engine its contexts in attach order: the reference
-    engine runs a step on its first context's thread pool, and a step on another pool than the last
-    one's wakes that pool's sleeping workers (-np 8 over HTTP gave about 14% fewer tokens/s)."""
-    log: list[tuple[int, list[int]]] = []
-    batcher = Batcher(wait_s=10.0)  # a step waits for every active context
-    ctxs = [Recorder(log, i) for i in range(3)]
-    for c in ctxs:
-        batcher.attach(c)
-        batcher.join(c)
-
-    def work(c: Recorder, delay: float) -> None:
-        time.sleep(delay)
-        batcher.evaluate(c, [c.tag])
-        batcher.leave(c)
-
-    # submitted in the order 2, 0, 1
-    assert (
-        run_threads([lambda c=c, d=d: work(c, d) for c, d in zip(ctxs, (0.1, 0.2, 0.0), strict=True)])
-        == [None] * 3
-    )
-    assert batcher.stats.steps == 1
-    assert [tag for tag, _ in log] == [0, 1, 2]
-
-
-def test_one_contexts_error_is_its_own() -> None:
-    log: list[tuple[int, list[int]]] = []
-    batcher = Batcher(wait_s=10.0)
-    ctxs = [Recorder(log, i) for i in range(3)]
-    for c in ctxs:
-        batcher.attach(c)
-        batcher.join(c)
-
-    def work(c: Recorder, tokens: list[int]) -> None:
-        try:
-            batcher.evaluate(c, tokens)
-        finally:
-            batcher.leave(c)
-
-    errors = run_threads(
-        [lambda c=c, t=t: work(c, t) for c, t in zip(ctxs, ([1, 2], [3, -1], [5]), strict=True)]
-    )
-    assert errors[0] is None and errors[2] is None
-    assert isinstance(errors[1], InvalidRequest) and "context 1" in str(errors[1])
-    assert ctxs[0].tokens == [1, 2] and ctxs[1].tokens == [] and ctxs[2].tokens == [5]
-
-
-def test_a_step_does_not_wait_for_a_context_that_never_submits() -> None:
-    """A joined context whose thread is busy elsewhere holds a step up for wait_s at most."""
-    log: list[tuple[int, list[int]]] = []
-    batcher = Batcher(wait_s=0.01)
-    a, idle = Recorder(log, 0), Recorder(log, 1)
-    batcher.join(a)
-    batcher.join(idle)
-    batcher.evaluate(a, [1, 2, 3])
-    batcher.evaluate(a, [4])
-    assert a.tokens == [1, 2, 3, 4] and batcher.stats.steps == 2
-
-
-class Scripted(Recorder):
+class Scripted(LocalEngine):
     """Generates the pieces of a script in order (token i is the text script[i]), no model; token
-    len(script) is its end-of-generation token, which min_tokens and ignore_eos mask."""
+    len(script) is its end-of-generation token, which min_tokens and ignore_eos mask. Its
+    evaluations go to a shared log, tagged; the first one waits at the gate, if it has one."""
 
     name = "scripted"
 
-    def __init__(self, script: list[str]) -> None:
-        super().__init__([], 0)
+    def __init__(
+        self,
+        script: list[str],
+        log: list[tuple[int, list[int]]] | None = None,
+        tag: int = 0,
+        gate: Gate | None = None,
+    ) -> None:
         self.script = script
-        self.n_vocab = len(script) + 1
+        self.log = log if log is not None else []
+        self.tag = tag
+        self.gate = gate
+        self.tokens = []
+        self.n_vocab = 100
         self.events = Emitter(log_format="json", stream=io.StringIO())
         self.logits = np.zeros(self.n_vocab, dtype=np.float32)
+
+    def _evaluate(self, tokens: list[int]) -> None:
+        if self.gate is not None:
+            gate, self.gate = self.gate, None
+            gate.hold()
+        if BAD in tokens:
+            raise InvalidRequest(f"bad token in context {self.tag}")
+        self.log.append((self.tag, list(tokens)))
+        self.tokens.extend(tokens)
 
     def _keep_prefix(self, n: int) -> int:
         self.tokens = self.tokens[:n]
@@ -209,6 +102,196 @@ class Scripted(Recorder):
                 return ""
 
         return Pieces()
+
+    # abstract methods of Engine, unused here
+    @classmethod
+    def load(cls, options: Any, events: Any) -> Any:
+        raise NotImplementedError
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        raise NotImplementedError
+
+    def detokenize(self, tokens: Any) -> str:
+        raise NotImplementedError
+
+    def decode(self, tokens: Any, all_logits: bool = False) -> Any:
+        raise NotImplementedError
+
+    def n_ctx(self) -> int:
+        return 1 << 20
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def info(self) -> Any:
+        raise NotImplementedError
+
+
+class Jobs:
+    """Submits generations to a scheduler and keeps what each emitted (its events, or its error)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.out: list[list[Any]] = []
+        self.ended: list[threading.Event] = []
+
+    def submit(self, ctx: LocalEngine, req: GenerateRequest, cancelled: threading.Event | None = None) -> int:
+        i = len(self.out)
+        self.out.append([])
+        self.ended.append(threading.Event())
+        self.scheduler.submit(ctx, req, self.out[i].append, lambda _: self.ended[i].set(), cancelled)
+        return i
+
+    def wait(self) -> list[list[Any]]:
+        assert all(e.wait(60) for e in self.ended)
+        return self.out
+
+
+def tokens_req(prompt: list[int], n: int) -> GenerateRequest:
+    return GenerateRequest(prompt_tokens=prompt, sampling=SamplingParams(temp=0, n_predict=n))
+
+
+def text(events: list[Any]) -> str:
+    return "".join(e.text for e in events if isinstance(e, TokenEvent))
+
+
+SCRIPT = ["a", "b", "c", "d"]
+
+
+def started(gate: Gate, *contexts: Scripted) -> tuple[Scheduler, Jobs]:
+    """A scheduler over the contexts, its first step held at the gate by a blocker job on the
+    last context (a one-token prompt, one token generated)."""
+    scheduler = Scheduler(contexts, chunk=4)
+    jobs = Jobs(scheduler)
+    jobs.submit(contexts[-1], tokens_req([0], 1))
+    assert gate.entered.wait(30)
+    return scheduler, jobs
+
+
+def test_prompts_go_in_chunks_and_steps_gather_the_contexts() -> None:
+    log: list[tuple[int, list[int]]] = []
+    gate = Gate()
+    a, b, blocker = Scripted(SCRIPT, log, 0), Scripted(SCRIPT, log, 1), Scripted(SCRIPT, log, 2, gate)
+    scheduler, jobs = started(gate, a, b, blocker)
+    try:
+        jobs.submit(a, tokens_req(list(range(10)), 3))
+        jobs.submit(b, tokens_req([7, 8], 3))
+        gate.opened.set()
+        out = jobs.wait()
+    finally:
+        scheduler.close()
+    assert [text(o) for o in out] == ["a", "abc", "abc"]
+    assert all(isinstance(o[-1], DoneEvent) for o in out)
+    # a's prompt in chunks of 4, then the tokens it generated but the last (which ends it)
+    assert a.tokens == [*range(10), 0, 1] and b.tokens == [7, 8, 0, 1]
+    assert [t for tag, t in log if tag == 0] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0], [1]]
+    # step 1: the blocker alone; from step 2 on a and b step together, in the scheduler's order
+    assert log == [
+        (2, [0]),
+        (0, [0, 1, 2, 3]),
+        (1, [7, 8]),
+        (0, [4, 5, 6, 7]),
+        (1, [0]),
+        (0, [8, 9]),
+        (1, [1]),
+        (0, [0]),
+        (0, [1]),
+    ]
+    s = scheduler.stats
+    assert (s.steps, s.rows, s.tokens, s.max_rows) == (6, 9, 17, 2)
+
+
+def test_a_step_lists_its_contexts_in_the_scheduler_order() -> None:
+    """Whoever is submitted first, a step hands the engine its contexts in the order the scheduler
+    was given them: the reference engine runs a step on its first context's thread pool, and a step
+    on another pool than the last one's wakes that pool's sleeping workers (-np 8 over HTTP gave
+    about 14% fewer tokens/s)."""
+    log: list[tuple[int, list[int]]] = []
+    gate = Gate()
+    ctxs = [Scripted(SCRIPT, log, i) for i in range(3)] + [Scripted(SCRIPT, log, 3, gate)]
+    scheduler, jobs = started(gate, *ctxs)
+    try:
+        for i in (2, 0, 1):
+            jobs.submit(ctxs[i], tokens_req([i], 1))
+        gate.opened.set()
+        jobs.wait()
+    finally:
+        scheduler.close()
+    assert log == [(3, [0]), (0, [0]), (1, [1]), (2, [2])]
+    assert scheduler.stats.steps == 2
+
+
+def test_one_contexts_error_is_its_own() -> None:
+    """In a shared step, the context whose tokens the engine refuses gets the error (raised in its
+    generation, which ends with it); the others are evaluated as if alone."""
+    log: list[tuple[int, list[int]]] = []
+    gate = Gate()
+    ctxs = [Scripted(SCRIPT, log, i) for i in range(3)] + [Scripted(SCRIPT, log, 3, gate)]
+    scheduler, jobs = started(gate, *ctxs)
+    try:
+        for c, prompt in zip(ctxs, ([1, 2], [3, BAD], [5]), strict=False):
+            jobs.submit(c, tokens_req(prompt, 2))
+        gate.opened.set()
+        out = jobs.wait()
+    finally:
+        scheduler.close()
+    assert [text(o) for o in out] == ["a", "ab", "", "ab"]
+    assert isinstance(out[2][0], InvalidRequest) and "context 1" in str(out[2][0]) and len(out[2]) == 1
+    assert ctxs[0].tokens == [1, 2, 0] and ctxs[1].tokens == [] and ctxs[2].tokens == [5, 0]
+
+
+def test_a_cancelled_generation_leaves_before_the_next_step() -> None:
+    """Cancelled while it runs, a generation is closed before the next step (its done comes, no
+    DoneEvent); cancelled before it starts, it does no work at all; an invalid request ends with
+    its error."""
+    log: list[tuple[int, list[int]]] = []
+    a, b = Scripted(SCRIPT, log, 0), Scripted(SCRIPT, log, 1)
+    scheduler = Scheduler([a, b])
+    jobs = Jobs(scheduler)
+    stop = threading.Event()
+
+    def emit(event: Any) -> None:
+        got.append(event)
+        stop.set()  # after the first token
+
+    got: list[Any] = []
+    ended = threading.Event()
+    try:
+        scheduler.submit(a, tokens_req([1, 2], 4), emit, lambda _: ended.set(), stop)
+        assert ended.wait(30)
+        early = threading.Event()
+        early.set()
+        jobs.submit(b, tokens_req([3], 4), early)
+        jobs.submit(b, tokens_req([], 4))
+        out = jobs.wait()
+    finally:
+        scheduler.close()
+    assert [type(e) for e in got] == [TokenEvent] and got[0].text == "a"
+    assert [t for tag, t in log if tag == 0] == [[1, 2], [0]]  # the step of its token ran, no more
+    assert out[0] == [] and isinstance(out[1][0], InvalidRequest) and len(out[1]) == 1
+    assert not [t for tag, t in log if tag == 1]
+
+
+def test_a_failing_scheduler_ends_its_generations_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the scheduler's loop itself fail, the running generations end with EngineFailure
+    (a 500 for the server's clients, not a request that waits forever) and new ones are refused."""
+    from stdengine.errors import EngineFailure
+
+    ctx = Scripted(SCRIPT)
+    scheduler = Scheduler([ctx])
+
+    def broken(running: list[Any]) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(scheduler, "_step", broken)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's traceback
+    jobs = Jobs(scheduler)
+    jobs.submit(ctx, tokens_req([1], 2))
+    (out,) = jobs.wait()
+    assert len(out) == 1 and isinstance(out[0], EngineFailure) and "a bug" in str(out[0])
+    with pytest.raises(RuntimeError, match="closed"):
+        scheduler.submit(ctx, tokens_req([1], 2), print, print)
+    scheduler.close()
 
 
 def test_a_stop_string_across_the_min_tokens_boundary_ends_the_answer() -> None:
@@ -281,29 +364,31 @@ def answer(ctx: Any, req: GenerateRequest) -> tuple[list[int], str, str]:
 LONG = "Summarize this list: " + ", ".join(f"item {i} is {'red' if i % 3 else 'blue'}" for i in range(40))
 
 
+def answer_of(events: list[Any]) -> tuple[list[int], str, str]:
+    done = events[-1]
+    assert isinstance(done, DoneEvent), events[-1]
+    toks = [e.id for e in events if isinstance(e, TokenEvent) and e.id >= 0]
+    return toks, text(events), done.finish_reason
+
+
 def test_concurrent_batched_answers_equal_solo_answers(contexts: list[Any]) -> None:
     reqs = requests(LONG)
     for c in contexts:
         c.reset()
     solo = [answer(contexts[0], r) for r in reqs]  # one context, one request at a time
-    batcher = Batcher()
     for c in contexts:
         c.reset()
-        batcher.attach(c)
+    scheduler = Scheduler(contexts)
     try:
-        results: list[Any] = [None] * len(reqs)
-
-        def run(i: int) -> None:
-            results[i] = answer(contexts[i], reqs[i])
-
-        assert run_threads([lambda i=i: run(i) for i in range(len(reqs))]) == [None] * len(reqs)
-        assert results == solo
-        s = batcher.stats
+        jobs = Jobs(scheduler)
+        for c, r in zip(contexts, reqs, strict=True):
+            jobs.submit(c, r)
+        assert [answer_of(o) for o in jobs.wait()] == solo
+        s = scheduler.stats
         assert s.max_rows >= 2 and s.rows > s.steps  # the contexts did share steps
-        assert len(contexts[0].tokenize(LONG)) > batcher.chunk  # the long prompt took several steps
+        assert len(contexts[0].tokenize(LONG)) > scheduler.chunk  # the long prompt took several steps
     finally:
-        for c in contexts:
-            c.batcher = None
+        scheduler.close()
 
 
 def test_eog_ids_are_found_once_per_model(contexts: list[Any]) -> None:
@@ -313,48 +398,58 @@ def test_eog_ids_are_found_once_per_model(contexts: list[Any]) -> None:
     assert len(ids) > 0 and all(c._eog_ids() is ids for c in contexts[1:])
 
 
-def test_generators_driven_from_one_thread_and_a_closed_one(contexts: list[Any]) -> None:
-    """Two generations interleaved by one thread cannot both submit at once: each step waits its
-    bound, then goes alone; the answers are still the solo ones. Closing a generator mid-way
-    leaves the batcher (the next steps do not wait for it)."""
+def test_a_cancelled_generation_leaves_its_context_ready(contexts: list[Any]) -> None:
+    """A generation cancelled after its first token is closed where it is; the next request on
+    its context, beside another one, still gets its solo answer."""
     reqs = requests(LONG)[:2]
     for c in contexts:
         c.reset()
     solo = [answer(contexts[0], r) for r in reqs]
-    batcher = Batcher(wait_s=0.001)
-    for c in contexts[:3]:
-        c.reset()
-        batcher.attach(c)
+    scheduler = Scheduler(contexts[:2])
     try:
-        gens = [contexts[i].generate(reqs[i]) for i in range(2)]
-        events: list[list[Any]] = [[], []]
-        live = [True, True]
-        while any(live):
-            for i in range(2):
-                if live[i]:
-                    ev = next(gens[i], None)
-                    live[i] = ev is not None
-                    if ev is not None:
-                        events[i].append(ev)
-        got = [
-            (
-                [e.id for e in evs if isinstance(e, TokenEvent) and e.id >= 0],
-                "".join(e.text for e in evs if isinstance(e, TokenEvent)),
-                evs[-1].finish_reason,
-            )
-            for evs in events
-        ]
-        assert got == solo
-        g = contexts[2].generate(reqs[0])
-        next(g)
-        g.close()
-        assert not batcher._active
+        stop = threading.Event()
+        got: list[Any] = []
+        ended = threading.Event()
+
+        def emit(event: Any) -> None:
+            got.append(event)
+            stop.set()
+
+        scheduler.submit(contexts[1], reqs[0], emit, lambda _: ended.set(), stop)
+        assert ended.wait(60)
+        assert len(got) == 1 and isinstance(got[0], TokenEvent) and got[0].id == solo[0][0][0]
+        jobs = Jobs(scheduler)
+        jobs.submit(contexts[0], reqs[0])
+        jobs.submit(contexts[1], reqs[1])
+        assert [answer_of(o) for o in jobs.wait()] == solo
     finally:
-        for c in contexts:
-            c.batcher = None
+        scheduler.close()
 
 
-# --- infer serve with a batcher -------------------------------------------------------------------
+# --- infer serve with a scheduler ----------------------------------------------------------------
+
+
+def test_an_engine_that_overrides_generate_is_served_without_the_scheduler(smollm2_path: Any) -> None:
+    """The scheduler drives generation(), so an engine whose generate() is its own (here: one
+    that counts its answers) keeps a thread per slot: its generate() is what answers."""
+    from stdengine import registry
+    from stdengine.server.app import build_state, close_state
+
+    base = registry.engine_class("reference")
+
+    class Counting(base):  # type: ignore[misc, valid-type]
+        def generate(self, request: GenerateRequest) -> Iterator[Any]:
+            yield from super().generate(request)
+
+    events = Emitter(log_format="json", stream=io.StringIO())
+    engine = Counting.load(Options(model=str(smollm2_path), ctx_size=256, threads=2), events)
+    state = build_state(
+        engine, parallel=2, defaults=SamplingParams(), events=events, model_ref="m", batching=True
+    )
+    try:
+        assert state.slots.total == 2 and state.slots.scheduler is None
+    finally:
+        close_state(state)
 
 
 def test_served_concurrent_answers_equal_solo_answers(smollm2_path: Any) -> None:
@@ -372,7 +467,7 @@ def test_served_concurrent_answers_equal_solo_answers(smollm2_path: Any) -> None
     state = build_state(
         engine, parallel=4, defaults=SamplingParams(), events=events, model_ref="m", batching=True
     )
-    assert state.batcher is not None and state.slots.total == 4
+    assert state.slots.scheduler is not None and state.slots.total == 4
     bodies: list[tuple[str, dict[str, Any]]] = [
         (
             "/v1/chat/completions",
@@ -430,7 +525,7 @@ def test_served_concurrent_answers_equal_solo_answers(smollm2_path: Any) -> None
         for line in metrics.splitlines()
         if line.startswith("stdengine:")
     }
-    assert values["n_decode_total"] == state.batcher.stats.steps > 0
+    assert values["n_decode_total"] == state.slots.scheduler.stats.steps > 0
     assert values["batch_size_max"] >= 2 and values["n_busy_slots_per_decode"] > 1
     assert values["time_to_first_token_seconds_count"] == 8 and values["queue_seconds_count"] == 8
     assert values["inter_token_latency_seconds_count"] > 0

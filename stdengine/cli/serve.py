@@ -122,7 +122,7 @@ def serve(queue_size: int | None, max_body: int | None, no_batching: bool, **kwa
                 slots=slots,
                 queue=state.slots.queue_size if state else None,
                 summary=f"listening on {url} | model {model_ref} | {slots} slot(s)"
-                f"{' stepping together' if state and state.batcher else ''}, "
+                f"{' stepping together' if state and state.slots.scheduler else ''}, "
                 f"queue {state.slots.queue_size if state else 0}{turns} | web chat at {url}/",
             )
 

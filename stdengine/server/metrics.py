@@ -51,7 +51,7 @@ class Metrics:
     def render(
         self, *, n_ctx_total: int, processing: int, deferred: int, batch: BatchStats | None = None
     ) -> str:
-        """batch: the batcher's steps when the slots step together; they are the decodes then."""
+        """batch: the scheduler's steps when the slots step together; they are the decodes then."""
 
         def rate(n: float, s: float) -> float:
             return n / s if s > 0 else 0.0

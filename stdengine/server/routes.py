@@ -74,7 +74,7 @@ async def metrics(request: Request) -> Response:
         n_ctx_total=(state.n_ctx() or 0) * state.slots.total,
         processing=state.slots.busy,
         deferred=state.slots.waiting,
-        batch=state.batcher.stats if state.batcher is not None else None,
+        batch=state.slots.scheduler.stats if state.slots.scheduler is not None else None,
     )
     return PlainTextResponse(
         text,

@@ -8,8 +8,12 @@ An engine instance has one context (KV cache, sampler), so one request at a time
 requests take turns. A request that finds every slot busy waits in a queue of bounded length; one
 more is refused with 503 at once, so a flood of clients cannot pile up unbounded work.
 
-Everything here except `Generation._run` (and `Courier.post`, which it calls) runs on the event
-loop thread, so the pool needs no lock.
+With continuous batching (a Scheduler, stdengine.batching) the generations run on the scheduler's
+thread instead, all of them together; a slot's worker thread then only scores an echoed prompt
+first, when asked, and hands the generation over.
+
+Everything here except `Generation._run` and the scheduler's calls (and `Courier.post`, which they
+make) runs on the event loop thread, so the pool needs no lock.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from stdengine.adapter import Engine, GenerateRequest
+from stdengine.batching import Calls, Scheduler
 from stdengine.errors import ServerBusy
+from stdengine.local_engine import LocalEngine
 
 T = TypeVar("T")
 
@@ -40,19 +46,24 @@ class Courier:
 
     Each wake-up (call_soon_threadsafe) writes to the loop's self-pipe and makes the loop thread
     runnable; on 2 cores that thread then takes a core from the engine's compute threads. With
-    continuous batching the N slots' tokens of a step come out within microseconds of each other:
-    they go to the loop together, in one wake-up and one loop iteration, in the order posted."""
+    continuous batching the scheduler posts the N sequences' events of a step together, in one
+    wake-up and one loop iteration, in the order posted."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._calls: list[tuple[Callable[[Any], object], Any]] = []
+        self._calls: Calls = []
 
     def post(self, fn: Callable[[Any], object], arg: Any) -> None:
         """Run fn(arg) on the loop soon (from any thread)."""
+        self.post_all([(fn, arg)])
+
+    def post_all(self, calls: Calls) -> None:
+        """Run each fn(arg) on the loop soon, in order (from any thread)."""
         with self._lock:
-            self._calls.append((fn, arg))
-            if len(self._calls) > 1:
+            first = not self._calls
+            self._calls.extend(calls)
+            if not first:
                 return  # the first of these calls has a wake-up on its way
         try:
             self.loop.call_soon_threadsafe(self._deliver)
@@ -67,16 +78,27 @@ class Courier:
 
 
 class SlotPool:
-    def __init__(self, contexts: list[Engine], queue_size: int) -> None:
+    def __init__(self, contexts: list[Engine], queue_size: int, batching: bool = False) -> None:
+        """batching: one Scheduler runs the contexts' generations together (LocalEngines only)."""
         if not contexts:
             raise ValueError("a slot pool needs at least one context")
         self.contexts = contexts
         self.queue_size = queue_size
+        self.scheduler: Scheduler | None = None
+        if batching:
+            local = [c for c in contexts if isinstance(c, LocalEngine)]
+            if len(local) != len(contexts):
+                raise ValueError("only contexts of a LocalEngine can be stepped together")
+            self.scheduler = Scheduler(local, deliver=self._deliver)
         self._free: list[Engine] = list(reversed(contexts))  # pop() hands out slot 0 first
         self._waiters: deque[asyncio.Future[Engine]] = deque()
         # One worker thread per slot: a generation holds its slot for as long as its thread runs.
         self.executor = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix="infer-slot")
         self._courier: Courier | None = None
+
+    def _deliver(self, calls: Calls) -> None:  # on the scheduler's thread
+        assert self._courier is not None  # made by the Generation that submitted the job
+        self._courier.post_all(calls)
 
     def courier(self) -> Courier:
         """The workers' courier to the running loop (the one that serves this pool)."""
@@ -135,6 +157,8 @@ class SlotPool:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
+        if self.scheduler is not None:
+            self.scheduler.close()
 
 
 class DisconnectWatch:
@@ -187,11 +211,12 @@ class DisconnectWatch:
 
 
 class Generation:
-    """One request's generate() on one slot's context, run in that slot's worker thread.
+    """One request's generate() on one slot's context, run in that slot's worker thread, or by
+    the pool's scheduler.
 
-    The thread hands each event (or the exception that ended generation) to the loop through an
-    asyncio queue, then END, all by the pool's Courier. cancel() makes it stop at the next token: the engine's generator is
-    closed there, and the slot is released as the thread leaves."""
+    Each event (or the exception that ended generation) goes to the loop through an asyncio
+    queue, then END, all by the pool's Courier. cancel() makes it stop at the next token: the
+    engine's generator is closed there, and the slot is released just before END."""
 
     def __init__(
         self,
@@ -239,7 +264,25 @@ class Generation:
     def _put(self, item: Any) -> None:
         self.courier.post(self.queue.put_nowait, item)
 
+    def _end(self) -> None:
+        self.courier.post(self._ended, None)
+
+    def _ended(self, _: object) -> None:  # on the loop
+        self.pool.release(self.ctx)  # before END: see finish()
+        self.queue.put_nowait(END)
+
     def _run(self) -> None:  # in the worker thread
+        scheduler = self.pool.scheduler
+        if scheduler is not None and isinstance(self.ctx, LocalEngine):
+            # the scheduler's calls to emit and done reach the loop through the courier
+            try:
+                if self.score is not None and not self._cancel.is_set():
+                    self._put(self.ctx.score_prompt(*self.score))
+                scheduler.submit(self.ctx, self.request, self.queue.put_nowait, self._ended, self._cancel)
+            except BaseException as e:
+                self._put(e)
+                self._end()
+            return
         events = None
         try:
             events = self._events()
@@ -256,5 +299,4 @@ class Generation:
                     close()  # stop the engine's generator where it is
                 except Exception as e:
                     self._put(e)
-            self.courier.post(self.pool.release, self.ctx)  # before END: see finish()
-            self._put(END)
+            self._end()

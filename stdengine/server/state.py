@@ -17,7 +17,6 @@ from starlette.requests import Request
 
 from stdengine import __version__
 from stdengine.adapter import Engine, SamplingParams
-from stdengine.batching import Batcher
 from stdengine.errors import ModelNotFound, NotSupported
 from stdengine.events import Emitter
 from stdengine.local_engine import LocalEngine
@@ -44,7 +43,6 @@ class ServerState:
     max_body: int = DEFAULT_MAX_BODY
     started: float = field(default_factory=time.time)
     metrics: Metrics = field(default_factory=Metrics)
-    batcher: Batcher | None = None  # the slots' contexts step together (continuous batching)
 
     @property
     def fingerprint(self) -> str:
@@ -105,7 +103,7 @@ def build_state(
     batching: bool | None = None,
 ) -> ServerState:
     """Make the slots (N contexts on the one loaded model, when the engine can) and the state.
-    batching: the contexts share one Batcher (stdengine.batching); None = when the engine
+    batching: one Scheduler (stdengine.batching) steps the contexts together; None = when the engine
     declares `batch_decode` (an engine without it keeps one independent context per thread)."""
     contexts: list[Engine] = [engine]
     while len(contexts) < parallel:
@@ -113,20 +111,18 @@ def build_state(
         if ctx is None:  # one context only: requests take turns on it (the caller says so)
             break
         contexts.append(ctx)
-    batcher = None
     if batching is None:
         batching = "batch_decode" in engine.capabilities
-    local = [c for c in contexts if isinstance(c, LocalEngine)]  # the engines that evaluate here
-    if batching and len(contexts) > 1 and len(local) == len(contexts):
-        batcher = Batcher()
-        for c in local:
-            batcher.attach(c)
+    # the scheduler drives LocalEngine.generation(): an engine that overrides generate() (its
+    # events are not generation()'s) keeps one thread per slot, running its own generate()
+    local = [c for c in contexts if isinstance(c, LocalEngine) and type(c).generate is LocalEngine.generate]
+    batching = batching and len(contexts) > 1 and len(local) == len(contexts)
     names = {model_ref}
     if model_path:
         names |= {model_path, Path(model_path).name, Path(model_path).stem}
     return ServerState(
         engine=engine,
-        slots=SlotPool(contexts, queue_size),
+        slots=SlotPool(contexts, queue_size, batching),
         defaults=defaults,
         events=events,
         model_id=model_ref,
@@ -135,7 +131,6 @@ def build_state(
         api_key=api_key,
         verbose=verbose,
         max_body=max_body,
-        batcher=batcher,
     )
 
 
