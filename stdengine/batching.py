@@ -13,8 +13,8 @@ Why one thread: with a thread per context, every step handed the GIL and the cor
 thread to the next eight times over (2-core machine, 8 sequences: about a tenth of the run passed
 between steps). Here the Python between two steps runs in one thread, straight through, and what
 it hands to the requests (their events, their end) goes out in one `deliver` call just before
-the step: the server's event loop is woken once a step, when the step has released the GIL, and
-does not take the GIL from the scheduler in the middle of its work.
+the step, so that the server's event loop is woken once a step (spec/server.md, "From the
+generating threads to the event loop").
 
 A request submitted while a step runs joins the next one. A prompt goes in chunks of CHUNK
 tokens, one chunk a step, so a long prompt delays the other contexts' next token by at most the
