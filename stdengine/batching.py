@@ -156,17 +156,12 @@ class Scheduler:
         with self._lock:
             while not (self._new or self._running or self._closed):
                 self._wake.wait()
-            if self._closed:
-                self._running += self._new
-                self._new.clear()
-                for job in self._running:
-                    self._end(job, close=True)
-                return False
             if self._new:
                 self._running = sorted(self._running + self._new, key=lambda j: j.rank)
                 self._new.clear()
+            closed = self._closed
         for job in self._running:
-            if job.cancelled.is_set():
+            if closed or job.cancelled.is_set():
                 self._end(job, close=True)
             elif not job.todo:
                 self._resume(job, None)
@@ -175,7 +170,7 @@ class Scheduler:
         if self._running:
             self._step(self._running)
             self._running = [job for job in self._running if not job.ended]  # an error may end one
-        return True
+        return not closed
 
     def _resume(self, job: Job, error: BaseException | None) -> None:
         """Run job's generation (error thrown into it) until it asks for an evaluation or ends."""

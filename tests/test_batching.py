@@ -272,6 +272,27 @@ def test_a_cancelled_generation_leaves_before_the_next_step() -> None:
     assert not [t for tag, t in log if tag == 1]
 
 
+def test_closing_the_scheduler_ends_the_running_generations() -> None:
+    """close() stops the loop after the step that runs; a generation still running is closed
+    (its done comes, with no DoneEvent), and later submissions are refused."""
+    gate = Gate()
+    ctx = Scripted(SCRIPT, gate=gate)
+    scheduler = Scheduler([ctx])
+    jobs = Jobs(scheduler)
+    jobs.submit(ctx, tokens_req([1, 2], 3))
+    assert gate.entered.wait(30)
+    closer = threading.Thread(target=scheduler.close)
+    closer.start()
+    gate.opened.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    (out,) = jobs.wait()  # done came
+    # (the loop may have resumed it once more before it saw close())
+    assert all(isinstance(e, TokenEvent) for e in out) and len(out) < 3 and ctx.tokens[:2] == [1, 2]
+    with pytest.raises(RuntimeError, match="closed"):
+        scheduler.submit(ctx, tokens_req([1], 2), print, print)
+
+
 def test_a_failing_scheduler_ends_its_generations_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """Should the scheduler's loop itself fail, the running generations end with EngineFailure
     (a 500 for the server's clients, not a request that waits forever) and new ones are refused."""
