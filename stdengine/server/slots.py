@@ -92,7 +92,8 @@ class SlotPool:
             self.scheduler = Scheduler(local, deliver=self._deliver)
         self._free: list[Engine] = list(reversed(contexts))  # pop() hands out slot 0 first
         self._waiters: deque[asyncio.Future[Engine]] = deque()
-        # One worker thread per slot: a generation holds its slot for as long as its thread runs.
+        # One worker thread per slot: a generation holds its slot for as long as its thread runs
+        # (with a scheduler, the thread only hands the generation over).
         self.executor = ThreadPoolExecutor(max_workers=len(contexts), thread_name_prefix="infer-slot")
         self._courier: Courier | None = None
 
