@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +61,7 @@ class Job:
     """One request's generation on one context, as the scheduler runs it."""
 
     ctx: LocalEngine
-    steps: Any  # ctx.generation(request)
+    steps: Generator[GenerationStep, None, None]  # ctx.generation(request)
     emit: Callable[[Any], object]  # each event, or the exception that ended the generation
     done: Callable[[Any], object]  # called once (with None), after the last emit
     cancelled: threading.Event

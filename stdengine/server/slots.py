@@ -79,16 +79,19 @@ class Courier:
 
 class SlotPool:
     def __init__(self, contexts: list[Engine], queue_size: int, batching: bool = False) -> None:
-        """batching: one Scheduler runs the contexts' generations together (LocalEngines only)."""
+        """batching: one Scheduler runs the contexts' generations together, when there are
+        several and it can drive them all."""
         if not contexts:
             raise ValueError("a slot pool needs at least one context")
         self.contexts = contexts
         self.queue_size = queue_size
         self.scheduler: Scheduler | None = None
-        if batching:
-            local = [c for c in contexts if isinstance(c, LocalEngine)]
-            if len(local) != len(contexts):
-                raise ValueError("only contexts of a LocalEngine can be stepped together")
+        # The scheduler drives LocalEngine.generation(): an engine that overrides generate() (its
+        # events are not generation()'s) keeps one thread per slot, running its own generate().
+        local = [
+            c for c in contexts if isinstance(c, LocalEngine) and type(c).generate is LocalEngine.generate
+        ]
+        if batching and len(contexts) > 1 and len(local) == len(contexts):
             self.scheduler = Scheduler(local, deliver=self._deliver)
         self._free: list[Engine] = list(reversed(contexts))  # pop() hands out slot 0 first
         self._waiters: deque[asyncio.Future[Engine]] = deque()

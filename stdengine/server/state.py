@@ -19,7 +19,6 @@ from stdengine import __version__
 from stdengine.adapter import Engine, SamplingParams
 from stdengine.errors import ModelNotFound, NotSupported
 from stdengine.events import Emitter
-from stdengine.local_engine import LocalEngine
 from stdengine.server.metrics import Metrics
 from stdengine.server.middleware import DEFAULT_MAX_BODY
 from stdengine.server.slots import SlotPool
@@ -113,10 +112,6 @@ def build_state(
         contexts.append(ctx)
     if batching is None:
         batching = "batch_decode" in engine.capabilities
-    # the scheduler drives LocalEngine.generation(): an engine that overrides generate() (its
-    # events are not generation()'s) keeps one thread per slot, running its own generate()
-    local = [c for c in contexts if isinstance(c, LocalEngine) and type(c).generate is LocalEngine.generate]
-    batching = batching and len(contexts) > 1 and len(local) == len(contexts)
     names = {model_ref}
     if model_path:
         names |= {model_path, Path(model_path).name, Path(model_path).stem}
