@@ -20,6 +20,8 @@ source). Every request is a streamed completion of a fresh prompt of -p tokens, 
 4) per run. --rounds N runs the whole sweep N times, the servers started afresh each round, and
 adds each round's throughput at every concurrency over that at the lowest (issue 21's targets are
 such ratios: a VM's speed drifts within minutes, and a ratio within one round drifts less).
+The results name the code each server ran (server_code): an `infer` server's stdengine commit,
+found through its own import path.
 """
 
 from __future__ import annotations
@@ -83,10 +85,32 @@ def server_command(
     )
 
 
+def server_code(kind: str, cmd: list[str], env: dict[str, str], cwd: str | None) -> str:
+    """What a server runs, as its results record it: for `infer`, the commit of the stdengine
+    checkout that the server's import path gives (a PYTHONPATH may hold another checkout than
+    this sweep's), marked when it has uncommitted changes; llama-cpp-python's version; or
+    llama-server's program."""
+    if kind == "llama-server":
+        return cmd[0]
+    probe = {
+        "llama-cpp-python": "import llama_cpp; print(llama_cpp.__version__)",
+        "infer": "import pathlib, stdengine; print(pathlib.Path(stdengine.__file__).resolve().parent.parent)",
+    }[kind.removesuffix("-unbatched")]
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=cwd)
+    found = out.stdout.strip() if out.returncode == 0 else "unknown"
+    if kind == "llama-cpp-python" or found == "unknown":
+        return f"{kind} {found}"
+    root = Path(found)
+    changed = subprocess.run(
+        ["git", "-C", found, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
+    return f"stdengine {stdengine_commit(root)}{' with uncommitted changes' if changed else ''} ({root})"
+
+
 class Served:
     """A server subprocess on a free port, up until closed."""
 
-    def __init__(self, cmd: list[str], pythonpath: str | None, log: Path) -> None:
+    def __init__(self, kind: str, cmd: list[str], pythonpath: str | None, log: Path) -> None:
         import httpx
 
         env = dict(os.environ)
@@ -96,6 +120,7 @@ class Served:
         # `python -m` puts its working directory first on the import path, before PYTHONPATH: a
         # server run from a checkout would import that checkout's stdengine, not the given one's
         cwd = pythonpath or None
+        self.code = server_code(kind, cmd, env, cwd)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         port = cmd[cmd.index("--port") + 1]
         self.url = f"http://127.0.0.1:{port}"
@@ -149,7 +174,7 @@ def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
         kind, _, where = rest.partition(":")  # PYTHONPATH, or llama-server's binary
         binary, pythonpath = (where, None) if kind == "llama-server" else ("", where or None)
         cmd = server_command(kind, path, _free_port(), max(concurrencies), n_ctx, args.threads, binary)
-        served = Served(cmd, pythonpath, Path(tempfile.mkdtemp()) / "server.log")
+        served = Served(kind, cmd, pythonpath, Path(tempfile.mkdtemp()) / "server.log")
         try:
             for c in concurrencies:
                 argv = [
@@ -167,6 +192,7 @@ def sweep(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
                 result = run_load_test(parse_args(argv))
                 cpu = served.cpu_seconds() - cpu0  # the warm-up request included
                 result.update(server=label, kind=kind, model_alias=model, server_cpu_s=cpu, round=rnd)
+                result["server_code"] = served.code
                 result["tokens_per_cpu_s"] = result["total_output_tokens"] / cpu if cpu > 0 else 0.0
                 out.append(result)
                 save(out)
@@ -189,9 +215,11 @@ def render(results: list[dict[str, Any]], command: str, note: str) -> str:
     lines = [
         "# Serving load sweep",
         "",
-        f"- date: {utc_now()}; stdengine commit {stdengine_commit()}; CPU: {cpu_info()}",
+        f"- date: {utc_now()}; the sweep's stdengine commit {stdengine_commit()}; CPU: {cpu_info()}",
         f"- command: `{command}`",
     ]
+    ran = {r["server"]: r.get("server_code", "not recorded") for r in results}
+    lines += [f"- server {label} ran: {code}" for label, code in ran.items()]
     if note:
         lines.append(f"- note: {note}")
     lines += [

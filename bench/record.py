@@ -172,9 +172,10 @@ def cpu_info() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def stdengine_commit() -> str:
-    """The short git commit of the stdengine checkout this runs from, or "unknown"."""
-    root = Path(__file__).resolve().parent.parent
+def stdengine_commit(root: Path | None = None) -> str:
+    """The short git commit of the stdengine checkout this runs from (or of the one at root), or
+    "unknown"."""
+    root = root or Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sqlite3
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -688,6 +689,33 @@ def test_load_sweep_rounds_give_each_rounds_ratio_to_the_lowest_concurrency():
     # one round: no ratio table; a round cut short (no concurrency 8) is left out of the medians
     assert ratio_lines(runs[:2]) == []
     assert ratio_lines(runs[:5])[2] == "| m | after | 8 / 1 | 4.00, 5.00 | 4.50x | 2.00, 1.50 | 1.75x |"
+
+
+def test_load_sweep_records_the_checkout_each_server_imports(tmp_path):
+    """A server given another checkout on its PYTHONPATH runs that checkout's stdengine: the
+    results name its commit, not the sweep's."""
+    import subprocess
+
+    from stdengine.bench.load_sweep import render, server_code
+
+    other = tmp_path / "other"
+    (other / "stdengine").mkdir(parents=True)
+    (other / "stdengine" / "__init__.py").write_text("")
+    git = ["git", "-C", str(other), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "old"], check=True)
+    commit = subprocess.run(
+        [*git, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    env = dict(os.environ, PYTHONPATH=str(other))
+    assert server_code("infer", [], env, str(other)) == f"stdengine {commit} ({other})"
+    (other / "stdengine" / "__init__.py").write_text("x = 1\n")
+    assert (
+        server_code("infer", [], env, str(other)) == f"stdengine {commit} with uncommitted changes ({other})"
+    )
+    run = dict(_sweep_run(1, 1, 100.0, 10.0, server="before"), server_code=f"stdengine {commit} ({other})")
+    assert f"- server before ran: stdengine {commit} ({other})" in render([run], "cmd", "")
 
 
 def test_load_sweep_refuses_zero_rounds(capsys):
