@@ -414,8 +414,9 @@ def test_packed_panels_equal_single_token(t, isa):
     """Batched decoding reads packed panels on AVX-512 and AMX (kernels.h): each token's outputs
     are its one-token outputs bit for bit, for partial last panels (37 rows), row ranges that
     start inside a panel (the rows before the next panel take se_matmul), batches of 2 to 17
-    tokens and 40 (the GEMM's sizes: AMX keeps its GEMM there) and row lengths with and without
-    a short last group. Elsewhere there are no panels, and se_matmul_panels is se_matmul."""
+    tokens, 24 and 31 (on AMX the panels take batches below SE_AMX_PANELS_MAX_TOKENS, 32), 32 and
+    40 (AMX keeps its GEMM there) and row lengths with and without a short last group. Elsewhere
+    there are no panels, and se_matmul_panels is se_matmul."""
     rng = rng_for("panels", t)
     for blocks in (2, 16, 18, 20, 48):
         rows, k = 37, 32 * blocks
@@ -428,7 +429,7 @@ def test_packed_panels_equal_single_token(t, isa):
         x = rng.standard_normal((40, k)).astype(np.float32)
         x[1, :32] *= 100  # one block with a much larger range
         single = np.stack([K.matmul(t, w, k, x[i : i + 1])[0] for i in range(len(x))])
-        for n in (*range(2, 18), 40):
+        for n in (*range(2, 18), 24, 31, 32, 40):
             got = K.matmul(t, w, k, x[:n], panels=panels)
             np.testing.assert_array_equal(got, single[:n], err_msg=f"{t.name} {blocks} blocks, {n} tokens")
         for r0, r1 in ((0, 16), (16, 37), (3, 37), (5, 9), (36, 37)):  # threads' row ranges

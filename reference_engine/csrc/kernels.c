@@ -705,8 +705,8 @@ void se_pack_panels(int wtype, const void *W, int64_t k, int64_t rows, void *P) 
 
 const void *se_panels_for(int wtype, const void *P, int n_tok) {
     /* from memory they beat the AVX-512 GEMM at every batch size measured (8 to 512 tokens);
-     * AMX's GEMM keeps its batches */
-    const int gemm_ok = n_tok < gemm_min_tokens || isa_in_use != SE_ISA_AMX;
+     * AMX's GEMM, which rebuilds its int8 panels on every call, from SE_AMX_PANELS_MAX_TOKENS on */
+    const int gemm_ok = n_tok < SE_AMX_PANELS_MAX_TOKENS || isa_in_use != SE_ISA_AMX;
     return P && tiles[wtype].panels && n_tok > 1 && gemm_ok ? P : NULL;
 }
 
