@@ -12,7 +12,8 @@ that the static split would have left waiting at a barrier).
 `--modes separate` times se_decode alone (it runs on a build without se_decode_batch, for an
 old/new comparison of the single-context path). `--gemm-min A B ...` times the batched mode once
 per value, alternating, with batches of that many rows or more on the GEMM (kernels.h's
-se_set_gemm_min_tokens): the crossover of the tiles and the GEMM, measured in one process.
+se_set_gemm_min_tokens): the crossover of the tiles and the GEMM, measured in one process. (On
+AMX the packed panels take the batches below SE_AMX_PANELS_MAX_TOKENS whatever it says.)
 """
 
 from __future__ import annotations
