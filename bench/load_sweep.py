@@ -41,7 +41,7 @@ from typing import Any
 
 from stdengine.bench.load import client_ms_per_token, run_load_test
 from stdengine.bench.params import parse_args, parse_int_range
-from stdengine.bench.record import cpu_info, stdengine_commit, utc_now
+from stdengine.bench.record import cpu_info, git_commit, stdengine_commit, utc_now
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -104,7 +104,7 @@ def server_code(kind: str, cmd: list[str], env: dict[str, str], cwd: str | None)
     changed = subprocess.run(
         ["git", "-C", found, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
     ).stdout.strip()
-    return f"stdengine {stdengine_commit(root)}{' with uncommitted changes' if changed else ''} ({root})"
+    return f"stdengine {git_commit(root)}{' with uncommitted changes' if changed else ''} ({root})"
 
 
 class Served:

@@ -172,10 +172,13 @@ def cpu_info() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def stdengine_commit(root: Path | None = None) -> str:
-    """The short git commit of the stdengine checkout this runs from (or of the one at root), or
-    "unknown"."""
-    root = root or Path(__file__).resolve().parent.parent
+def stdengine_commit() -> str:
+    """The short git commit of the stdengine checkout this runs from, or "unknown"."""
+    return git_commit(Path(__file__).resolve().parent.parent)
+
+
+def git_commit(root: Path) -> str:
+    """The short git commit of the checkout at root, or "unknown"."""
     try:
         out = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"],
