@@ -92,7 +92,9 @@ def vocabulary(model: str) -> Vocabulary:
 
 # --- the libraries: each a function vocabulary -> (case -> Walk) ---------------------------------
 def llguidance_lib(vocab: Vocabulary) -> Callable[[Case], Walk]:
-    from stdengine.structured import Constraint, Matcher, tokenizer_for
+    import llguidance
+
+    from stdengine.structured import Constraint, tokenizer_for
 
     class Owner:  # what the compiled vocabulary lives as long as (an engine's tokenizer)
         pass
@@ -107,7 +109,7 @@ def llguidance_lib(vocab: Vocabulary) -> Callable[[Case], Walk]:
             if case.kind == "json_schema"
             else Constraint.regex(case.source)
         )
-        m = Matcher(tok, c, len(vocab.pieces))._m
+        m = llguidance.LLMatcher(tok, c.compiled, log_level=0)  # the library alone
         w = Walk()
         w.mask = lambda bits: m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
         w.accept = m.consume_token

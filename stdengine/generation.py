@@ -7,6 +7,7 @@ part of the text, and the finish reason is "stop".
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from typing import Any, Literal
@@ -21,12 +22,14 @@ def validate_sampling(s: Any) -> None:
     problems = []
     for o in SAMPLING.values():
         value = getattr(s, o.name)
-        if o.ge is not None and o.le is not None and not o.ge <= value <= o.le:
-            problems.append(f"{o.name}={value} (must be in [{o.ge:g}, {o.le:g}])")
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{o.name}={value} (must be a finite number; {o.help})")
+        elif o.ge is not None and o.le is not None and not o.ge <= value <= o.le:
+            problems.append(f"{o.name}={value} (must be in [{_num(o.ge)}, {_num(o.le)}])")
         elif o.ge is not None and value < o.ge:
-            problems.append(f"{o.name}={value} (must be >= {o.ge:g}; {o.help})")
+            problems.append(f"{o.name}={value} (must be >= {_num(o.ge)}; {o.help})")
         elif o.le is not None and value > o.le:
-            problems.append(f"{o.name}={value} (must be <= {o.le:g}; {o.help})")
+            problems.append(f"{o.name}={value} (must be <= {_num(o.le)}; {o.help})")
     if any(not isinstance(x, str) for x in s.stop):
         problems.append("stop must be a list of strings")
     if problems:
@@ -34,6 +37,10 @@ def validate_sampling(s: Any) -> None:
             "invalid sampling parameters: " + "; ".join(problems),
             hint="see spec/options.md for each option's range",
         )
+
+
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"  # 2**63 - 1 in full, 1.0 as 1
 
 
 def request_tokens(engine: Any, request: Any, bos_id: int | None, add_bos: bool) -> list[int]:
@@ -147,8 +154,10 @@ class ModelTemplate(str):
 TEMPLATE_MAX_STEPS = 1_000_000
 TEMPLATE_DEADLINE_S = 10.0
 # Longest string a template may build or output: this, plus 4 characters per character of input
-# (the messages and the template), so a long conversation never reaches it.
+# (the messages and the template, each message counted TEMPLATE_MESSAGE_CHARS longer for its
+# role's markers), so a long conversation never reaches it, even of many short messages.
 TEMPLATE_MIN_OUTPUT_CHARS = 1 << 20
+TEMPLATE_MESSAGE_CHARS = 32
 
 
 class TemplateLimit(Exception):
@@ -331,7 +340,9 @@ def render_chat_template(
         raise InvalidRequest(f"the chat template refused the conversation: {message}")
 
     input_chars = (
-        len(template) + sum(len(str(m.get("content", ""))) for m in messages) + len(str(tools or ""))
+        len(template)
+        + sum(len(str(m.get("content", ""))) + TEMPLATE_MESSAGE_CHARS for m in messages)
+        + len(str(tools or ""))
     )
     max_chars = TEMPLATE_MIN_OUTPUT_CHARS + 4 * input_chars
     env = _bounded_environment(max_chars, cancel)

@@ -27,6 +27,12 @@ GROUPS = {
 }
 
 
+# The C cores' field widths (the reference engine's sampler: a 64-bit seed, 32-bit counts): a value
+# past them is refused, not wrapped into another one.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
 def opt(
     default: Any,
     *flags: str,
@@ -111,14 +117,29 @@ class Options(BaseModel):
     flash_attn: bool = opt(False, "-fa", "--flash-attn", group="load", help="use flash attention")
     mmap: bool = opt(True, "--mmap", group="load", help="memory-map the model file (--no-mmap to read it)")
     mlock: bool = opt(False, "--mlock", group="load", help="lock the model in RAM")
-    seed: int = opt(-1, "-s", "--seed", group="load", request=("seed",), help="random seed (-1 = random)")
+    seed: int = opt(
+        -1,
+        "-s",
+        "--seed",
+        group="load",
+        request=("seed",),
+        ge=-1,
+        le=INT64_MAX,
+        help="random seed (-1 = random)",
+    )
 
     # --- sampling --------------------------------------------------------------------------
     temp: float = opt(
         0.8, "--temp", group="sampling", request=("temperature",), ge=0.0, help="temperature (0 = greedy)"
     )
     top_k: int = opt(
-        40, "--top-k", group="sampling", request=("top_k",), ge=0, help="top-k sampling (0 = off)"
+        40,
+        "--top-k",
+        group="sampling",
+        request=("top_k",),
+        ge=0,
+        le=INT32_MAX,
+        help="top-k sampling (0 = off)",
     )
     top_p: float = opt(
         0.95,
@@ -152,6 +173,7 @@ class Options(BaseModel):
         group="sampling",
         request=("repeat_last_n",),
         ge=-1,
+        le=INT32_MAX,
         help="tokens considered by the penalties (0 = off, -1 = context)",
     )
     presence_penalty: float = opt(

@@ -167,25 +167,39 @@ def tokenizer_for(owner: Any, vocabulary: Callable[[], Vocabulary]) -> Any:
 
 
 class Matcher:
-    """One generation's state under a constraint: the allowed-token mask at each step."""
+    """One generation's state under a constraint: the allowed-token mask at each step.
+
+    A constraint that the matcher cannot follow (a schema that refers only to itself, a pattern
+    past llguidance's lexer limits) shows as the matcher's error, at the first mask or later: the
+    request's fault, so InvalidRequest. The first mask is computed here, before any token, so that
+    most such constraints are refused before the generation's first event (an HTTP 400)."""
 
     def __init__(self, tokenizer: Any, constraint: Constraint, n_vocab: int) -> None:
         import llguidance
         import numpy as np
 
-        self._m = llguidance.LLMatcher(tokenizer, constraint.compiled, log_level=0)
-        if self._m.is_error():
-            raise InvalidRequest(f"bad {constraint.describe()}: {self._m.get_error()}")
+        self.constraint = constraint
+        # verbose_errors=False: the error is one line, not a dump of the parser's state
+        limits = llguidance.LLParserLimits(verbose_errors=False)
+        self._m = llguidance.LLMatcher(tokenizer, constraint.compiled, log_level=0, limits=limits)
+        self._fail_if_error()
         self.n_vocab = n_vocab
         self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)  # llguidance's: 1 = allowed
         self._forbidden = np.empty_like(self._bits)  # its complement, reused
+        self._compute_mask()
+        self._fresh = True  # _bits is the mask for the next token
+
+    def _compute_mask(self) -> None:
+        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        self._fail_if_error()
 
     def apply(self, logits: np.ndarray) -> None:
         """Set the logits of the tokens the constraint forbids now to -inf, in place."""
         import numpy as np
 
-        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        self._fail_if_error()
+        if not self._fresh:
+            self._compute_mask()
+        self._fresh = False
         # Whole-array passes, no index arrays: the complemented bits unpacked to a byte a token
         # and read as the boolean `where` of one copyto (~40 us on a 262k vocabulary; the index
         # arrays of np.flatnonzero cost ~20x that). spec/structured.md, "Cost".
@@ -195,7 +209,10 @@ class Matcher:
         logits[self.n_vocab :] = -np.inf
 
     def consume(self, token: int) -> None:
-        """The sampled token (never an end-of-generation one: those end the loop)."""
+        """The sampled token (never an end-of-generation one: those end the loop), which the last
+        mask allowed: a token it forbade is the engine's fault."""
+        if not (0 <= token < self.n_vocab and (int(self._bits[token >> 5]) >> (token & 31)) & 1):
+            raise EngineFailure(f"the engine sampled token {token}, which the constraint's mask forbade")
         self._m.consume_token(token)
         self._fail_if_error()
 
@@ -206,7 +223,12 @@ class Matcher:
 
     def _fail_if_error(self) -> None:
         if self._m.is_error():
-            raise EngineFailure(f"the constraint's matcher failed: {self._m.get_error()}")
+            error = self._m.get_error().replace("<non-verbose/>", "").strip()
+            raise InvalidRequest(
+                f"the constraint ({self.constraint.describe()}) cannot be followed: {error}",
+                hint="simplify the constraint (a schema that refers only to itself, or a pattern "
+                "with large repetition counts, goes past the matcher's limits)",
+            )
 
 
 def load_json_schema(value: str) -> dict[str, Any]:

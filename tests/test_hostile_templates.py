@@ -86,4 +86,9 @@ def test_ordinary_templates_and_long_conversations_still_render() -> None:
     assert text.startswith("<|im_start|>user\nword word") and text.endswith("<|im_start|>assistant\n")
     many = [{"role": "user", "content": str(i)} for i in range(20_000)]
     assert render_chat_template(BUILTIN_TEMPLATES["chatml"], many).count("<|im_end|>") == 20_000
+    # short messages: their markers weigh more than their text (28 characters each in chatml)
+    empty = [{"role": "user", "content": ""}] * 40_000
+    assert (
+        render_chat_template(ModelTemplate(BUILTIN_TEMPLATES["chatml"]), empty).count("<|im_end|>") == 40_000
+    )
     assert render_chat_template("{{ 'ab' * 3 }}{{ ['a', 'b'] | join('-') }}", MESSAGES) == "abababa-b"

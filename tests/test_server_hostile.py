@@ -155,6 +155,38 @@ def test_lone_surrogates_are_a_400(http: httpx.Client, route: str, body: str, wh
     assert message.startswith(f"{where}:"), message
 
 
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json(http: httpx.Client, literal: str) -> None:
+    """Python's parser takes them; JSON has no such values, and a temperature of Infinity would
+    sample uniformly."""
+    body = '{"prompt": "hi", "max_tokens": 2, "temperature": ' + literal + "}"
+    envelope(http.post("/v1/completions", content=body), 400, match=f"{literal} is not a JSON value")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("seed", 2**63),
+        ("seed", 2**64),
+        ("seed", -2),
+        ("top_k", 2**32),
+        ("top_k", 2**32 + 1),
+        ("repeat_last_n", 2**40),
+    ],
+)
+def test_integers_past_the_samplers_fields_are_a_400(http: httpx.Client, field: str, value: int) -> None:
+    """Not wrapped into the C sampler's 64- and 32-bit fields (2**32 + 1 would be top_k 1, 2**63
+    a negative seed: random)."""
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value})
+    envelope(r, 400, match=field)
+
+
+def test_best_of_below_one_is_a_400(http: httpx.Client) -> None:
+    for value in (0, -3):
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": value})
+        envelope(r, 400, match="best_of")
+
+
 def test_a_surrogate_pair_is_one_character(http: httpx.Client) -> None:
     r = http.post("/tokenize", content='{"content": "\\ud83d\\ude00"}')
     assert r.status_code == 200 and r.json()["tokens"] == [0x1F600]
@@ -204,6 +236,18 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(
     # at the limit the engine judges it (the toy tokenizes a character per token: over the context)
     envelope(http.post("/v1/completions", json={"prompt": over[1:]}), 400, "exceed_context_size_error")
     assert CountingToy.generations == before + 1
+
+
+def test_more_messages_than_positions_are_refused_before_rendering(
+    server: InProcessServer, http: httpx.Client
+) -> None:
+    """Empty messages pass the characters' limit, but each takes a position at least."""
+    before = CountingToy.generations
+    many = [{"role": "user", "content": ""}] * (N_CTX + 1)
+    r = http.post("/v1/chat/completions", json={"messages": many})
+    envelope(r, 400, "exceed_context_size_error", match=f"{N_CTX + 1} messages")
+    assert r.json()["error"]["n_ctx"] == N_CTX
+    assert CountingToy.generations == before
 
 
 def test_a_malformed_chunked_body_is_a_400(server: InProcessServer, http: httpx.Client) -> None:

@@ -63,6 +63,12 @@ def test_bad_structured_requests_are_400s() -> None:
         tools.constraint_for(
             chat_request(response_format={"type": "json_object"}, grammar='root ::= "a"'), "e", caps
         )
+    for kind in ("json_object", "text"):  # a schema that would be ignored
+        schema = {"name": "a", "schema": {"type": "integer"}}
+        with pytest.raises(InvalidRequest, match=f"type {kind} takes no json_schema"):
+            tools.constraint_for(
+                chat_request(response_format={"type": kind, "json_schema": schema}), "e", caps
+            )
     with pytest.raises(InvalidRequest, match="'nope', which tools does not declare"):
         tools.tool_plan(
             chat_request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
@@ -163,6 +169,24 @@ def plan_for(**fields: Any) -> tools.ToolPlan:
 
 OSLO = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
 ADD_1_2 = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parameters_with_their_own_definitions(choice: str, parallel: bool) -> None:
+    """The openai client's tool from a pydantic model with a nested one: its parameters keep the
+    nested model in $defs and refer to it as "#/$defs/Pet"; the calls' constraint follows them."""
+    tool: Any = openai.pydantic_function_tool(Person, name="person")
+    assert '"#/$defs/Pet"' in json.dumps(tool)
+    request = chat_request(tools=[tool, ADD], tool_choice=choice, parallel_tool_calls=parallel)
+    plan = tools.tool_plan(request, "e", frozenset({"structured"}))
+    assert plan is not None
+    good = '{"name": "person", "arguments": {"name": "Ann", "age": 3, "pets": [{"kind": "cat", "legs": 4}]}}'
+    bad = '{"name": "person", "arguments": {"name": "Ann", "age": 3, "pets": [{"kind": "cow", "legs": 4}]}}'
+    assert accepts(plan.constraint(), good) and accepts(plan.constraint(), ADD_1_2)
+    assert not accepts(plan.constraint(), bad)  # the Pet's kind is checked through the reference
+    # without parallel calls an array is refused, or under auto a text like any other
+    assert accepts(plan.constraint(), f"[{good}, {ADD_1_2}]") == (parallel or choice == "auto")
 
 
 @pytest.mark.parametrize("choice", ["required", "auto"])
@@ -483,6 +507,22 @@ def test_json_object_and_llama_server_json_schema_on_completions(served: RealSer
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
             assert choice["finish_reason"] == "stop" and check(json.loads(choice["text"])), choice
+
+
+def test_a_schema_the_matcher_cannot_follow_is_a_400(served: RealServer) -> None:
+    """A schema that refers only to itself compiles, but no output can start: refused before any
+    token, whole or streamed, as the client's mistake (not a 500)."""
+    with httpx.Client(base_url=served.url, timeout=300) as http:
+        for stream in (False, True):
+            body = {"prompt": PROMPT, "max_tokens": 8, "json_schema": {"$ref": "#"}, "stream": stream}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and "cannot be followed" in error["message"], (
+                error
+            )
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200, r.text
 
 
 def test_tool_call_round_trip(client: openai.OpenAI) -> None:

@@ -223,3 +223,28 @@ def test_the_mask_sets_exactly_the_forbidden_logits_to_minus_infinity() -> None:
         if token is not None:
             matcher.consume(token)
     assert matcher.done
+
+
+def test_a_constraint_the_matcher_cannot_follow_is_the_requests_fault() -> None:
+    """A schema that only refers to itself fails at the first mask, a pattern past the lexer's
+    limits after its first token: both are InvalidRequest (HTTP 400), the first raised as the
+    matcher starts, before any token. A token the mask forbade is the engine's fault."""
+    import numpy as np
+
+    from stdengine.errors import EngineFailure
+    from stdengine.structured import Matcher, Vocabulary, tokenizer_for
+
+    vocab = Vocabulary([bytes([i]) for i in range(256)] + [b"<eos>"], [256], [256], list)
+    tok = tokenizer_for(_BYTES, lambda: vocab)
+    with pytest.raises(InvalidRequest, match="cannot be followed"):
+        Matcher(tok, Constraint.json_schema({"$ref": "#"}), len(vocab.pieces))
+
+    huge = Matcher(tok, Constraint.json_schema({"type": "string", "pattern": "^(a{1000}){1000}$"}), 257)
+    huge.apply(np.zeros(257, dtype=np.float32))
+    with pytest.raises(InvalidRequest, match="too many expressions"):
+        huge.consume(ord('"'))
+
+    digits = Matcher(tok, Constraint.regex("[0-9]"), 257)
+    digits.apply(np.zeros(257, dtype=np.float32))
+    with pytest.raises(EngineFailure, match="forbade"):
+        digits.consume(ord("x"))

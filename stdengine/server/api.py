@@ -174,7 +174,7 @@ class CompletionRequest(_Text, _Structured):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1)
 
 
 class TokenizeRequest(_Strict):

@@ -107,7 +107,7 @@ async def chat_prompt(
     """forward: the engine passes the tools on, so its server gets OpenAI's messages as they are."""
     if forward:
         messages = tools.upstream_messages(req)
-        check_prompt_size(state.n_ctx(), len(json.dumps(messages)))
+        check_prompt_size(state.n_ctx(), len(json.dumps(messages)), len(messages))
         return Prompt(shown=messages, messages=messages)
     if not state.engine.has_chat_template():
         raise InvalidRequest(
@@ -115,7 +115,7 @@ async def chat_prompt(
             hint="use /v1/completions, or start the server with --chat-template",
         )
     messages = tools.chat_messages(req, plan)
-    check_prompt_size(state.n_ctx(), sum(len(m["content"]) for m in messages))
+    check_prompt_size(state.n_ctx(), sum(len(m["content"]) for m in messages), len(messages))
     return Prompt(shown=messages, messages=messages)
 
 

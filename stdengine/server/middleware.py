@@ -158,6 +158,11 @@ def check_json(value: Any) -> None:
                 )
 
 
+def _not_json(name: str) -> None:
+    """NaN, Infinity and -Infinity, which Python's parser takes and JSON does not have."""
+    raise ValueError(f"{name} is not a JSON value (JSON has no NaN or infinite numbers)")
+
+
 def _too_deep() -> InvalidRequest:
     return InvalidRequest(f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
 
@@ -166,7 +171,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The request body as a JSON object, within the limits."""
     raw = await read_body(request, limit)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json)
     except RecursionError:  # deeper than the parser can go: far over MAX_JSON_DEPTH
         raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -177,9 +182,18 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def check_prompt_size(n_ctx: int | None, n_chars: int) -> None:
-    """A prompt of more than PROMPT_CHARS_PER_POSITION characters per context position is a
-    context overflow at once: it cannot fit, and tokenizing it would hold a slot for nothing."""
+def check_prompt_size(n_ctx: int | None, n_chars: int, n_messages: int = 0) -> None:
+    """A prompt of more than PROMPT_CHARS_PER_POSITION characters per context position, or a
+    conversation of more messages than the context has positions (each takes one at least, for
+    its role's markers), is a context overflow at once: it cannot fit, and rendering and
+    tokenizing it would hold a slot for nothing."""
+    if n_ctx is not None and n_messages > n_ctx:
+        raise ContextOverflow(
+            f"the conversation has {n_messages} messages, more than the {n_ctx} positions of the "
+            "context (each message takes one at least), so it cannot fit; it was not rendered",
+            hint="send fewer messages, or start the server with a larger -c",
+            n_ctx=n_ctx,
+        )
     if n_ctx is None or n_chars <= PROMPT_CHARS_PER_POSITION * n_ctx:
         return
     raise ContextOverflow(

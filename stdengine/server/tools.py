@@ -61,6 +61,20 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
+def _rebased(schema: Any, base: str) -> Any:
+    """schema with its local references ("#" and "#/...") moved under base, a JSON pointer of
+    the place where it will stand."""
+    if isinstance(schema, list):
+        return [_rebased(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, base) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
+
+
 def _constraint(kind: str, value: Any = None) -> Constraint:
     if kind == "json_schema":
         return Constraint.json_schema(closed_objects(value))
@@ -78,6 +92,10 @@ def constraint_for(
     (None: text), refused by name when the engine cannot honour it."""
     asked: list[tuple[str, str, Any]] = []
     rf = req.response_format
+    if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+        raise InvalidRequest(
+            f"response_format: type {rf.type} takes no json_schema", hint="send type json_schema with it"
+        )
     if rf is not None and rf.type == "json_object":
         asked.append(("response_format", "json_object", None))
     elif rf is not None and rf.type == "json_schema":
@@ -206,18 +224,28 @@ class ToolPlan:
         )
 
     def call_schema(self) -> dict[str, Any]:
-        """A JSON Schema that only one call the request allows matches."""
+        """A JSON Schema that only one call the request allows matches. A function's parameters
+        that refer to their own parts ($ref "#/$defs/...", as pydantic writes nested models) move to
+        this schema's $defs, their references rebased there: nested in the call, "#" would be the
+        call's root, not theirs."""
         key = self.format.args_key
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": f.name}, key: f.parameters or NO_ARGUMENTS},
-                "required": ["name", key],
-                "additionalProperties": False,
-            }
-            for f in self.callable()
-        ]
-        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+        calls, defs = [], {}
+        for i, f in enumerate(self.callable()):
+            args = f.parameters or NO_ARGUMENTS
+            rebased = _rebased(args, f"#/$defs/args{i}")
+            if rebased != args:
+                defs[f"args{i}"] = rebased
+                args = {"$ref": f"#/$defs/args{i}"}
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": f.name}, key: args},
+                    "required": ["name", key],
+                    "additionalProperties": False,
+                }
+            )
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return {**one, "$defs": defs} if defs else one
 
     def openers(self) -> str:
         """The first characters of an answer that is calls."""
@@ -232,6 +260,8 @@ class ToolPlan:
         if self.format.wrap is None:
             several = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
             answer = {"anyOf": [one, several]} if self.parallel else one
+            if "$defs" in one:  # the references point at the root's
+                answer["$defs"] = one["$defs"]
             if self.choice != "auto":
                 return _constraint("json_schema", answer)
             rules = [f"calls: %json {json.dumps(closed_objects(answer), ensure_ascii=False)}"]
