@@ -248,6 +248,20 @@ _LIST_FLAGS: dict[str, tuple[str, str | None, str]] = {
 }
 
 
+def _check_option(option: str, values: list[object]) -> None:
+    """Each value within the range its Options field declares (-t 0 is refused here, with the
+    usage, not when the engine loads)."""
+    from pydantic import ValidationError
+
+    from stdengine.options import Options
+
+    for v in values:
+        try:
+            Options.model_validate({option: v})
+        except ValidationError as e:
+            raise ValueError(f"{v} is out of range ({e.errors()[0]['msg']})") from None
+
+
 def parse_args(argv: list[str]) -> BenchParams:
     """The command line -> BenchParams with defaults filled in. Raises ParamError."""
     p = BenchParams()
@@ -289,9 +303,10 @@ def parse_args(argv: list[str]) -> BenchParams:
                         raise ValueError(
                             f"unknown cache type {bad[0]!r} (expected one of {', '.join(CACHE_TYPES)})"
                         )
-                getattr(p, name).extend(items)
                 if option:
+                    _check_option(option, items)
                     p.given.add(option)
+                getattr(p, name).extend(items)
             elif arg == "-pg":
                 parts = value().split(",")
                 if len(parts) != 2 or not all(s.isdigit() for s in parts):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from stdengine.errors import ConfigError
+from stdengine.errors import ConfigError, read_text_file
 from stdengine.options import ALIASES, DEFAULTS, OPTION_NAMES, ConfigFile, Options, env_var
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def user_config_dir() -> Path:
 def find_config_file(explicit: str | None) -> Path | None:
     if explicit:
         path = Path(explicit)
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(f"config file not found: {explicit}", hint="check the path given to --config")
         return path
     for candidate in (Path("infer.toml"), user_config_dir() / "infer.toml"):
@@ -66,7 +66,7 @@ def find_config_file(explicit: str | None) -> Path | None:
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
-    text = path.read_text(encoding="utf-8")
+    text = read_text_file(path, "the config file", ConfigError)
     try:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:

@@ -167,3 +167,29 @@ def all_error_classes() -> list[type[InferError]]:
 
     walk(InferError)
     return seen
+
+
+def decode_utf8(raw: bytes, what: str, error: type[InferError]) -> str:
+    """raw as UTF-8, or `error` naming `what` and the first byte that is not (text is refused,
+    never guessed at or replaced)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(
+            f"{what} is not valid UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r})",
+            hint="convert it to UTF-8 first, e.g. iconv -f LATIN1 -t UTF-8",
+        ) from None
+
+
+def read_text_file(path: Any, what: str, error: type[InferError]) -> str:
+    """A user's text file (a schema, a grammar, a config, a recipe) as UTF-8, or `error` saying
+    what it is and why it cannot be read: missing, a directory, unreadable, or not UTF-8."""
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        why = "it is a directory" if p.is_dir() else (e.strerror or str(e)).lower()
+        raise error(f"cannot read {what} {path}: {why}", hint="give the path of a text file") from None
+    return decode_utf8(raw, f"{what} {path}", error)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 
@@ -244,6 +244,16 @@ class Options(BaseModel):
         description="engine-specific settings, -E key=value (repeatable); the engine validates them",
         json_schema_extra={"flags": ["-E"], "group": "load"},
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic takes true as 1 for an int field; a config file's `threads = true` is a
+        mistake to report, not one thread."""
+        kind = cls.model_fields[info.field_name or ""].annotation
+        if isinstance(value, bool) and kind in (int, float, int | None, float | None):
+            raise ValueError("expected a number, not true or false")
+        return value
 
 
 class RecipeMatch(BaseModel):

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from stdengine.errors import ConfigError
+from stdengine.errors import ConfigError, read_text_file
 from stdengine.options import OPTION_NAMES, Options, group
 
 if sys.version_info >= (3, 11):
@@ -132,9 +132,7 @@ class Recipe(_Strict):
 
 def load(path: Path) -> Recipe:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"cannot read recipe {path}: {e.strerror or e}", hint="check the path") from e
+        data = tomllib.loads(read_text_file(path, "the recipe", ConfigError))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}", hint="fix the recipe's syntax") from e
     try:

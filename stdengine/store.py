@@ -476,7 +476,10 @@ def pull_model(name: str, *, verify: bool = False, events: Any = None, verbose: 
     catalogue = load_catalogue()
     if name not in catalogue:
         raise _not_found(
-            name, catalogue, what=f"{name!r} is not in the catalogue (only catalogue models are pulled)"
+            name,
+            catalogue,
+            what=f"{name!r} is not in the catalogue (only catalogue models are pulled)",
+            pulling=True,
         )
     entry = catalogue[name]
     target = cached_path(entry)
@@ -648,7 +651,10 @@ def _suggest(ref: str, names: list[str]) -> str | None:
     return close[0] if close else None
 
 
-def _not_found(ref: str, catalogue: dict[str, CatalogueEntry], what: str | None = None) -> ModelNotFound:
+def _not_found(
+    ref: str, catalogue: dict[str, CatalogueEntry], what: str | None = None, pulling: bool = False
+) -> ModelNotFound:
+    """pulling: for `infer models pull`, which takes catalogue aliases only."""
     names = sorted(catalogue)
     guess = _suggest(ref, names)
     looks_like_path = "/" in ref or os.sep in ref or ref.endswith(".gguf")
@@ -660,8 +666,8 @@ def _not_found(ref: str, catalogue: dict[str, CatalogueEntry], what: str | None 
         )
     hint = (
         (f"did you mean {guess!r}? " if guess else "")
-        + f"catalogue aliases: {', '.join(names)} (infer models list); "
-        "or pass a path to a .gguf file, or hf://owner/repo/file.gguf"
+        + f"catalogue aliases: {', '.join(names)} (infer models list)"
+        + ("" if pulling else "; or pass a path to a .gguf file, or hf://owner/repo/file.gguf")
     )
     return ModelNotFound(what, hint=hint, suggestion=guess, aliases=names)
 
@@ -677,6 +683,11 @@ def resolve_model(ref: str | os.PathLike[str], *, pull: bool = True, events: Any
     from stdengine.gguf_file import scan_gguf
 
     text = os.fspath(ref)
+    if not text.strip():  # else "" would be the current directory
+        raise ConfigError(
+            f"the model reference is empty ({text!r})",
+            hint="give a .gguf path, a catalogue alias (`infer models list`) or hf://owner/repo/file",
+        )
     if text.startswith("hf://"):
         path = _hf_download(text, events)
         scan_gguf(path)

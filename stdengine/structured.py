@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from stdengine.errors import EngineFailure, InvalidRequest, UnsupportedOption
+from stdengine.errors import EngineFailure, InvalidRequest, UnsupportedOption, read_text_file
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -235,11 +235,10 @@ def load_json_schema(value: str) -> dict[str, Any]:
     """A --json-schema argument: a file's path or the JSON text itself (InvalidRequest if it is
     neither an existing file nor JSON, or not an object)."""
     text = value
-    if not value.lstrip().startswith("{"):
-        path = Path(value)
-        if not path.is_file():
+    if value.lstrip()[:1] not in ("{", "["):  # else JSON text, an object or not
+        if not Path(value).exists():
             raise InvalidRequest(f"--json-schema: no such file, and not JSON: {value}")
-        text = path.read_text(encoding="utf-8")
+        text = read_text_file(value, "the --json-schema file", InvalidRequest)
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
@@ -259,6 +258,6 @@ def load_grammar(path: str) -> Constraint:
         syntax = "lark"
     else:
         raise InvalidRequest(f"--grammar: {path}: the file name must end in .gbnf or .lark")
-    if not p.is_file():
+    if not p.exists():
         raise InvalidRequest(f"--grammar: no such file: {path}")
-    return Constraint.grammar(p.read_text(encoding="utf-8"), syntax)
+    return Constraint.grammar(read_text_file(p, "the --grammar file", InvalidRequest), syntax)

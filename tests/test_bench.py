@@ -71,6 +71,16 @@ def test_negative_first_value_only_for_ngl():
         parse_args(["-t", "-1"])
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"), [("-t", "0"), ("-t", "2,0"), ("-b", "0"), ("-ub", "0"), ("-ngl", "-5")]
+)
+def test_values_out_of_the_options_range_are_bad_parameters(flag, value):
+    """Refused with the usage, as llama-bench does, not later as an engine's failure to load."""
+    with pytest.raises(ParamError) as e:
+        parse_args([flag, value])
+    assert e.value.arg == flag and "out of range" in e.value.detail
+
+
 def test_lists_append_across_repeated_flags_and_defaults_fill_the_rest():
     p = parse_args(
         ["-p", "128,256", "-p", "512-1024*2", "-n", "0", "-e", "a,b", "-e", "c", "-pg", "8,2", "-pg", "4,1"]

@@ -69,6 +69,55 @@ def test_unknown_engine_and_missing_prompt(tmp_path):
     assert r.returncode == 2 and "empty" in r.stderr
 
 
+def test_chat_refuses_bad_first_messages_and_closed_stdin_before_loading(tmp_path):
+    # -f is the first message, as -p is: a missing file is refused, not ignored; a model that
+    # does not exist shows that each check comes before the load (which would exit 3)
+    chat = ("chat", "-m", str(tmp_path / "missing.gguf"))
+    r = infer(*chat, "-f", str(tmp_path / "missing.txt"), stdin="hi\n", cwd=str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: prompt file not found:") and r.stdout == ""
+    r = infer(*chat, "-p", "hi", "-f", str(tmp_path / "missing.txt"), stdin="", cwd=str(tmp_path))
+    assert r.returncode == 2 and "not both" in r.stderr, r.stderr
+    # bytes that are not UTF-8 are refused, never sent as U+FFFD (spec/errors.md)
+    r = infer(*chat, "-p", os.fsdecode(b"\xff"), stdin="", cwd=str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: the prompt from -p is not valid UTF-8 (byte 0: b'\\xff')")
+    # stdin closed (<&-): a usage error, not an internal one
+    r = subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", *chat],
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        preexec_fn=lambda: os.close(0),
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: stdin is closed, and `infer chat` reads the conversation from it")
+
+
+def test_run_refuses_a_directory_prompt_file_and_closed_stdin_before_loading(tmp_path):
+    run = ("run", "-m", str(tmp_path / "missing.gguf"), "-n", "2")
+    r = infer(*run, "-f", str(tmp_path), cwd=str(tmp_path))
+    assert r.returncode == 2 and r.stderr.startswith(f"error: -f {tmp_path} is a directory"), r.stderr
+    r = infer(*run, "-p", "hi", env={"INFER_FILE": "x.txt"}, cwd=str(tmp_path))
+    assert r.returncode == 2 and "INFER_FILE" in r.stderr, r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", *run],
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        preexec_fn=lambda: os.close(0),
+        timeout=300,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("error: no prompt given, and stdin is closed"), r.stderr
+
+
+def test_a_bad_infer_verbosity_is_one_clear_error_without_a_traceback(tmp_path):
+    r = infer("config", "show", env={"INFER_VERBOSITY": "abc"}, cwd=str(tmp_path))
+    assert r.returncode == 2 and "INFER_VERBOSITY" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_engines_json_lists_reference():
     r = infer("engines", "--json")
     assert r.returncode == 0, r.stderr

@@ -45,6 +45,49 @@ def test_infer_chat_answers_and_exits(smollm2_path):
     assert len(r.stdout.split()) >= 3, r.stdout
 
 
+def test_infer_chat_sends_the_file_given_with_f_first(smollm2_path, tmp_path):
+    (tmp_path / "first.txt").write_text("What is the capital of France?\n")
+    r = infer(smollm2_path, "chat", "-f", str(tmp_path / "first.txt"), stdin="")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.split()) >= 3, r.stdout  # -f was answered, not ignored
+
+
+def test_infer_chat_refuses_a_bad_chat_template_before_any_turn(smollm2_path):
+    r = infer(smollm2_path, "chat", "--chat-template", "{{ bad", stdin="hi\n")
+    assert r.returncode == 2, r.stderr
+    assert "error: the chat template given is not valid Jinja" in r.stderr and r.stdout == ""
+
+
+def test_a_failed_turn_ends_a_scripted_chat_with_its_exit_status(smollm2_path):
+    # stdin not a terminal: a script must see that the turn failed; later turns are not tried
+    r = infer(smollm2_path, "chat", "-c", "16", stdin="a long line of text here\nhi\n")
+    assert r.returncode == 5, r.stderr  # context_overflow
+    assert r.stderr.count("error: ") == 1 and "but the context holds 16" in r.stderr
+    assert r.stdout == ""
+    # a line that is not UTF-8 is refused (invalid_usage), never sent as U+FFFD
+    cmd = [sys.executable, "-m", "stdengine.cli.main", "chat", "-m", str(smollm2_path), "-n", "4"]
+    r2 = subprocess.run(cmd, input=b"hi\n\xff\n", capture_output=True, timeout=300)
+    assert r2.returncode == 2, r2.stderr
+    assert b"error: the prompt from stdin (line 2) is not valid UTF-8 (byte 0: b'\\xff')" in r2.stderr
+    assert len(r2.stdout.split()) >= 1  # the first line was answered
+
+
+def test_a_failed_turn_at_a_terminal_is_shown_and_the_chat_goes_on(smollm2_path):
+    import pty
+
+    primary, secondary = pty.openpty()
+    cmd = [sys.executable, "-m", "stdengine.cli.main", "chat", "-m", str(smollm2_path), "-c", "16"]
+    try:  # the lines wait in the terminal's input queue until the chat reads them
+        os.write(primary, b"a long line of text here, longer than the context\n\xff\n/exit\n")
+        r = subprocess.run(cmd, stdin=secondary, capture_output=True, timeout=300)
+    finally:
+        os.close(primary)
+        os.close(secondary)
+    assert r.returncode == 0, r.stderr
+    assert b"but the context holds 16" in r.stderr
+    assert b"error: the prompt from the terminal is not valid UTF-8" in r.stderr
+
+
 def loaded_event(stderr: str) -> dict:
     import json
 

@@ -94,6 +94,19 @@ def test_bad_toml_and_missing_config_file(tmp_path):
         resolve({}, config=str(cfg), env={})
     with pytest.raises(ConfigError, match="not found"):
         resolve({}, config=str(tmp_path / "nope.toml"), env={})
+    cfg.write_bytes(b"threads = 2 # \xff\n")
+    with pytest.raises(ConfigError, match=r"not valid UTF-8 \(byte 14"):
+        resolve({}, config=str(cfg), env={})
+    with pytest.raises(ConfigError, match="it is a directory"):
+        resolve({}, config=str(tmp_path), env={})
+
+
+@pytest.mark.parametrize("line", ["threads = true", "temp = false", "ctx_size = true"])
+def test_a_boolean_for_a_number_is_refused_not_taken_as_one(tmp_path, line):
+    cfg = tmp_path / "infer.toml"
+    cfg.write_text(line + "\n")
+    with pytest.raises(ConfigError, match="expected a number, not true or false"):
+        resolve({}, config=str(cfg), env={})
 
 
 def test_out_of_range_value_is_refused():

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -476,6 +478,63 @@ def test_results_table_run_fails_when_a_run_does_not_complete(tmp_path):
     bad = results_table.run_all(tmp_path, "core", (("nosuch", "m1"),))
     assert bad == ["nosuch on m1 (exit status 2)"]  # unknown engine: a usage error
     assert not stale.exists()  # a stale bundle is never reported as this run's
+
+
+# --- the command's usage errors -----------------------------------------------------------------
+def _infer_conformance(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stdengine.cli.main", "conformance", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_refuses_a_report_path_before_running(tiny_llama, tmp_path):
+    # an existing file failed with an internal error (exit 1, as for a failed check) after the suite
+    (tmp_path / "file").write_text("keep")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.json").mkdir()
+    for report, message in [
+        (tmp_path / "file", "is not a directory"),
+        (tmp_path / "file" / "sub", "is not a directory"),
+        ("", "is not a directory"),
+        (tmp_path / "old", "results.json is not a file"),
+    ]:
+        r = _infer_conformance(
+            "-e", "reference", "-m", str(tiny_llama), "--only", "logits", "--report", str(report)
+        )
+        assert r.returncode == 2, (report, r.stderr)
+        assert message in r.stderr and "hint:" in r.stderr, (report, r.stderr)
+        assert "model.loaded" not in r.stderr and "internal error" not in r.stderr  # refused first
+    assert (tmp_path / "file").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "old"]
+
+
+def test_cli_only_that_selects_no_check_is_a_usage_error(tiny_llama, tmp_path):
+    # it ran zero checks and printed PASS, exit 0
+    rep = tmp_path / "rep"
+    r = _infer_conformance(
+        "-e", "reference", "-m", str(tiny_llama), "--only", "nosuchxyz", "--report", str(rep)
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--only 'nosuchxyz' matches no check" in r.stderr and "groups are batch, chat," in r.stderr
+    assert "PASS" not in r.stdout and "conformance.check" not in r.stderr and not rep.exists()
+    r = _infer_conformance("-e", "reference", "-m", str(tiny_llama), "--only", "tokeniser", "--list")
+    assert r.returncode == 2 and "closest: tokenizer" in r.stderr and r.stdout == ""
+
+
+def test_only_matching_another_level_says_which():
+    from stdengine.cli.conformance import _no_check_selected
+    from stdengine.errors import UsageError
+
+    cs = [_check("tokenizer.ids:case=a"), _check("generation.seed", "optional"), _check("x.y", "ext")]
+    with pytest.raises(UsageError, match="matches 1 optional check") as e:
+        _no_check_selected(cs, "core", "seed")
+    assert e.value.hint == "add --level optional"
+    with pytest.raises(UsageError, match="matches 1 ext check") as e:
+        _no_check_selected(cs, "optional", "x.y")
+    assert e.value.hint == "add --level all"
 
 
 # --- HTTP checks against small stdlib servers ---------------------------------------------------

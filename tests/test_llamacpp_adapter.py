@@ -337,6 +337,70 @@ def test_engine_args_are_refused_not_ignored(tmp_path):
         LlamaCppEngine.load(options, Emitter(log_format="json"))
 
 
+def _llama_cpp_must_not_run(*args: object) -> None:
+    raise AssertionError("llama.cpp was called")
+
+
+# Counts llama.cpp does not refuse itself: more threads than GGML_MAX_N_THREADS (512) crash or hang
+# ggml; a context or batch size past its uint32 field wraps (2**32 became n_ctx 8192, -b 2**32 an abort).
+TOO_LARGE = [
+    ("threads", 100_000, 512),
+    ("threads_batch", 513, 512),
+    ("ctx_size", 2**32, 2**31 - 1),
+    ("batch_size", 2**32, 2**31 - 1),
+    ("ubatch_size", 2**31, 2**31 - 1),
+]
+
+
+@pytest.mark.parametrize(("option", "value", "limit"), TOO_LARGE)
+def test_counts_llama_cpp_cannot_take_are_refused_before_it_runs(tmp_path, monkeypatch, option, value, limit):
+    import llama_cpp
+
+    for name in ("llama_model_load_from_file", "llama_init_from_model"):
+        monkeypatch.setattr(llama_cpp, name, _llama_cpp_must_not_run)
+    options = Options(engine="llamacpp", model=str(tmp_path / "any.gguf"), **{option: value})
+    with pytest.raises(UnsupportedOption) as refused:
+        LlamaCppEngine.load(options, Emitter(log_format="json"))
+    e = refused.value
+    assert (e.code, e.exit_status) == ("unsupported_option", 2)
+    assert e.message == f"engine 'llamacpp' cannot honour {option}={value}: at most {limit}"
+    assert e.hint is not None and e.hint.startswith(f"use a smaller {option} (")
+    assert e.details == {"options": [option]}
+
+
+def test_counts_at_the_limits_reach_llama_cpp(tmp_path, monkeypatch):
+    """The limits are inclusive: at them, the load goes on to llama.cpp (stopped here before it runs)."""
+    import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", _llama_cpp_must_not_run)
+    limits = {option: limit for option, _, limit in TOO_LARGE}
+    options = Options(engine="llamacpp", model=str(tmp_path / "any.gguf"), **limits)
+    with pytest.raises(AssertionError, match="llama.cpp was called"):
+        LlamaCppEngine.load(options, Emitter(log_format="json"))
+
+
+def test_cli_refuses_too_many_threads_and_a_wrapping_context(smollm2_path):
+    """infer run exits 2 naming the option, and llama.cpp never loads (it would crash: exit 139)."""
+    code = (
+        "import sys, llama_cpp\n"
+        "def boom(*a):\n    raise AssertionError('llama.cpp was called')\n"
+        "llama_cpp.llama_model_load_from_file = llama_cpp.llama_init_from_model = boom\n"
+        "from stdengine.cli.main import main\nmain(sys.argv[1:])\n"
+    )
+    for flags, message in (
+        ("-t 100000", "threads=100000: at most 512"),
+        ("-tb 100000", "threads_batch=100000: at most 512"),
+        ("-c 4294967296", "ctx_size=4294967296: at most 2147483647"),
+        ("-b 4294967296", "batch_size=4294967296: at most 2147483647"),
+    ):
+        args = ["run", "-e", "llamacpp", "-p", "hi", "-n", "2", *flags.split(), "-m", str(smollm2_path)]
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (flags, r.stderr)
+        lines = r.stderr.splitlines()
+        assert lines[0] == f"error: engine 'llamacpp' cannot honour {message}", (flags, r.stderr)
+        assert lines[1].startswith("hint: use a smaller"), (flags, r.stderr)
+
+
 def test_detokenize_refuses_ids_outside_the_vocabulary(smol) -> None:
     """An id outside the vocabulary is an invalid request, never passed to llama.cpp (which would
     read outside its token table)."""

@@ -267,6 +267,31 @@ def test_cli_errors_leave_no_output(f32_models: dict[str, Path], tmp_path: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.dat", "wrong.dat"]
 
 
+def test_cli_refuses_a_bad_output_path_before_any_work(f32_models: dict[str, Path], tmp_path: Path) -> None:
+    # a directory failed only at the final rename (internal error, exit 1), after the whole model
+    # was quantized; a missing directory was quietly created
+    src = str(f32_models["narrow"])
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_bytes(b"x")
+    cases = {
+        str(tmp_path / "d"): "names a directory",
+        str(tmp_path / "new") + "/": "names a directory",
+        "": "OUT is empty",
+        str(tmp_path / "no" / "such" / "o.gguf"): "does not exist",
+        str(tmp_path / "f" / "o.gguf"): "is not a directory",
+    }
+    for out, message in cases.items():
+        r = _run(src, out, "--type", "Q8_0")
+        assert r.returncode == 2, (out, r.stderr)
+        assert message in r.stderr and "hint:" in r.stderr, (out, r.stderr)
+        assert "about" not in r.stderr and "internal error" not in r.stderr  # refused before the plan
+    r = _run(src, str(tmp_path / "o.gguf"), "--type", "Q8_0", "--imatrix-from", src,
+             "--imatrix-out", str(tmp_path / "no" / "i.gguf"))  # fmt: skip
+    assert r.returncode == 2 and "--imatrix-out" in r.stderr and "does not exist" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"]  # nothing made, nothing written
+    assert list((tmp_path / "d").iterdir()) == [] and (tmp_path / "f").read_bytes() == b"x"
+
+
 def test_models_info_lists_each_tensors_type(f32_models: dict[str, Path], tmp_path: Path) -> None:
     import json
 

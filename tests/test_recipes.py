@@ -191,6 +191,15 @@ def test_an_invalid_recipe_names_the_key(tmp_path, options, needle):
     assert needle in e.value.message
 
 
+def test_a_recipe_that_is_not_utf8_or_not_a_file(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('name = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="not valid UTF-8"):
+        recipes.load(path)
+    with pytest.raises(ConfigError, match="it is a directory"):
+        recipes.load(tmp_path)
+
+
 # --- matching --------------------------------------------------------------------------------
 
 

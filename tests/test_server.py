@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -519,6 +520,25 @@ def test_without_the_server_extra(tmp_path: Path) -> None:
     assert "server extra" in r.stderr and "pip install 'stdengine[server]'" in r.stderr
 
 
+def test_a_port_in_use_is_a_usage_error_before_the_model_loads(tmp_path: Path) -> None:
+    """Exit 2 naming the port, with a hint; the model (a missing file here) is not even looked at."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "stdengine.cli.main", "serve", "-m", str(tmp_path / "missing.gguf")]
+            + ["--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "INFER_LOG_FORMAT": "text"},
+        )
+    assert r.returncode == 2, r.stderr
+    assert f"error: cannot listen on 127.0.0.1 port {port}: Address already in use" in r.stderr
+    assert "hint: another process listens there" in r.stderr and "missing.gguf" not in r.stderr
+
+
 def test_listening_is_announced_once_the_socket_listens(tmp_path: Path) -> None:
     """A client that connects as soon as the "listening on" line is emitted must get through, on a
     port the OS picked (port 0): the callback connects, with no retry, before anything else runs."""
@@ -529,6 +549,7 @@ from test_server_toy import ToyEngine, Weights
 from stdengine.adapter import SamplingParams
 from stdengine.events import null_emitter
 from stdengine.server.app import build_state, run_server
+from stdengine.server.lifecycle import bind
 
 state = build_state(ToyEngine(Weights(), 64, 0, True), parallel=1, defaults=SamplingParams(),
                     events=null_emitter(), model_ref="toy")
@@ -542,7 +563,7 @@ def listening(url):
         print("refused", port, e, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
-run_server(state, "127.0.0.1", 0, on_listening=listening,
+run_server(state, bind("127.0.0.1", 0), on_listening=listening,
            on_stopped=lambda url, sig: print("stopped", url.rsplit(":", 1)[1], sig, flush=True))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

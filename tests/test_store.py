@@ -434,6 +434,15 @@ def test_pull_unknown_name_suggests(index):
         pull_model("tiny-splt")
     assert "not in the catalogue" in err.value.message
     assert "did you mean 'tiny-split'" in err.value.hint
+    assert "path" not in err.value.hint  # pull takes catalogue aliases only
+
+
+@pytest.mark.parametrize("ref", ["", "  "])
+def test_an_empty_model_reference_is_a_config_error_not_the_current_directory(ref):
+    from stdengine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="the model reference is empty"):
+        resolve_model(ref)
 
 
 # --- download progress ----------------------------------------------------------------------------

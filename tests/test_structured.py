@@ -172,9 +172,17 @@ def test_cli_arguments(tmp_path: Any) -> None:
     f = tmp_path / "s.json"
     f.write_text('{"type": "integer"}')
     assert load_json_schema(str(f)) == {"type": "integer"}
-    for bad in ("{not json", str(tmp_path / "missing.json"), "[1]"):
-        with pytest.raises(InvalidRequest):
+    for bad, why in (
+        ("{not json", "not valid JSON"),
+        (str(tmp_path / "missing.json"), "no such file"),
+        ("[1]", "must be a JSON object"),
+        (str(tmp_path), "it is a directory"),
+    ):
+        with pytest.raises(InvalidRequest, match=why):
             load_json_schema(bad)
+    f.write_bytes(b'{"type": "\xff"}')
+    with pytest.raises(InvalidRequest, match="not valid UTF-8"):
+        load_json_schema(str(f))
     g = tmp_path / "g.gbnf"
     g.write_text('root ::= "x"')
     assert load_grammar(str(g)).syntax == "gbnf"
@@ -182,6 +190,9 @@ def test_cli_arguments(tmp_path: Any) -> None:
         load_grammar(str(tmp_path / "g.txt"))
     with pytest.raises(InvalidRequest):
         load_grammar(str(tmp_path / "missing.lark"))
+    g.write_bytes(b'root ::= "\xe9"')
+    with pytest.raises(InvalidRequest, match="not valid UTF-8"):
+        load_grammar(str(g))
 
 
 def test_an_engine_without_the_capability_refuses() -> None:

@@ -159,10 +159,10 @@ def report_recipe(chosen: Any, events: Any) -> None:
 
 
 def _verbose(argv: list[str]) -> bool:
-    return any(a in ("-v", "--verbose") for a in argv) or os.environ.get("INFER_VERBOSITY", "0") not in (
-        "",
-        "0",
-    )
+    """-v, or INFER_VERBOSITY a positive number (a bad value is the config's error to report,
+    without a traceback)."""
+    level = os.environ.get("INFER_VERBOSITY", "").strip()
+    return any(a in ("-v", "--verbose") for a in argv) or (level.isdigit() and int(level) > 0)
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:

@@ -8,6 +8,7 @@ exit statuses (2 usage, 3 model not found, 6 engine unavailable, ...).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,8 @@ def conformance(level: str, only: str | None, report: str | None, list_only: boo
     from stdengine.conformance.runner import find_golden, plan, run_suite
     from stdengine.conformance.suite import Context, exit_status, select
 
+    if report is not None and not list_only:
+        _check_report_dir(report)  # before the suite runs, not after it (and exit 2, not 1)
     explicit_engine = kwargs.get("engine") is not None
     # a modest context keeps the over-long-prompt checks quick (-c overrides it), for the engines
     # that have one to set (not a remote server's)
@@ -101,8 +104,12 @@ def conformance(level: str, only: str | None, report: str | None, list_only: boo
         api_key=options.api_key,
     )
 
+    checks = plan(ctx)
+    if only and not select(checks, level, only):
+        # a typo in --only would otherwise run nothing and pass
+        _no_check_selected(checks, level, only)
     if list_only:
-        for c in select(plan(ctx), level, only):
+        for c in select(checks, level, only):
             click.echo(f"{c.id}\t{c.level}\t{c.description}")
         return
 
@@ -124,6 +131,57 @@ def conformance(level: str, only: str | None, report: str | None, list_only: boo
         d = rep.write_bundle(report, results, meta)
         click.echo(f"report: {d}/ (results.json, junit.xml, summary.md, ENGINE.yaml)", err=True)
     sys.exit(exit_status(results))
+
+
+# The files of the report bundle (stdengine.conformance.report.write_bundle).
+BUNDLE = ("results.json", "junit.xml", "summary.md", "ENGINE.yaml")
+
+
+def _check_report_dir(report: str) -> None:
+    """Refuse a --report DIR the bundle cannot be written to, before any work: the error would
+    otherwise come after the whole suite, as exit 1, which also means "a core check failed". A
+    missing DIR is made (with its parents); in an existing one the bundle's files are replaced."""
+    from stdengine.errors import UsageError
+
+    hint = "give --report a new directory, or an existing one (its bundle files are replaced)"
+    d = Path(report)
+    if not report or (d.exists() and not d.is_dir()):
+        raise UsageError(f"--report {report!r} is not a directory", hint=hint)
+    if d.is_dir():
+        taken = [n for n in BUNDLE if (d / n).exists() and not (d / n).is_file()]
+        if taken:
+            raise UsageError(f"--report {d}: {d / taken[0]} is not a file", hint=hint)
+    parent = next(p for p in (d, *d.parents) if p.exists())  # the directory the first mkdir is in
+    if not parent.is_dir():
+        raise UsageError(f"--report {d}: {parent} is not a directory", hint=hint)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--report {d}: cannot write in {parent}", hint=hint)
+
+
+def _no_check_selected(checks: list[Any], level: str, only: str) -> None:
+    """The usage error for an --only that selects no check: what it would match at another
+    level, else the closest check IDs and the groups there are."""
+    import difflib
+
+    from stdengine.conformance.suite import select
+    from stdengine.errors import UsageError
+
+    other = select(checks, "all", only)
+    if other:
+        levels = sorted({c.level for c in other})
+        raise UsageError(
+            f"--only {only!r} selects no {level} check; it matches {len(other)} {'/'.join(levels)} check(s)",
+            hint=f"add --level {'optional' if levels == ['optional'] else 'all'}",
+        )
+    groups = sorted({c.id.split(":", 1)[0].split(".", 1)[0] for c in checks})
+    ids = sorted({c.id.split(":", 1)[0] for c in checks})
+    close = difflib.get_close_matches(only, ids + groups, n=3, cutoff=0.5)
+    raise UsageError(
+        f"--only {only!r} matches no check"
+        + (f" (closest: {', '.join(close)})" if close else "")
+        + f"; the groups are {', '.join(groups)}",
+        hint="`infer conformance --list --level all` lists every check ID; --only takes a glob or a word",
+    )
 
 
 def _run_with_progress(

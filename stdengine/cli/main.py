@@ -18,7 +18,7 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "models": ("stdengine.cli.models", "models", "Pull, list and inspect models."),
     "engines": ("stdengine.cli.engines", "engines", "List the installed engines and what they can do."),
     "config": ("stdengine.cli.config", "config", "Show the effective configuration and its sources."),
-    "recipes": ("stdengine.cli.recipes", "recipes", "List, show, install and export tuned recipes."),
+    "recipes": ("stdengine.cli.recipes", "recipes", "List, show, apply (install) and export tuned recipes."),
     "conformance": ("stdengine.cli.conformance", "conformance", "Check an engine against the standard."),
     "quantize": (
         "stdengine.cli.quantize",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ TYPE_NAMES = (
 
 @click.command()
 @click.argument("src", metavar="IN.gguf", type=click.Path(path_type=Path))
-@click.argument("dst", metavar="OUT.gguf", type=click.Path(path_type=Path))
+# a str, not a Path: a trailing "/" (OUT meant as a directory) would be dropped
+@click.argument("dst_arg", metavar="OUT.gguf", type=click.Path())
 @click.option(
     "--type", "file_type", required=True, type=click.Choice(TYPE_NAMES, case_sensitive=False),
     help="the file type: one tensor type, or one of llama.cpp's mixes (Q4_K_M ...)",
@@ -45,7 +47,7 @@ TYPE_NAMES = (
 @click.option("--quiet", "-q", is_flag=True, help="no progress bar or summary on stderr")
 def quantize(
     src: Path,
-    dst: Path,
+    dst_arg: str,
     file_type: str,
     pure: bool,
     imatrix_path: Path | None,
@@ -66,6 +68,9 @@ def quantize(
     from stdengine.modelinfo import human_bytes
     from stdengine.reference import quantize as q
 
+    dst = _output_file(dst_arg, "OUT")
+    if imatrix_out is not None:
+        _output_file(str(imatrix_out), "--imatrix-out")
     if src.exists() and dst.exists() and src.resolve() == dst.resolve():
         raise UsageError("OUT must not be IN", hint="write the quantized model to another file")
     err = sys.stderr
@@ -139,6 +144,35 @@ def quantize(
             f"({summary['bytes'] / max(summary['source_bytes'], 1):.0%} of the source)\n"
         )
     click.echo(str(dst))
+
+
+def _output_file(path: str, what: str) -> Path:
+    """An output file's path, refused before any work (spec/quantize.md): a directory would fail
+    only at the final rename, after the whole model was quantized, and a missing directory is not
+    created, so that a typo in the path does not quietly make a directory tree."""
+    from stdengine.errors import UsageError
+
+    p = Path(path)
+    if not path:
+        raise UsageError(f"{what} is empty", hint=f"give {what} a file name")
+    if path.endswith(("/", os.sep)) or p.is_dir():
+        raise UsageError(
+            f"{what} {path} names a directory, not a file",
+            hint=f"give {what} a file name, e.g. {p / 'model.gguf'}",
+        )
+    d = p.parent
+    if d.exists() and not d.is_dir():
+        raise UsageError(
+            f"{what} {path}: {d} is not a directory", hint="give a path in an existing directory"
+        )
+    if not d.is_dir():
+        raise UsageError(
+            f"{what} {path}: the directory {d} does not exist",
+            hint=f"create it first (mkdir -p {d}), or give a path in an existing directory",
+        )
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path}: cannot write in {d}", hint="give a path in a writable directory")
+    return p
 
 
 def _imatrix_from(

@@ -11,7 +11,7 @@ import click
 
 from stdengine.adapter import DoneEvent, GenerateRequest, SamplingParams, Timings, TokenEvent, now_ms
 from stdengine.cli.common import CLIENT_OPTIONS, canonical_options, load, make_emitter, resolve_cli
-from stdengine.errors import InvalidRequest, UsageError
+from stdengine.errors import InvalidRequest, UsageError, decode_utf8
 from stdengine.options import Options
 from stdengine.structured import check_constraint
 
@@ -22,20 +22,16 @@ if TYPE_CHECKING:
 def utf8_prompt(raw: bytes, source: str) -> str:
     """A prompt must be UTF-8 whichever way it comes (-p, -f, stdin): bytes that are not are a
     usage error naming the source and the offset, rather than guessed at or replaced."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(
-            f"the prompt from {source} is not valid UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r})",
-            hint="convert it to UTF-8 first, e.g. iconv -f LATIN1 -t UTF-8",
-        ) from None
+    return decode_utf8(raw, f"the prompt from {source}", UsageError)
 
 
 def read_prompt(options: Options) -> str:
     if options.prompt is not None and options.file is not None:
-        raise UsageError("give the prompt with -p or with -f, not both")
+        raise UsageError("give the prompt with -p (or INFER_PROMPT) or with -f (or INFER_FILE), not both")
     if options.file is not None:
         path = Path(options.file)
+        if path.is_dir():
+            raise UsageError(f"-f {options.file} is a directory", hint="give the path of a text file to -f")
         if not path.is_file():
             raise UsageError(f"prompt file not found: {options.file}", hint="check the path given to -f")
         text = utf8_prompt(path.read_bytes(), f"-f {options.file}")
@@ -43,6 +39,8 @@ def read_prompt(options: Options) -> str:
     if options.prompt is not None:
         # Python hands argv bytes that are not UTF-8 over as lone surrogates: give them back
         return utf8_prompt(options.prompt.encode("utf-8", "surrogateescape"), "-p")
+    if sys.stdin is None:  # started with stdin closed (<&-)
+        raise UsageError("no prompt given, and stdin is closed", hint='pass one with -p "..." or -f FILE')
     if not sys.stdin.isatty():
         stdin = getattr(sys.stdin, "buffer", None)
         return utf8_prompt(stdin.read(), "stdin") if stdin is not None else sys.stdin.read()

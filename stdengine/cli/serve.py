@@ -76,6 +76,7 @@ def serve(queue_size: int | None, max_body: int | None, no_batching: bool, **kwa
     """
     _require_server_extra()  # first: nothing under stdengine.server imports without it
     from stdengine.server.app import DEFAULT_MAX_BODY, DEFAULT_QUEUE, build_state, close_state, run_server
+    from stdengine.server.lifecycle import bind
 
     resolved = resolve_cli(kwargs, recipes=True)
     options: Options = resolved.options
@@ -89,7 +90,12 @@ def serve(queue_size: int | None, max_body: int | None, no_batching: bool, **kwa
         options=options.model_copy(update={"api_key": None}),
         sources={**resolved.sources, "api_key": "default"},
     )
-    loaded = load(resolved, events)
+    sock = bind(options.host, options.port)  # a port in use is an error before the model loads
+    try:
+        loaded = load(resolved, events)
+    except BaseException:
+        sock.close()
+        raise
     engine, model_ref = loaded.engine, loaded.model_ref
     state = None
     try:
@@ -134,8 +140,9 @@ def serve(queue_size: int | None, max_body: int | None, no_batching: bool, **kwa
                 summary=f"stopped listening on {url}{f' ({sig})' if sig else ''}; requests in flight answered",
             )
 
-        run_server(state, options.host, options.port, on_listening=listening, on_stopped=stopped)
+        run_server(state, sock, on_listening=listening, on_stopped=stopped)
     finally:
+        sock.close()
         if state is not None:
             close_state(state)
         else:

@@ -33,6 +33,12 @@ INSTALL_HINT = "pip install 'stdengine[llamacpp]'"
 
 LLAMA_TOKEN_NULL = -1
 LOAD_MODE_NONE, LOAD_MODE_MMAP, LOAD_MODE_MLOCK, LOAD_MODE_MMAP_MLOCK = 0, 1, 2, 3
+# Limits checked before llama.cpp is called, which does not refuse larger values. Threads:
+# GGML_MAX_N_THREADS, 512 in the ggml.h that llama-cpp-python installs (include/ggml.h), sizes
+# ggml's threadpool; more threads crash (SIGSEGV) or hang it. Tokens: n_ctx, n_batch and n_ubatch
+# are uint32 fields that wrap silently (and llama.cpp rounds n_ctx up to a multiple of 256, which
+# wraps again), while positions and batch lengths are int32 (llama.h: llama_pos, n_tokens).
+MAX_THREADS, MAX_TOKENS = 512, 2**31 - 1
 
 
 def _lib() -> Any:
@@ -183,6 +189,20 @@ class LlamaCppEngine(LocalEngine):
     @classmethod
     def load(cls, options: Options, events: Emitter) -> LlamaCppEngine:
         check_engine_args(cls, options)
+        threads, threads_batch = cls.thread_counts(options)
+        for option, value, limit, how in (
+            ("threads", threads, MAX_THREADS, "-t"),
+            ("threads_batch", threads_batch, MAX_THREADS, "-tb"),
+            ("ctx_size", options.ctx_size, MAX_TOKENS, "-c; 0 takes the model's training length"),
+            ("batch_size", options.batch_size, MAX_TOKENS, "-b"),
+            ("ubatch_size", options.ubatch_size, MAX_TOKENS, "-ub"),
+        ):
+            if value > limit:
+                raise UnsupportedOption(
+                    f"engine 'llamacpp' cannot honour {option}={value}: at most {limit}",
+                    hint=f"use a smaller {option} ({how})",
+                    options=[option],
+                )
         lib = _lib()
         _install_log_callback(options.verbosity > 0)
         lib.llama_backend_init()
@@ -210,7 +230,6 @@ class LlamaCppEngine(LocalEngine):
                 f"llama.cpp could not load {options.model}: {_recent_errors() or 'no reason given'}",
                 hint="check that the file is a complete GGUF of an architecture llama.cpp knows",
             )
-        threads, threads_batch = cls.thread_counts(options)
         cp = lib.llama_context_default_params()
         cp.n_ctx = options.ctx_size
         cp.n_batch = options.batch_size

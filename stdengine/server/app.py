@@ -12,6 +12,7 @@ routes.py and completion.py (the handlers), lifecycle.py (uvicorn and draining).
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from fastapi import FastAPI
@@ -48,7 +49,7 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def run_server(state: ServerState, host: str, port: int, **hooks: Any) -> None:
-    """Serve the app on `state` until SIGINT or SIGTERM, then drain; `hooks` are lifecycle.serve's
-    (on_listening, on_stopped, ready)."""
-    lifecycle.serve(create_app(state), host, port, **hooks)
+def run_server(state: ServerState, sock: socket.socket, **hooks: Any) -> None:
+    """Serve the app on `state` on the socket (lifecycle.bind's) until SIGINT or SIGTERM, then
+    drain; `hooks` are lifecycle.serve's (on_listening, on_stopped, ready)."""
+    lifecycle.serve(create_app(state), sock, **hooks)

@@ -3,16 +3,39 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from stdengine.errors import UsageError
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and not yet listening (as uvicorn binds one). `infer serve`
+    binds before it loads the model, so that a port in use or a host that is not this machine's
+    is a usage error at once, not after the load."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hints = {
+            errno.EADDRINUSE: "another process listens there: choose another --port, or stop it",
+            errno.EACCES: "ports below 1024 need privileges: choose another --port",
+        }
+        hint = hints.get(e.errno or 0, "--host must be an address of this machine (0.0.0.0: all of them)")
+        raise UsageError(f"cannot listen on {host} port {port}: {e.strerror or e}", hint=hint) from None
+    sock.set_inheritable(True)
+    return sock
+
 
 def serve(
     app: Any,
-    host: str,
-    port: int,
+    sock: socket.socket,
     *,
     on_listening: Callable[[str], None] | None = None,
     on_stopped: Callable[[str, str | None], None] | None = None,
@@ -55,17 +78,8 @@ def serve(
             if ready is not None:
                 ready.set()
 
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        server_header=False,
-        lifespan="off",
-    )
-    sock = config.bind_socket()  # bound here (not yet listening) so that --port 0 knows its port
-    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, server_header=False, lifespan="off")
+    host, bound_port = sock.getsockname()[:2]  # the real port, also for --port 0
     shown_host = f"[{host}]" if ":" in host else host
     url = f"http://{shown_host}:{bound_port}"
     server = DrainingServer(config)
