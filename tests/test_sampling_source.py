@@ -43,12 +43,15 @@ def test_from_options_copies_every_sampling_option():
 OUT_OF_RANGE = [
     ("temp", -0.1),
     ("top_k", -1),
+    ("top_k", 2**31),  # past the C sampler's int32 field, which would wrap it
     ("top_p", 1.5),
     ("top_p", -0.01),
     ("min_p", 2.0),
     ("repeat_penalty", -1.0),
     ("repeat_last_n", -2),
     ("n_predict", -2),
+    ("seed", -2),  # only -1 means random
+    ("seed", 2**63),  # past the C sampler's int64 field
 ]
 
 

@@ -108,23 +108,30 @@ static int build_row(const se_screen *s, const se_blk_q8_0 *src, int64_t r) {
 
 #define RELEASE_ROWS 1024 /* rows of the head built between two releases of their pages */
 
-/* The pages of [p, p + n) leave this process's memory (madvise; the file keeps them, and a read
- * brings them back), whole pages, rounded outwards: a neighbour's page read meanwhile only comes back */
-static void release_pages(const void *p, size_t n) {
-    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p / page * page;
-    madvise((void *)a, ((uintptr_t)p + n - a + page - 1) / page * page, MADV_DONTNEED);
+/* The whole pages in [lo, hi) leave this process's memory (madvise; the file keeps them, and a
+ * read brings them back). Rounded inwards: a page that rows still to be read share is kept. A
+ * read of a page that left maps back its whole folio, which the page cache makes as large as
+ * 1 MiB or more on newer kernels (Linux 6.18: ext4's large folios); so releasing a page that is
+ * still to be read brought back up to a folio of rows already released, at every release. */
+static uintptr_t release_pages(uintptr_t lo, uintptr_t hi) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = (lo + page - 1) / page * page, b = hi / page * page;
+    if (b <= a) return lo;
+    madvise((void *)a, b - a, MADV_DONTNEED);
+    return b; /* where the next release starts */
 }
 
 static void build_rows(void *arg, int ith, int nth) {
     build_job *j = arg;
     int64_t r0, r1;
     se_split(j->s->n_rows, ith, nth, SE_SCREEN_TILE, &r0, &r1);
+    const char *data = (const char *)j->w->data;
+    uintptr_t released = (uintptr_t)(data + (size_t)r0 * j->w->row_size); /* this thread's rows up to here */
     for (int64_t r = r0; r < r1; r += RELEASE_ROWS) {
         const int64_t n = r1 - r < RELEASE_ROWS ? r1 - r : RELEASE_ROWS;
-        const char *rows = (const char *)j->w->data + (size_t)r * j->w->row_size;
+        const char *rows = data + (size_t)r * j->w->row_size;
         for (int64_t i = 0; i < n; i++)
             if (!build_row(j->s, (const se_blk_q8_0 *)(rows + (size_t)i * j->w->row_size), r + i)) j->bad[ith] = 1;
-        if (j->release) release_pages(rows, (size_t)n * j->w->row_size);
+        if (j->release) released = release_pages(released, (uintptr_t)(rows + (size_t)n * j->w->row_size));
     }
 }
 
