@@ -118,6 +118,21 @@ def test_a_bad_infer_verbosity_is_one_clear_error_without_a_traceback(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_is_not_reported_as_a_bug(tmp_path):
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "stdengine.cli.main", "config", "show"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=str(tmp_path),
+            timeout=120,
+        )
+    assert r.returncode == 1 and "error: cannot write: No space left on device" in r.stderr, r.stderr
+    assert "report it" not in r.stderr
+
+
 def test_engines_json_lists_reference():
     r = infer("engines", "--json")
     assert r.returncode == 0, r.stderr

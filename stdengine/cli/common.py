@@ -3,6 +3,7 @@ engine, and turning errors into one clear line and a documented exit status."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -237,6 +238,9 @@ def run_cli(cmd: click.Command, argv: list[str], prog_name: str) -> None:
         bug = InferError(
             f"internal error: {type(e).__name__}: {e}", hint="rerun with -v for a traceback, and report it"
         )
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
+            # the disk's fault, not a bug (`infer run > /dev/full`)
+            bug = InferError(f"cannot write: {e.strerror}", hint="free some space, or write somewhere else")
         if not report_error(bug, argv):
             click.echo(f"error: {bug.message}", err=True)
             click.echo(f"hint: {bug.hint}", err=True)
