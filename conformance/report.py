@@ -202,13 +202,18 @@ def engine_yaml(meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BUNDLE = ("results.json", "junit.xml", "summary.md", "ENGINE.yaml")  # the files write_bundle writes
+
+
 def write_bundle(directory: str | Path, results: Sequence[Result], meta: dict[str, Any]) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "results.json").write_text(
-        json.dumps(to_json(results, meta), indent=2, default=str) + "\n", encoding="utf-8"
+    texts = (
+        json.dumps(to_json(results, meta), indent=2, default=str) + "\n",
+        junit(results, meta),
+        summary_md(results, meta),
+        engine_yaml(meta),
     )
-    (d / "junit.xml").write_text(junit(results, meta), encoding="utf-8")
-    (d / "summary.md").write_text(summary_md(results, meta), encoding="utf-8")
-    (d / "ENGINE.yaml").write_text(engine_yaml(meta), encoding="utf-8")
+    for name, text in zip(BUNDLE, texts, strict=True):
+        (d / name).write_text(text, encoding="utf-8")
     return d

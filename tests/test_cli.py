@@ -10,7 +10,14 @@ import sys
 import pytest
 
 
-def infer(*args: str, env: dict[str, str] | None = None, cwd: str | None = None, stdin: str | None = None):
+def infer(
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    stdin: str | None = None,
+    stdin_closed: bool = False,
+):
+    """stdin_closed: started as with `<&-`."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "stdengine.cli.main", *args],
@@ -19,6 +26,7 @@ def infer(*args: str, env: dict[str, str] | None = None, cwd: str | None = None,
         env=full_env,
         cwd=cwd,
         input=stdin,
+        preexec_fn=(lambda: os.close(0)) if stdin_closed else None,
         timeout=300,
     )
 
@@ -83,14 +91,7 @@ def test_chat_refuses_bad_first_messages_and_closed_stdin_before_loading(tmp_pat
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: the prompt from -p is not valid UTF-8 (byte 0: b'\\xff')")
     # stdin closed (<&-): a usage error, not an internal one
-    r = subprocess.run(
-        [sys.executable, "-m", "stdengine.cli.main", *chat],
-        capture_output=True,
-        text=True,
-        cwd=str(tmp_path),
-        preexec_fn=lambda: os.close(0),
-        timeout=300,
-    )
+    r = infer(*chat, cwd=str(tmp_path), stdin_closed=True)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: stdin is closed, and `infer chat` reads the conversation from it")
 
@@ -101,14 +102,7 @@ def test_run_refuses_a_directory_prompt_file_and_closed_stdin_before_loading(tmp
     assert r.returncode == 2 and r.stderr.startswith(f"error: -f {tmp_path} is a directory"), r.stderr
     r = infer(*run, "-p", "hi", env={"INFER_FILE": "x.txt"}, cwd=str(tmp_path))
     assert r.returncode == 2 and "INFER_FILE" in r.stderr, r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "stdengine.cli.main", *run],
-        capture_output=True,
-        text=True,
-        cwd=str(tmp_path),
-        preexec_fn=lambda: os.close(0),
-        timeout=300,
-    )
+    r = infer(*run, cwd=str(tmp_path), stdin_closed=True)
     assert r.returncode == 2 and r.stderr.startswith("error: no prompt given, and stdin is closed"), r.stderr
 
 

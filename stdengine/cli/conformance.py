@@ -133,14 +133,11 @@ def conformance(level: str, only: str | None, report: str | None, list_only: boo
     sys.exit(exit_status(results))
 
 
-# The files of the report bundle (stdengine.conformance.report.write_bundle).
-BUNDLE = ("results.json", "junit.xml", "summary.md", "ENGINE.yaml")
-
-
 def _check_report_dir(report: str) -> None:
     """Refuse a --report DIR the bundle cannot be written to, before any work: the error would
     otherwise come after the whole suite, as exit 1, which also means "a core check failed". A
     missing DIR is made (with its parents); in an existing one the bundle's files are replaced."""
+    from stdengine.conformance.report import BUNDLE
     from stdengine.errors import UsageError
 
     hint = "give --report a new directory, or an existing one (its bundle files are replaced)"
